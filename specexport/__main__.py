@@ -1,0 +1,3 @@
+from specexport.cli import entry_point
+
+entry_point()

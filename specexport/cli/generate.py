@@ -1,0 +1,43 @@
+"""specexport generate OUTPUT_DIR PROMPT: stream text from a build, then print the stats."""
+from __future__ import annotations
+
+import click
+
+from specexport.cli import cli
+
+
+@cli.command()
+@click.argument("output_dir", type=click.Path(file_okay=False))
+@click.argument("prompt")
+@click.option("--method", default="draft", show_default=True, help="vanilla | draft")
+@click.option("--gamma", default=4, show_default=True, type=int, help="Draft tokens proposed per round.")
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", default=None, type=int)
+@click.option("--top-p", default=None, type=float)
+@click.option("--max-new-tokens", default=128, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--precision", default="fp32", show_default=True)
+@click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads (default: all cores).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
+def generate(output_dir, prompt, method, gamma, temperature, top_k, top_p, max_new_tokens, seed, precision,
+             threads, stop, verbose):
+    """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
+    import specexport
+
+    pipe = specexport.load(output_dir, precision=precision, threads=threads)
+    pieces = pipe.stream(prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+    first = next(pieces, "")            # input errors surface here, before anything is printed
+    click.echo(prompt + first, nl=False)
+    for piece in pieces:
+        click.echo(piece, nl=False)
+    out = pipe.last_output
+    s = out.stats
+    click.echo("")
+    line = (f"[{method}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.tokens_per_second:.1f} tok/s, "
+            f"TTFT {s.ttft_s * 1e3:.1f} ms, TPOT {s.tpot_s * 1e3:.2f} ms")
+    if s.proposed:
+        line += (f", γ={s.gamma}, acceptance {s.acceptance_rate:.2f}, "
+                 f"{s.mean_accepted_tokens:.2f} tokens per target pass")
+    click.secho(line, fg="cyan", err=True)

@@ -1,0 +1,173 @@
+"""model.yaml -> BuildConfig (frozen), validated whole before any work starts.
+
+Every error names the key path and what was expected, e.g. `draft.path: models/d has no config.json`.
+Relative paths resolve against the YAML file's folder.
+
+    name: demo                        # output goes to engines/<name> unless `output` is given
+    target: {path: models/target}     # HF directory: config.json, weights, tokenizer files
+    draft: {path: models/draft}       # optional; same tokenizer and vocabulary as the target
+    max_seq_len: 1024                 # capacity of the static KV buffers (prompt + generated)
+    precisions: [fp32]
+    backends: [onnxruntime]
+    output: engines/demo              # optional
+    max_verify_tokens: 16             # optional: most tokens one verification pass takes (tree size)
+    parity_tolerance: 1.0e-4          # optional: max|Δlogits| / max|logits| gate for fp32
+    # per model, optional: aux_hidden_layers: [2, 8, 13] or "eagle3" (layers whose inputs are exported)
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specexport.errors import SpecexportError
+
+PRECISIONS = ("fp32",)               # int8/int4/fp8 come with the quantization issue
+BACKENDS = ("onnxruntime",)          # tensorrt comes with the engine issue
+MODEL_ROLES = ("target", "draft")
+TOP_KEYS = {"name", "target", "draft", "max_seq_len", "precisions", "backends", "output",
+            "max_verify_tokens", "parity_tolerance"}
+MODEL_KEYS = {"path", "aux_hidden_layers"}
+REQUIRED = ("name", "target", "max_seq_len")
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    role: str
+    path: Path
+    aux_hidden_layers: tuple[int, ...] | str = ()   # explicit layer ids, or "eagle3"
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    name: str
+    target: ModelConfig
+    draft: ModelConfig | None
+    max_seq_len: int
+    precisions: tuple[str, ...]
+    backends: tuple[str, ...]
+    output: Path
+    max_verify_tokens: int = 16
+    parity_tolerance: float = 1e-4
+    source: Path | None = None                      # the YAML file this came from
+
+    @property
+    def models(self) -> list[ModelConfig]:
+        return [m for m in (self.target, self.draft) if m is not None]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        return json.loads(json.dumps(d, default=str))
+
+
+def load_config(path: str | os.PathLike) -> BuildConfig:
+    """Read and validate a model.yaml. Raises SpecexportError naming the key and the expectation."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise SpecexportError(f"{path}: no such config file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise SpecexportError(f"{path}: YAML syntax error{where}: {problem}") from None
+    return config_from_dict(raw, base=path.parent.resolve(), source=path.resolve())
+
+
+def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildConfig:
+    if not isinstance(raw, dict):
+        raise SpecexportError(f"{source or 'config'}: expected a mapping of keys at the top level")
+    _check_keys(raw, TOP_KEYS, REQUIRED, prefix="")
+    name = raw["name"]
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
+        raise SpecexportError(f"name: expected a folder-safe string (letters, digits, . _ -), got {name!r}")
+    max_seq_len = _positive_int(raw["max_seq_len"], "max_seq_len")
+    max_verify = _positive_int(raw.get("max_verify_tokens", 16), "max_verify_tokens")
+    if max_verify < 2 or max_verify > max_seq_len:
+        raise SpecexportError(f"max_verify_tokens: expected 2..max_seq_len ({max_seq_len}), got {max_verify}")
+    tol = raw.get("parity_tolerance", 1e-4)
+    if not isinstance(tol, (int, float)) or isinstance(tol, bool) or not tol > 0:
+        raise SpecexportError(f"parity_tolerance: expected a positive number, got {tol!r}")
+    output = Path(raw["output"]) if raw.get("output") else Path("engines") / name
+    cfg = BuildConfig(
+        name=name,
+        target=_model(raw["target"], "target", base),
+        draft=_model(raw["draft"], "draft", base) if raw.get("draft") is not None else None,
+        max_seq_len=max_seq_len,
+        precisions=_choices(raw.get("precisions", ["fp32"]), "precisions", PRECISIONS),
+        backends=_choices(raw.get("backends", ["onnxruntime"]), "backends", BACKENDS),
+        output=output if output.is_absolute() else (base / output),
+        max_verify_tokens=max_verify,
+        parity_tolerance=float(tol),
+        source=source,
+    )
+    _check_output_writable(cfg.output)
+    return cfg
+
+
+def _check_keys(raw: dict, allowed: set, required, *, prefix: str) -> None:
+    for key in raw:
+        if key not in allowed:
+            raise SpecexportError(f"{prefix}{key}: unknown key; allowed: {', '.join(sorted(allowed))}")
+    for key in required:
+        if key not in raw or raw[key] is None:
+            raise SpecexportError(f"{prefix}{key}: missing required key")
+
+
+def _positive_int(value, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise SpecexportError(f"{key}: expected a positive integer, got {value!r}")
+    return value
+
+
+def _choices(value, key: str, allowed) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise SpecexportError(f"{key}: expected a non-empty list, got {value!r}")
+    for v in value:
+        if v not in allowed:
+            raise SpecexportError(f"{key}: {v!r} is not supported; supported: {', '.join(allowed)}")
+    return tuple(dict.fromkeys(value))
+
+
+def _model(raw, role: str, base: Path) -> ModelConfig:
+    if isinstance(raw, str):
+        raw = {"path": raw}
+    if not isinstance(raw, dict):
+        raise SpecexportError(f"{role}: expected a mapping like {{path: models/{role}}}, got {raw!r}")
+    _check_keys(raw, MODEL_KEYS, ("path",), prefix=f"{role}.")
+    path = Path(raw["path"])
+    path = path if path.is_absolute() else base / path
+    shown = raw["path"]
+    if not path.is_dir():
+        raise SpecexportError(f"{role}.path: {shown} does not exist or is not a folder")
+    if not (path / "config.json").is_file():
+        raise SpecexportError(f"{role}.path: {shown} has no config.json")
+    if not any(any(path.glob(p)) for p in WEIGHT_PATTERNS):
+        raise SpecexportError(f"{role}.path: {shown} has no weights (*.safetensors or pytorch_model*.bin)")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise SpecexportError(f"{role}.path: {shown} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    aux = raw.get("aux_hidden_layers", ())
+    if aux != "eagle3":
+        if not isinstance(aux, (list, tuple)) or not all(isinstance(i, int) and i >= 0 for i in aux):
+            raise SpecexportError(f"{role}.aux_hidden_layers: expected a list of layer indices or 'eagle3', got {aux!r}")
+        aux = tuple(sorted(set(aux)))
+    return ModelConfig(role=role, path=path.resolve(), aux_hidden_layers=aux)
+
+
+def _check_output_writable(output: Path) -> None:
+    probe = output
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise SpecexportError(f"output: {probe} exists and is not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise SpecexportError(f"output: {output} cannot be written ({probe} is not writable)")

@@ -1,0 +1,13 @@
+"""Errors a user can act on. The CLI prints them as one line (with a traceback under -v)."""
+
+
+class SpecexportError(Exception):
+    """A user-facing error: bad config, bad input, a missing file. Printed without a traceback."""
+
+
+class MissingDependency(SpecexportError):
+    """An optional package is not installed; the message names the pip extra that brings it."""
+
+
+class ParityError(SpecexportError):
+    """An exported artifact does not match its PyTorch reference within tolerance (exit code 2)."""

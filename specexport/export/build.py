@@ -1,0 +1,183 @@
+"""Run a planned build: export -> parity check per model and precision, then the manifest.
+
+Atomicity: the old manifest is removed before any stage rewrites files; each stage writes into a
+hidden `.partial` folder that is renamed into place only after its parity gate passes; the manifest is
+written last (atomically). An interrupted or failed build therefore never leaves a manifest that
+points at partial or missing files. Stages whose fingerprint is unchanged are reused (`force` redoes
+them).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from specexport import __version__
+from specexport.errors import ParityError
+from specexport.export.plan import ModelPlan, Plan, tool_versions
+from specexport.manifest import (MANIFEST_NAME, SCHEMA_VERSION, describe_files, files_intact,
+                                 read_manifest, write_json_atomic)
+
+
+@dataclass
+class StageResult:
+    role: str
+    precision: str
+    entry: dict          # the manifest's models[role].precisions[precision]
+    skipped: bool
+
+
+class Reporter:
+    """Progress lines per stage (rich console). Tests pass `quiet=True`."""
+
+    def __init__(self, *, quiet: bool = False):
+        self.quiet = quiet
+        if not quiet:
+            from rich.console import Console
+
+            self.console = Console(stderr=True)
+
+    @contextmanager
+    def stage(self, label: str):
+        start = time.perf_counter()
+        if self.quiet:
+            yield
+            return
+        with self.console.status(f"[bold]{label}[/] ..."):
+            yield
+        self.console.print(f"[green]✓[/] {label} [dim]({time.perf_counter() - start:.1f} s)[/]")
+
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            self.console.print(text)
+
+
+def run_build(plan: Plan, *, force: bool = False, reporter: Reporter | None = None) -> dict:
+    """Build everything in `plan`; returns the manifest that was written."""
+    reporter = reporter or Reporter(quiet=True)
+    out = plan.config.output
+    out.mkdir(parents=True, exist_ok=True)
+    previous = _previous_manifest(out)
+    manifest_path = out / MANIFEST_NAME
+    results = []
+    for mp in plan.models:
+        for precision in plan.config.precisions:
+            old = previous.get("models", {}).get(mp.role, {})
+            entry = old.get("precisions", {}).get(precision)
+            if (not force and entry and old.get("fingerprint") == mp.fingerprint
+                    and files_intact(out, entry["files"])):
+                reporter.note(f"[dim]- {mp.role} {precision}: unchanged, reused[/]")
+                results.append(StageResult(mp.role, precision, entry, skipped=True))
+                continue
+            manifest_path.unlink(missing_ok=True)       # from here on the old manifest may lie
+            results.append(_export_stage(plan, mp, precision, reporter))
+    with reporter.stage("copy tokenizer"):
+        _copy_tokenizer(plan, out)
+    manifest = _manifest(plan, results)
+    write_json_atomic(manifest_path, manifest)
+    return manifest
+
+
+def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter) -> StageResult:
+    from specexport.export.registry import get_adapter
+    from specexport.export.to_onnx import load_hf_model, onnx_from_module
+    from specexport.export.validate import check_parity
+    from specexport.export.wrapper import StaticKVDecoder
+
+    out = plan.config.output
+    final = out / mp.role / precision
+    partial = out / mp.role / f".{precision}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    start = time.perf_counter()
+    try:
+        with reporter.stage(f"load {mp.role} ({mp.config.path.name}, {mp.arch.model_type})"):
+            model = load_hf_model(mp.config.path)
+        with reporter.stage(f"export {mp.role} {precision} to ONNX"):
+            module = StaticKVDecoder(model, get_adapter(mp.arch.model_type), mp.arch,
+                                     aux_hidden_layers=mp.io.aux_hidden_layers)
+            files = onnx_from_module(module, mp.io, partial / "model.onnx")
+        with reporter.stage(f"check {mp.role} {precision} against PyTorch"):
+            report = check_parity(model, partial / "model.onnx", mp.io, max_seq_len=plan.config.max_seq_len,
+                                  max_verify_tokens=plan.config.max_verify_tokens)
+        tolerance = plan.config.parity_tolerance
+        if not report.max_rel_error <= tolerance:
+            raise ParityError(f"{mp.role} {precision}: parity check failed: {report.describe()} "
+                              f"> tolerance {tolerance:.1e}")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+        model = module = None
+        gc.collect()
+    files = [final / f.name for f in files]
+    entry = {
+        "backend": "onnxruntime",
+        "files": describe_files(out, files),
+        "size_bytes": sum(f.stat().st_size for f in files),
+        "parity_max_rel_error": report.max_rel_error,
+        "parity_per_phase": report.per_phase,
+        "parity_tolerance": tolerance,
+        "build_seconds": round(time.perf_counter() - start, 2),
+    }
+    return StageResult(mp.role, precision, entry, skipped=False)
+
+
+def _copy_tokenizer(plan: Plan, out: Path) -> None:
+    dest = out / "tokenizer"
+    partial = out / ".tokenizer.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    for f in plan.tokenizer_files:
+        shutil.copy2(f, partial / f.name)
+    if not (partial / "tokenizer.json").is_file():
+        # The runtime reads tokenizer.json with the `tokenizers` library; slow tokenizers are converted.
+        from specexport._optional import require
+
+        require("transformers").AutoTokenizer.from_pretrained(plan.target.config.path).save_pretrained(partial)
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(partial, dest)
+
+
+def _previous_manifest(out: Path) -> dict:
+    try:
+        return read_manifest(out)
+    except Exception:       # no manifest or an unreadable one: nothing can be reused
+        return {}
+
+
+def _manifest(plan: Plan, results: list[StageResult]) -> dict:
+    cfg = plan.config
+    models = {}
+    for mp in plan.models:
+        models[mp.role] = {
+            "source": str(mp.config.path),
+            "model_type": mp.arch.model_type,
+            "fingerprint": mp.fingerprint,
+            "vocab_size": mp.arch.vocab_size,
+            "max_seq_len": cfg.max_seq_len,
+            "max_verify_tokens": cfg.max_verify_tokens,
+            "special_tokens": {"bos_token_id": mp.arch.bos_token_id, "eos_token_ids": list(mp.eos_token_ids),
+                               "pad_token_id": mp.arch.pad_token_id},
+            "io": mp.io.to_dict(),
+            "precisions": {r.precision: r.entry for r in results if r.role == mp.role},
+        }
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "specexport_version": __version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "name": cfg.name,
+        "config": cfg.to_dict(),
+        "max_seq_len": cfg.max_seq_len,
+        "max_verify_tokens": cfg.max_verify_tokens,
+        "tokenizer": {"dir": "tokenizer", "files": sorted(p.name for p in (cfg.output / "tokenizer").iterdir())},
+        "special_tokens": plan.special_tokens,
+        "models": models,
+        "versions": {**tool_versions(), "python": platform.python_version(), "specexport": __version__},
+    }

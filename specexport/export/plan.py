@@ -1,0 +1,153 @@
+"""Plan a build: every check that needs the checkpoints' configs and tokenizers, before any export.
+
+`plan_build(config)` reads each model's config.json and tokenizer, resolves its adapter and options,
+and fingerprints the inputs of each stage so an unchanged stage can be skipped on rerun.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specexport import __version__
+from specexport._optional import require
+from specexport.config import TOKENIZER_FILES, WEIGHT_PATTERNS, BuildConfig, ModelConfig
+from specexport.errors import SpecexportError
+from specexport.export.arch import ArchSpec, arch_spec_from_hf, check_supported
+from specexport.export.registry import get_adapter
+from specexport.io_spec import ModelIO
+
+TOKENIZER_EXTRA = ("tokenizer_config.json", "special_tokens_map.json", "merges.txt", "added_tokens.json",
+                   "generation_config.json")
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    role: str
+    config: ModelConfig
+    arch: ArchSpec
+    io: ModelIO
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str                    # hash of everything the export + parity stage depends on
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: BuildConfig
+    models: tuple[ModelPlan, ...]
+    tokenizer_files: tuple[Path, ...]   # files copied into <output>/tokenizer
+    special_tokens: dict = field(default_factory=dict)
+
+    def stages(self) -> list[tuple[str, str]]:
+        return [(m.role, p) for m in self.models for p in self.config.precisions]
+
+    @property
+    def target(self) -> ModelPlan:
+        return self.models[0]
+
+
+def plan_build(cfg: BuildConfig) -> Plan:
+    target = _plan_model(cfg.target, cfg)
+    models = [target]
+    vocab = _tokenizer_vocab(cfg.target)
+    if cfg.draft is not None:
+        draft = _plan_model(cfg.draft, cfg)
+        _check_same_vocabulary(target, draft, vocab, _tokenizer_vocab(cfg.draft))
+        models.append(draft)
+    tok_files = tuple(cfg.target.path / f for f in (*TOKENIZER_FILES, *TOKENIZER_EXTRA)
+                      if (cfg.target.path / f).is_file())
+    special = {"bos_token_id": target.arch.bos_token_id, "eos_token_ids": list(target.eos_token_ids),
+               "pad_token_id": target.arch.pad_token_id}
+    return Plan(config=cfg, models=tuple(models), tokenizer_files=tok_files, special_tokens=special)
+
+
+def _plan_model(mc: ModelConfig, cfg: BuildConfig) -> ModelPlan:
+    raw = _read_json(mc.path / "config.json", f"{mc.role}.path")
+    model_type = raw.get("model_type")
+    adapter = get_adapter(model_type, where=f"{mc.role}.path: {mc.path.name}/config.json")
+    transformers = require("transformers")
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(mc.path)
+    except Exception as err:  # transformers raises many types for malformed configs
+        raise SpecexportError(f"{mc.role}.path: {mc.path}/config.json could not be read by transformers: {err}") from err
+    arch = arch_spec_from_hf(hf_config)
+    check_supported(arch, max_seq_len=cfg.max_seq_len, where=f"{mc.role} ({mc.path.name})")
+    aux = _aux_layers(mc, arch)
+    io = ModelIO(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                 hidden_size=arch.hidden_size, vocab_size=arch.vocab_size, aux_hidden_layers=aux)
+    gen = mc.path / "generation_config.json"
+    eos = arch.eos_token_ids
+    if gen.is_file():    # what HF generate() stops on: generation_config first, then config
+        gen_eos = _read_json(gen, f"{mc.role}.path").get("eos_token_id")
+        if gen_eos is not None:
+            eos = tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,)
+    fingerprint = _fingerprint(mc.path, {
+        "specexport": __version__, "adapter": type(adapter).__name__, "aux": list(aux),
+        "max_seq_len": cfg.max_seq_len, "max_verify_tokens": cfg.max_verify_tokens,
+        "parity_tolerance": cfg.parity_tolerance, "versions": tool_versions(),
+    })
+    return ModelPlan(role=mc.role, config=mc, arch=arch, io=io, eos_token_ids=eos, fingerprint=fingerprint)
+
+
+def _aux_layers(mc: ModelConfig, arch: ArchSpec) -> tuple[int, ...]:
+    n = arch.num_layers
+    if mc.aux_hidden_layers == "eagle3":     # EAGLE-3 reads the inputs of layers 2, N//2 and N-3
+        layers = tuple(sorted({2, n // 2, n - 3}))
+    else:
+        layers = tuple(mc.aux_hidden_layers)
+    bad = [i for i in layers if not 0 <= i < n]
+    if bad:
+        raise SpecexportError(f"{mc.role}.aux_hidden_layers: {bad} out of range for a {n}-layer model (0..{n - 1})")
+    return layers
+
+
+def _tokenizer_vocab(mc: ModelConfig) -> dict:
+    transformers = require("transformers")
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(mc.path)
+    except Exception as err:
+        raise SpecexportError(f"{mc.role}.path: tokenizer in {mc.path} could not be loaded: {err}") from err
+    return tok.get_vocab()
+
+
+def _check_same_vocabulary(target: ModelPlan, draft: ModelPlan, t_vocab: dict, d_vocab: dict) -> None:
+    if target.arch.vocab_size != draft.arch.vocab_size:
+        raise SpecexportError(
+            f"draft.path: vocab_size {draft.arch.vocab_size} differs from the target's {target.arch.vocab_size} "
+            f"(draft {draft.config.path}, target {target.config.path})")
+    if t_vocab != d_vocab:
+        only_t = sorted(set(t_vocab) - set(d_vocab))[:3]
+        moved = sorted(k for k in set(t_vocab) & set(d_vocab) if t_vocab[k] != d_vocab[k])[:3]
+        raise SpecexportError(
+            f"draft.path: tokenizer differs from the target's (target {len(t_vocab)} tokens, draft "
+            f"{len(d_vocab)} tokens; e.g. only in target {only_t}, different ids for {moved})")
+
+
+def _read_json(path: Path, key: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpecexportError(f"{key}: {path} is not readable JSON ({err})") from None
+
+
+def _fingerprint(path: Path, options: dict) -> str:
+    digest = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
+    files = ["config.json", *[p.name for pat in WEIGHT_PATTERNS for p in sorted(path.glob(pat))]]
+    for name in files:
+        stat = (path / name).stat()
+        # size + mtime, not content: hashing multi-GB weights on every rerun costs more than it saves.
+        digest.update(f"{name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def tool_versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for pkg in ("torch", "transformers", "onnx", "onnxruntime"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out

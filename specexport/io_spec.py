@@ -1,0 +1,124 @@
+"""The one table of tensor names, dtypes and axes of an exported model.
+
+It drives the ONNX export (input/output names, dynamic axes), the runtime's static buffers and
+(later) TensorRT optimization profiles, and it is written into the manifest. Nothing else spells a
+tensor name.
+
+Axes are symbols for dynamic dimensions and ints for fixed ones:
+  batch   B  sequences in the batch (the runtime drives B = 1)
+  tokens  T  new tokens this call: a prompt chunk, 1 for decode, the tree size for verification
+  past    P  committed positions already in the KV cache (0 for the first prefill chunk)
+
+Inputs                                   Outputs
+  input_ids      int64 [B, T]              logits             float32 [B, T, V]
+  position_ids   int64 [B, T]              hidden_states      float32 [B, T, H]    final, post-norm
+  tree_mask      bool  [B, T, T]           aux_hidden_states  float32 [B, T, k*H]  inputs of chosen layers
+  past_key.{i}   float32 [B, P, Hkv, D]    present_key.{i}    float32 [B, T, Hkv, D]  new tokens only
+  past_value.{i} float32 [B, P, Hkv, D]    present_value.{i}  float32 [B, T, Hkv, D]
+
+KV tensors are sequence-major, so the committed prefix of a static [B, MAX, Hkv, D] buffer is a
+zero-copy view, and attention costs what P costs, not what MAX costs.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+DYNAMIC_AXES = ("batch", "tokens", "past")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str                     # numpy dtype name: "int64", "float32", "bool"
+    axes: tuple                    # str symbol (dynamic) or int (fixed) per dimension
+
+    def shape(self, **sizes: int) -> tuple[int, ...]:
+        """Concrete shape for the given symbol sizes, e.g. shape(batch=1, tokens=4)."""
+        return tuple(sizes[a] if isinstance(a, str) else a for a in self.axes)
+
+
+@dataclass(frozen=True)
+class ModelIO:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    aux_hidden_layers: tuple[int, ...] = ()          # layers whose *inputs* go to aux_hidden_states
+    inputs: tuple[TensorSpec, ...] = field(init=False)
+    outputs: tuple[TensorSpec, ...] = field(init=False)
+
+    def __post_init__(self):
+        kv_axes = ("batch", "past", self.num_kv_heads, self.head_dim)
+        new_axes = ("batch", "tokens", self.num_kv_heads, self.head_dim)
+        ins = [
+            TensorSpec("input_ids", "int64", ("batch", "tokens")),
+            TensorSpec("position_ids", "int64", ("batch", "tokens")),
+            TensorSpec("tree_mask", "bool", ("batch", "tokens", "tokens")),
+        ]
+        outs = [
+            TensorSpec("logits", "float32", ("batch", "tokens", self.vocab_size)),
+            TensorSpec("hidden_states", "float32", ("batch", "tokens", self.hidden_size)),
+        ]
+        if self.aux_hidden_layers:
+            width = len(self.aux_hidden_layers) * self.hidden_size
+            outs.append(TensorSpec("aux_hidden_states", "float32", ("batch", "tokens", width)))
+        for i in range(self.num_layers):
+            past_k, past_v = self.past_names(i)
+            ins += [TensorSpec(past_k, "float32", kv_axes), TensorSpec(past_v, "float32", kv_axes)]
+            new_k, new_v = self.present_names(i)
+            outs += [TensorSpec(new_k, "float32", new_axes), TensorSpec(new_v, "float32", new_axes)]
+        object.__setattr__(self, "inputs", tuple(ins))
+        object.__setattr__(self, "outputs", tuple(outs))
+
+    @staticmethod
+    def past_names(layer: int) -> tuple[str, str]:
+        return f"past_key.{layer}", f"past_value.{layer}"
+
+    @staticmethod
+    def present_names(layer: int) -> tuple[str, str]:
+        return f"present_key.{layer}", f"present_value.{layer}"
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def spec(self, name: str) -> TensorSpec:
+        for t in self.inputs + self.outputs:
+            if t.name == name:
+                return t
+        raise KeyError(f"no tensor named {name!r} in this model's IO table")
+
+    def shape_ranges(self, *, max_seq_len: int, max_tokens: int, opt_tokens: int = 1) -> dict:
+        """(min, opt, max) shape per input, for TensorRT optimization profiles. Batch is 1."""
+        lo = {"batch": 1, "tokens": 1, "past": 0}
+        opt = {"batch": 1, "tokens": opt_tokens, "past": max_seq_len // 2}
+        hi = {"batch": 1, "tokens": max_tokens, "past": max_seq_len - 1}
+        return {t.name: (t.shape(**lo), t.shape(**opt), t.shape(**hi)) for t in self.inputs}
+
+    # -- manifest round trip ---------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k not in ("inputs", "outputs")}
+        d["aux_hidden_layers"] = list(self.aux_hidden_layers)
+        d["inputs"] = [_spec_dict(t) for t in self.inputs]
+        d["outputs"] = [_spec_dict(t) for t in self.outputs]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelIO":
+        io = cls(
+            num_layers=d["num_layers"], num_kv_heads=d["num_kv_heads"], head_dim=d["head_dim"],
+            hidden_size=d["hidden_size"], vocab_size=d["vocab_size"],
+            aux_hidden_layers=tuple(d.get("aux_hidden_layers", ())),
+        )
+        if "inputs" in d and [t["name"] for t in d["inputs"]] != io.input_names:
+            raise ValueError("manifest IO table does not match this version's tensor layout")
+        return io
+
+
+def _spec_dict(t: TensorSpec) -> dict:
+    return {"name": t.name, "dtype": t.dtype, "axes": list(t.axes)}

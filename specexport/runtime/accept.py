@@ -1,0 +1,102 @@
+"""Verification: which proposed tokens the target accepts, and the one token it adds.
+
+Three rules, each a pure function with the random coins passed in (the loop owns the RNG):
+
+* `accept_greedy` (any tree): follow the children whose token equals the target's argmax at their
+  parent, as deep as possible; then add the target's argmax at the deepest accepted node (bonus).
+  Output equals plain greedy decoding.
+* `accept_chain` (a chain sampled from the draft's q; Leviathan et al. 2023, Chen et al. 2023):
+  accept proposal x_i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw the
+  recovered token from normalize(max(0, p_i - q_i)); after full acceptance draw the bonus from p_γ.
+  Lossless: the emitted tokens are distributed exactly as sampling from p alone.
+* `accept_tree` (a tree whose children were chosen deterministically: top-k of heads, n-grams,
+  Medusa, EAGLE): at each node draw y ~ p(node); if y is a child's token descend into that child,
+  otherwise emit y and stop; at a leaf, y is the bonus. This is the q-free rule of ANCHORS.md in its
+  "sample y ~ p" form, lossless however the children were chosen, if the tree was fixed first.
+
+A Verdict's `path` is the nodes whose K/V the target commits (the root and the accepted nodes);
+`tokens` are what the round emits (accepted tokens, then the bonus or recovered token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specexport.runtime.sampling import sample
+from specexport.runtime.tree import Tree
+
+
+@dataclass(frozen=True)
+class Verdict:
+    path: np.ndarray        # [n_accepted + 1] node indices root-first: the rows to commit
+    tokens: np.ndarray      # [n_accepted + 1] accepted tokens, then the bonus/recovered token
+
+    @property
+    def n_accepted(self) -> int:
+        return len(self.path) - 1
+
+
+def accept_greedy(tree: Tree, node_tokens: np.ndarray, target_argmax: np.ndarray) -> Verdict:
+    """node_tokens [T] (node 0 = root, ignored), target_argmax [T] the target's argmax at each node.
+
+    Example: chain 0 -> 1 -> 2, node_tokens [_, 7, 9], argmax [7, 4, 5] -> path [0, 1], tokens [7, 4].
+    """
+    node, path = 0, [0]
+    while True:
+        nxt = next((c for c in tree.children[node] if node_tokens[c] == target_argmax[node]), None)
+        if nxt is None:
+            break
+        node = nxt
+        path.append(node)
+    path = np.asarray(path, dtype=np.int64)
+    return Verdict(path, np.append(node_tokens[path[1:]], target_argmax[node]).astype(np.int64))
+
+
+def accept_chain(proposal: np.ndarray, draft_probs: np.ndarray, target_probs: np.ndarray,
+                 uniforms: np.ndarray) -> Verdict:
+    """Lossless rejection sampling over a chain.
+
+    proposal      [γ]       x_1..x_γ, x_i drawn from draft_probs[i-1]
+    draft_probs   [γ, V]    q_i, the warped draft distribution each x_i was drawn from
+    target_probs  [γ+1, V]  p_0..p_γ, warped target distributions at the root and each proposal
+    uniforms      [γ+1]     coins in [0, 1): one per acceptance test, the last for the final draw
+
+    Example: γ = 1, p_0 = [0.5, 0.5], q_1 = [1, 0], x_1 = 0: accept iff u_0 < 0.5; on rejection the
+    residual is [0, 0.5] -> token 1.
+    """
+    gamma = len(proposal)
+    for i in range(gamma):
+        x, p, q = proposal[i], target_probs[i], draft_probs[i]
+        if uniforms[i] * q[x] < p[x]:                  # accept with probability min(1, p(x)/q(x))
+            continue
+        residual = np.maximum(p - q, 0.0)
+        # p == q (up to rounding) leaves no residual mass: rejection then had probability ~0 and p is
+        # the right distribution (gpt-fast divided by zero here).
+        token = sample(residual if residual.sum() > 0 else p, uniforms[gamma])
+        return Verdict(np.arange(i + 1), np.append(proposal[:i], token).astype(np.int64))
+    bonus = sample(target_probs[gamma], uniforms[gamma])
+    return Verdict(np.arange(gamma + 1), np.append(proposal, bonus).astype(np.int64))
+
+
+def accept_tree(tree: Tree, node_tokens: np.ndarray, target_probs: np.ndarray, uniforms: np.ndarray) -> Verdict:
+    """Lossless verification of a tree with deterministically chosen children (q-free rule).
+
+    node_tokens   [T]      token of each node (node 0 = root, ignored)
+    target_probs  [T, V]   warped target distribution at each node
+    uniforms      [T]      coins; one is used per level descended (max depth + 1 at most)
+
+    Example: root with children tokens {3, 5}, p_0 = [.., p(3)=0.6, .., p(5)=0.3, ..]: the round
+    accepts child 3 with probability 0.6, child 5 with 0.3, and emits another token with 0.1.
+    Duplicate sibling tokens: the first such child is taken (the later one can never be reached).
+    """
+    node, path, level = 0, [0], 0
+    while True:
+        y = sample(target_probs[node], uniforms[level])
+        level += 1
+        nxt = next((c for c in tree.children[node] if node_tokens[c] == y), None)
+        if nxt is None:
+            path = np.asarray(path, dtype=np.int64)
+            return Verdict(path, np.append(node_tokens[path[1:]], y).astype(np.int64))
+        node = nxt
+        path.append(node)

@@ -1,0 +1,14 @@
+"""Backends behind one small interface (base.Backend). Open them with `open_backend`, which imports
+the backend's heavy module lazily."""
+from __future__ import annotations
+
+
+def open_backend(kind: str, model_dir, *, io, capacity: int, max_tokens: int, **options):
+    """A Backend for one model of a build. kind: 'onnxruntime' (tensorrt comes later)."""
+    from specexport.errors import SpecexportError
+
+    if kind == "onnxruntime":
+        from specexport.runtime.backends.ort import OrtBackend
+
+        return OrtBackend(model_dir, io=io, capacity=capacity, max_tokens=max_tokens, **options)
+    raise SpecexportError(f"backend: {kind!r} is not available in this version; available: onnxruntime")

@@ -1,0 +1,95 @@
+"""The Backend interface: a model with static KV buffers, driven one call at a time (batch 1).
+
+State is one integer, `length`: the committed positions [0, length) of the KV buffers. `forward`
+runs T new tokens at positions length + depth (the scratch rows [length, length + T) receive their
+K/V); `commit` keeps some scratch rows, compacting them to contiguous positions; `rollback` forgets
+committed positions (a chain's rejected tail needs nothing else: the next forward overwrites it).
+
+              committed                 scratch (this forward)
+    KV rows:  [0 ........ length) [length ......... length + T)   ... capacity
+    commit(3):         [0 ........ length + 3)  rows length + keep[k] -> length + k
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specexport.errors import SpecexportError
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits: np.ndarray              # [T, V] float32; may be a view of a reused buffer: copy to keep
+    hidden: np.ndarray | None       # [T, H] final post-norm hidden state, same caveat
+
+
+class Backend:
+    """Base class: checks in the public methods, work in the `_*` methods subclasses implement."""
+
+    capacity: int                   # KV buffer rows (max_seq_len)
+    max_tokens: int                 # most tokens one forward takes
+    vocab_size: int
+    check_inputs: bool = True       # benchmarks may turn the checks off
+
+    def __init__(self, *, capacity: int, max_tokens: int, vocab_size: int):
+        self.capacity, self.max_tokens, self.vocab_size = capacity, max_tokens, vocab_size
+        self.length = 0             # committed KV rows
+        self._pending = 0           # scratch rows written by the last forward
+
+    def forward(self, tokens: np.ndarray, *, depths: np.ndarray | None = None,
+                tree_mask: np.ndarray | None = None) -> StepOutput:
+        """tokens [T]; depths [T] (default 0..T-1, a chain); tree_mask [T, T] (default causal)."""
+        T = len(tokens)
+        if self.check_inputs:
+            if not 1 <= T <= self.max_tokens:
+                raise SpecexportError(f"tokens: got {T} tokens in one call, this model takes 1..{self.max_tokens}")
+            if self.length + T > self.capacity:
+                raise SpecexportError(f"KV capacity exceeded: {self.length} committed + {T} new > "
+                                      f"max_seq_len {self.capacity}")
+            if tree_mask is not None and tree_mask.shape != (T, T):
+                raise SpecexportError(f"tree_mask: got shape {tree_mask.shape}, expected ({T}, {T})")
+        self._pending = T
+        return self._forward(np.asarray(tokens, dtype=np.int64), depths, tree_mask)
+
+    def commit(self, keep: int | np.ndarray) -> None:
+        """Keep scratch rows: an int n keeps the first n (a chain), an array the given rows in order."""
+        if isinstance(keep, (int, np.integer)):
+            n = int(keep)
+            if not 0 <= n <= self._pending:
+                raise SpecexportError(f"commit: {n} rows asked, the last forward wrote {self._pending}")
+        else:
+            keep = np.asarray(keep, dtype=np.int64)
+            if len(keep) and (keep.max() >= self._pending or np.any(np.diff(keep) <= 0) or keep.min() < 0):
+                raise SpecexportError(f"commit: rows {keep.tolist()} must increase within 0..{self._pending - 1}")
+            n = len(keep)
+            if not np.array_equal(keep, np.arange(n)):
+                self._move_rows(keep)
+        self.length += n
+        self._pending = 0
+
+    def rollback(self, length: int) -> None:
+        if not 0 <= length <= self.length:
+            raise SpecexportError(f"rollback: length {length} outside 0..{self.length}")
+        self.length = length
+        self._pending = 0
+
+    def reset(self) -> None:
+        self.rollback(0)
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- what a backend implements --------------------------------------------------------
+    def _forward(self, tokens, depths, tree_mask) -> StepOutput:
+        raise NotImplementedError
+
+    def _move_rows(self, keep: np.ndarray) -> None:
+        """Copy KV rows length + keep[k] -> length + k (keep is increasing, so in-order copies are safe)."""
+        raise NotImplementedError

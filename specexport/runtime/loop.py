@@ -1,0 +1,149 @@
+"""The decode loop: prefill, then rounds of draft -> verify -> commit. Knows only the Backend interface.
+
+`decode` is a generator of emitted-token chunks; the caller decides when to stop early (EOS, stop
+strings) by closing it. It never writes past the KV buffers: it stops when prompt + emitted tokens
+reach `capacity`, and shortens the last rounds' proposals so they fit.
+
+Invariant at the start of each round, with N tokens so far (prompt + emitted):
+    target.length == N - 1            the last token (the root) is not yet in the target's cache
+    draft.length  <= N - 1            the draft catches up on seq[draft.length:N] in its first call
+One round with γ proposals (chain):
+    draft:   feed seq[draft.length:N] -> q_1, x_1; feed x_1 -> q_2, x_2; ... x_γ   (γ calls)
+    target:  feed [root, x_1..x_γ] at positions N-1..N-1+γ -> p_0..p_γ            (1 call)
+    verdict: n accepted + 1 bonus/recovered token; target commits root + n accepted rows,
+             the draft rolls back to N + min(n, γ - 1) (it never saw x_γ).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specexport.runtime.accept import accept_chain, accept_greedy
+from specexport.runtime.backends.base import Backend
+from specexport.runtime.sampling import SamplingParams, sample, warp
+from specexport.runtime.tree import Tree
+
+
+@dataclass
+class DecodeStats:
+    gamma: int = 0
+    prompt_tokens: int = 0
+    emitted: int = 0                        # tokens emitted, the first (from prefill) included
+    target_passes: int = 0                  # decode-time target calls (prefill excluded)
+    draft_passes: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    proposed_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # [γ] per position
+    accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # [γ]
+    ttft_s: float = 0.0                     # prefill + first token
+    total_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / proposed draft tokens (nan when nothing was proposed)."""
+        return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """Tokens emitted per decode-time target pass, bonus included."""
+        return (self.emitted - 1) / self.target_passes if self.target_passes else float("nan")
+
+    @property
+    def acceptance_per_position(self) -> np.ndarray:
+        """[γ] P(proposal i accepted | it was proposed)."""
+        return self.accepted_at / np.maximum(self.proposed_at, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.emitted / self.total_s if self.total_s > 0 else float("nan")
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first."""
+        return (self.total_s - self.ttft_s) / (self.emitted - 1) if self.emitted > 1 else float("nan")
+
+
+def decode(target: Backend, draft: Backend | None, prompt: np.ndarray, *, max_new_tokens: int,
+           params: SamplingParams, gamma: int, rng: np.random.Generator, stats: DecodeStats,
+           prefill_chunk: int = 64):
+    """Yield chunks of emitted tokens ([k] int64 arrays). draft None or gamma 0 = vanilla decoding."""
+    start = time.perf_counter()
+    capacity = target.capacity
+    seq = np.zeros(capacity, dtype=np.int64)                   # prompt + emitted; fixed size
+    n = len(prompt)
+    seq[:n] = prompt
+    gamma = gamma if draft is not None else 0
+    stats.gamma, stats.prompt_tokens = gamma, n
+    stats.proposed_at, stats.accepted_at = np.zeros(gamma, np.int64), np.zeros(gamma, np.int64)
+    target.reset()
+    logits = _prefill(target, prompt, prefill_chunk)
+    if draft is not None and gamma > 0:
+        draft.reset()
+        _prefill(draft, prompt, prefill_chunk)
+    seq[n] = _choose(logits, params, rng)
+    n += 1
+    stats.emitted, stats.ttft_s = 1, time.perf_counter() - start
+    stats.total_s = stats.ttft_s
+    yield seq[n - 1:n].copy()
+    while stats.emitted < max_new_tokens and n < capacity:
+        g = min(gamma, capacity - n - 1, max_new_tokens - stats.emitted - 1)
+        if g <= 0:
+            out = target.forward(seq[n - 1:n])
+            target.commit(1)
+            new = np.array([_choose(out.logits[0], params, rng)])
+        else:
+            new = _speculate(target, draft, seq, n, g, params, rng, stats)
+        stats.target_passes += 1
+        seq[n:n + len(new)] = new
+        n += len(new)
+        stats.emitted += len(new)
+        stats.total_s = time.perf_counter() - start
+        yield new
+
+
+def _speculate(target, draft, seq, n, g, params, rng, stats) -> np.ndarray:
+    proposal = np.empty(g, dtype=np.int64)                     # [γ]
+    q = None if params.greedy else np.empty((g, target.vocab_size))   # [γ, V]
+    feed = seq[draft.length:n]
+    for i in range(g):
+        out = draft.forward(feed)
+        draft.commit(len(feed))
+        if params.greedy:
+            proposal[i] = int(out.logits[-1].argmax())
+        else:
+            q[i] = warp(out.logits[-1], params)
+            proposal[i] = sample(q[i], rng.random())
+        feed = proposal[i:i + 1]
+    stats.draft_passes += g
+    verify = np.concatenate([seq[n - 1:n], proposal])            # [γ+1] root, x_1..x_γ
+    out = target.forward(verify)
+    if params.greedy:
+        verdict = accept_greedy(Tree.chain(g), verify, out.logits[:g + 1].argmax(-1))
+    else:
+        verdict = accept_chain(proposal, q, warp(out.logits[:g + 1], params), rng.random(g + 1))
+    k = verdict.n_accepted
+    target.commit(k + 1)
+    draft.rollback(n + min(k, g - 1))
+    stats.proposed += g
+    stats.accepted += k
+    stats.proposed_at[:g] += 1
+    stats.accepted_at[:k] += 1
+    return verdict.tokens
+
+
+def _prefill(backend: Backend, prompt: np.ndarray, chunk: int) -> np.ndarray:
+    """Run the prompt in chunks and commit it; returns the last position's logits [V] (a copy)."""
+    chunk = min(chunk, backend.max_tokens)
+    for s in range(0, len(prompt), chunk):
+        part = prompt[s:s + chunk]
+        out = backend.forward(part)
+        backend.commit(len(part))
+    return np.array(out.logits[-1])
+
+
+def _choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    if params.greedy:
+        return int(np.argmax(logits))
+    return sample(warp(logits, params), rng.random())

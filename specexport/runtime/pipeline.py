@@ -1,0 +1,184 @@
+"""specexport.load(): a built output folder -> Pipeline with generate() and stream().
+
+    pipe = specexport.load("engines/demo")
+    out = pipe.generate("def fib(n):", max_new_tokens=128, method="draft", gamma=4)
+    out.text, out.token_ids, out.finish_reason, out.stats.acceptance_rate
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specexport._optional import require
+from specexport.errors import SpecexportError
+from specexport.io_spec import ModelIO
+from specexport.manifest import read_manifest
+from specexport.runtime.backends import open_backend
+from specexport.runtime.detok import IncrementalDetokenizer
+from specexport.runtime.loop import DecodeStats, decode
+from specexport.runtime.sampling import SamplingParams
+
+METHODS = ("vanilla", "draft")          # medusa and eagle come with the heads issue
+PREFILL_CHUNK = 64
+
+
+@dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]                # generated ids only (EOS included when it ended the output)
+    finish_reason: str                  # "stop" (EOS or a stop string) or "length"
+    stats: DecodeStats
+
+
+def load(output_dir, *, precision: str = "fp32", backend: str = "onnxruntime", threads: int | None = None,
+         **options) -> "Pipeline":
+    return Pipeline(output_dir, precision=precision, backend=backend, threads=threads, **options)
+
+
+class Pipeline:
+    def __init__(self, output_dir, *, precision="fp32", backend="onnxruntime", threads=None, **options):
+        self.dir = Path(output_dir)
+        self.manifest = read_manifest(self.dir)
+        self.precision, self.backend_kind = precision, backend
+        self.capacity = self.manifest["max_seq_len"]
+        self.max_verify_tokens = self.manifest["max_verify_tokens"]
+        self.eos_ids = set(self.manifest["special_tokens"]["eos_token_ids"] or [])
+        self._options = dict(threads=threads, **options)
+        self.target = self._open("target")
+        self._draft = None
+        tok_path = self.dir / self.manifest["tokenizer"]["dir"] / "tokenizer.json"
+        if not tok_path.is_file():
+            raise SpecexportError(f"{tok_path}: missing (the build output is incomplete; rebuild it)")
+        self.tokenizer = require("tokenizers").Tokenizer.from_file(str(tok_path))
+        self.last_output: GenerationOutput | None = None
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        return ("vanilla", "draft") if "draft" in self.manifest["models"] else ("vanilla",)
+
+    @property
+    def draft(self):
+        if self._draft is None:
+            self._draft = self._open("draft")
+        return self._draft
+
+    def _open(self, role: str):
+        models = self.manifest["models"]
+        if role not in models:
+            raise SpecexportError(f"method: this build has no {role} model (built: {', '.join(models)})")
+        entry = models[role]
+        if self.precision not in entry["precisions"]:
+            raise SpecexportError(f"precision: {self.precision!r} was not built for the {role}; built: "
+                                  f"{', '.join(entry['precisions'])}")
+        built = entry["precisions"][self.precision]["backend"]
+        if built != self.backend_kind:
+            raise SpecexportError(f"backend: {self.backend_kind!r} was not built; built: {built}")
+        return open_backend(self.backend_kind, self.dir / role / self.precision, io=ModelIO.from_dict(entry["io"]),
+                            capacity=self.capacity, max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
+                            **self._options)
+
+    # -- public API -----------------------------------------------------------------------
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationOutput:
+        for _ in self.stream(prompt, **kwargs):
+            pass
+        return self.last_output
+
+    def stream(self, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int = 128,
+               method: str = "draft", gamma: int = 4, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int | None = 0, stop: list[str] | tuple = ()):
+        """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards."""
+        ids = self._prompt_ids(prompt, prompt_ids)
+        params = self._params(temperature, top_k, top_p)
+        draft = self._draft_for(method, gamma)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise SpecexportError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
+        stats, detok = DecodeStats(), IncrementalDetokenizer(self.tokenizer, ids.tolist())
+        out_ids, text, reason = [], "", "length"
+        rounds = decode(self.target, draft, ids, max_new_tokens=max_new_tokens, params=params,
+                        gamma=gamma if draft else 0, rng=np.random.default_rng(seed), stats=stats,
+                        prefill_chunk=PREFILL_CHUNK)
+        try:
+            for chunk in rounds:
+                chunk = chunk.tolist()
+                eos_at = next((i for i, t in enumerate(chunk) if t in self.eos_ids), None)
+                if eos_at is not None:
+                    chunk, reason = chunk[:eos_at + 1], "stop"
+                out_ids += chunk
+                piece = detok.push(chunk)
+                hit = _find_stop(text + piece, stop)
+                if hit is not None:
+                    out_ids = self._trim_to_stop(out_ids, stop)
+                    piece, reason = (text + piece)[:hit][len(text):], "stop"
+                text += piece
+                if piece:
+                    yield piece
+                if reason == "stop":
+                    break
+        finally:
+            rounds.close()
+        final = self.tokenizer.decode(out_ids, skip_special_tokens=True)
+        hit = _find_stop(final, stop)
+        self.last_output = GenerationOutput(final[:hit] if hit is not None else final, out_ids, reason, stats)
+
+    # -- checks ---------------------------------------------------------------------------
+    def _prompt_ids(self, prompt, prompt_ids) -> np.ndarray:
+        if (prompt is None) == (prompt_ids is None):
+            raise SpecexportError("prompt: give either a text prompt or prompt_ids, not both or neither")
+        if prompt_ids is None:
+            if not isinstance(prompt, str):
+                raise SpecexportError(f"prompt: expected a string, got {type(prompt).__name__}")
+            prompt_ids = self.tokenizer.encode(prompt).ids
+        ids = np.asarray(prompt_ids, dtype=np.int64).reshape(-1)
+        vocab = self.manifest["models"]["target"]["vocab_size"]
+        if len(ids) == 0:
+            raise SpecexportError("prompt: empty (no tokens)")
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise SpecexportError(f"prompt_ids: ids must be in 0..{vocab - 1}, got {ids.min()}..{ids.max()}")
+        if len(ids) >= self.capacity:
+            raise SpecexportError(f"prompt: {len(ids)} tokens leave no room to generate within max_seq_len "
+                                  f"{self.capacity} (at most {self.capacity - 1} prompt tokens)")
+        return ids
+
+    @staticmethod
+    def _params(temperature, top_k, top_p) -> SamplingParams:
+        try:
+            return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        except ValueError as err:
+            raise SpecexportError(str(err)) from None
+
+    def _draft_for(self, method: str, gamma):
+        if method not in METHODS:
+            raise SpecexportError(f"method: {method!r} is not supported; supported: {', '.join(METHODS)}")
+        if method == "vanilla":
+            return None
+        if method not in self.methods:
+            raise SpecexportError(f"method: {method!r} was not built (no draft model in this build); "
+                                  f"available: {', '.join(self.methods)}")
+        if not isinstance(gamma, int) or not 1 <= gamma <= self.max_verify_tokens - 1:
+            raise SpecexportError(f"gamma: expected an integer in 1..{self.max_verify_tokens - 1} (the graph "
+                                  f"verifies up to max_verify_tokens={self.max_verify_tokens}), got {gamma!r}")
+        return self.draft
+
+    def _trim_to_stop(self, ids: list[int], stop) -> list[int]:
+        """The shortest prefix of `ids` whose text contains a stop string (independent of γ)."""
+        while len(ids) > 1 and _find_stop(self.tokenizer.decode(ids[:-1], skip_special_tokens=True), stop) is not None:
+            ids = ids[:-1]
+        return ids
+
+    def close(self) -> None:
+        for b in (self.target, self._draft):
+            if b is not None:
+                b.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _find_stop(text: str, stop) -> int | None:
+    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return min(hits) if hits else None

@@ -1,0 +1,78 @@
+"""Logit warping and inverse-CDF sampling, with the randomness passed in.
+
+`warp` turns logits into the distribution tokens are actually drawn from: temperature, then top-k,
+then top-p (the order transformers applies). The same function with the same settings is applied to
+the draft's and the target's logits, so q and p in the acceptance rule are the distributions that
+produced (or would produce) the tokens (transformers #47932 computed q from unwarped logits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0          # 0 = greedy
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"temperature: expected a number >= 0, got {self.temperature!r}")
+        if self.top_k is not None and not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise ValueError(f"top_k: expected an integer >= 1 or None, got {self.top_k!r}")
+        if self.top_p is not None and not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p: expected a number in (0, 1] or None, got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Probabilities [..., V] (float64) after temperature, top-k and top-p.
+
+    Example: logits [2, 1, 0, -1], temperature 1, top_k 2 -> [0.731, 0.269, 0, 0].
+    Greedy (temperature 0) gives the one-hot argmax.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    if params.greedy:
+        probs = np.zeros_like(logits)
+        np.put_along_axis(probs, logits.argmax(-1)[..., None], 1.0, axis=-1)
+        return probs
+    z = logits / params.temperature
+    if params.top_k is not None and params.top_k < z.shape[-1]:
+        kth = np.partition(z, -params.top_k, axis=-1)[..., -params.top_k, None]   # [..., 1]
+        z = np.where(z < kth, -np.inf, z)            # ties with the k-th value stay, as in transformers
+    z = z - z.max(-1, keepdims=True)
+    probs = np.exp(z)
+    probs /= probs.sum(-1, keepdims=True)
+    if params.top_p is not None and params.top_p < 1:
+        probs = _top_p(probs, params.top_p)
+    return probs
+
+
+def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one)."""
+    order = np.argsort(-probs, axis=-1, kind="stable")                 # [..., V]
+    sorted_p = np.take_along_axis(probs, order, axis=-1)
+    mass_before = np.cumsum(sorted_p, axis=-1) - sorted_p             # mass of strictly more likely tokens
+    keep_sorted = mass_before < top_p
+    keep = np.empty_like(keep_sorted)
+    np.put_along_axis(keep, order, keep_sorted, axis=-1)
+    out = np.where(keep, probs, 0.0)
+    return out / out.sum(-1, keepdims=True)
+
+
+def sample(probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw from probs [V] with a uniform u in [0, 1). Zero-probability tokens never come out.
+
+    Example: probs [0.5, 0, 0.5]: u = 0.2 -> 0, u = 0.7 -> 2.
+    """
+    cdf = np.cumsum(probs)
+    idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    if idx >= len(probs) or probs[idx] <= 0:        # u * total rounded up onto the last boundary
+        idx = int(np.flatnonzero(probs > 0)[-1])
+    return idx

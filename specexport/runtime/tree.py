@@ -1,0 +1,68 @@
+"""Tree topology for verification: parents -> ancestor mask, depths, children.
+
+A tree of T nodes is given by `parents` [T]: node 0 is the root (the last committed-but-unverified
+token, parent -1) and every other node's parent has a smaller index, so index order is a valid
+topological order and a root-to-node path is increasing. A chain of γ proposals is the tree
+parents = [-1, 0, 1, ..., γ-1].
+
+Worked example, a root with two children, the first of which has a child:
+    parents = [-1, 0, 0, 1]
+    depths  = [0, 1, 1, 2]            -> position ids = context length - 1 + depths
+    ancestor_mask =
+        [[1 0 0 0]
+         [1 1 0 0]
+         [1 0 1 0]
+         [1 1 0 1]]                    row i: the nodes node i may attend to (itself and its ancestors)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Tree:
+    parents: np.ndarray                              # [T] int64, parents[0] == -1
+    depths: np.ndarray = field(init=False)           # [T] int64
+    mask: np.ndarray = field(init=False)             # [T, T] bool ancestor-or-self mask
+    children: tuple = field(init=False)              # children[i]: tuple of child indices, in order
+
+    def __post_init__(self):
+        parents = np.asarray(self.parents, dtype=np.int64)
+        check_parents(parents)
+        size = len(parents)
+        mask = np.eye(size, dtype=bool)
+        depths = np.zeros(size, dtype=np.int64)
+        kids = [[] for _ in range(size)]
+        for i in range(1, size):
+            p = parents[i]
+            mask[i] = mask[p]
+            mask[i, i] = True
+            depths[i] = depths[p] + 1
+            kids[p].append(i)
+        object.__setattr__(self, "parents", parents)
+        object.__setattr__(self, "depths", depths)
+        object.__setattr__(self, "mask", mask)
+        object.__setattr__(self, "children", tuple(tuple(k) for k in kids))
+
+    @property
+    def size(self) -> int:
+        return len(self.parents)
+
+    @classmethod
+    def chain(cls, gamma: int) -> "Tree":
+        """Root plus γ proposals in a line: parents [-1, 0, 1, ..., γ-1]."""
+        return cls(np.arange(-1, gamma, dtype=np.int64))
+
+    def path_to(self, node: int) -> np.ndarray:
+        """[depth + 1] node indices from the root to `node`. Example: tree above, node 3 -> [0, 1, 3]."""
+        return np.flatnonzero(self.mask[node])
+
+
+def check_parents(parents: np.ndarray) -> None:
+    if parents.ndim != 1 or len(parents) == 0 or parents[0] != -1:
+        raise ValueError(f"parents: expected a 1-D array starting with -1 (the root), got {parents!r}")
+    idx = np.arange(len(parents))
+    if np.any(parents[1:] < 0) or np.any(parents[1:] >= idx[1:]):
+        raise ValueError(f"parents: every non-root node's parent must be a smaller index, got {parents!r}")

@@ -1,0 +1,110 @@
+"""Session-scoped tiny checkpoints and builds shared by the export tests.
+
+Everything expensive (tokenizer training, checkpoint writing, ONNX export) happens once per session:
+one checkpoint per entry of TINY_CONFIGS plus a 1-layer llama draft, and at most one build per
+architecture (`build_arch`), the llama one being `built_llama` (target + draft).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specexport.cli import main
+from specexport.export.tiny import TINY_CONFIGS, make_tiny_checkpoint, train_tokenizer, truncate_checkpoint
+
+MAX_SEQ_LEN = 128
+
+
+def _write_yaml(path: Path, **fields) -> Path:
+    """Write a model.yaml with these top-level fields (Paths become strings)."""
+    def plain(v):
+        if isinstance(v, Path):
+            return str(v)
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(plain(fields), sort_keys=False))
+    return path
+
+
+def _run_build(yaml_path: Path, *extra: str) -> int:
+    return main(["build", str(yaml_path), *extra])
+
+
+@pytest.fixture(scope="session")
+def write_yaml():
+    """write_yaml(path, **top_level_fields) -> path of the written model.yaml."""
+    return _write_yaml
+
+
+@pytest.fixture(scope="session")
+def run_build():
+    """run_build(yaml_path, *flags) -> exit code of `specexport build` run in-process."""
+    return _run_build
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return train_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tiny_root, tokenizer) -> dict[str, Path]:
+    """model_type -> checkpoint folder for every TINY_CONFIGS entry, plus "llama-draft" (1 layer of llama)."""
+    ckpts = {}
+    for model_type in TINY_CONFIGS:
+        ckpts[model_type] = make_tiny_checkpoint(tiny_root / "ckpt" / model_type, model_type, seed=0,
+                                                 tokenizer=tokenizer)
+    ckpts["llama-draft"] = truncate_checkpoint(ckpts["llama"], tiny_root / "ckpt" / "llama-draft", num_layers=1)
+    return ckpts
+
+
+@pytest.fixture(scope="session")
+def built_llama(tiny_root, tiny_checkpoints) -> Path:
+    """Output folder of a finished build: target llama (2 layers) + draft llama-draft (1 layer)."""
+    out = tiny_root / "build" / "llama"
+    cfg = _write_yaml(tiny_root / "yaml" / "llama.yaml", name="tiny-llama",
+                     target={"path": tiny_checkpoints["llama"]}, draft={"path": tiny_checkpoints["llama-draft"]},
+                     max_seq_len=MAX_SEQ_LEN, output=out)
+    assert _run_build(cfg) == 0
+    assert (out / "manifest.json").is_file()
+    return out
+
+
+@pytest.fixture(scope="session")
+def build_arch(tiny_root, tiny_checkpoints, built_llama):
+    """build_arch(model_type) -> output folder; llama is `built_llama`, others are target-only builds."""
+    cache = {"llama": built_llama}
+
+    def build(model_type: str) -> Path:
+        if model_type not in cache:
+            out = tiny_root / "build" / model_type
+            cfg = _write_yaml(tiny_root / "yaml" / f"{model_type}.yaml", name=f"tiny-{model_type}",
+                             target={"path": tiny_checkpoints[model_type]}, max_seq_len=MAX_SEQ_LEN, output=out)
+            assert _run_build(cfg) == 0, f"build of the tiny {model_type} failed"
+            cache[model_type] = out
+        return cache[model_type]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def built_draft_only(tiny_root, tiny_checkpoints) -> tuple[Path, Path]:
+    """The cheapest finished build (the 1-layer llama as target): (yaml, output folder). Tests copy it."""
+    out = tiny_root / "build" / "draft-only"
+    cfg = _write_yaml(tiny_root / "yaml" / "draft-only.yaml", name="draft-only",
+                     target={"path": tiny_checkpoints["llama-draft"]}, max_seq_len=64, output=out)
+    assert _run_build(cfg) == 0
+    return cfg, out
