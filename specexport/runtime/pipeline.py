@@ -120,7 +120,10 @@ class Pipeline:
             rounds.close()
         final = self.tokenizer.decode(out_ids, skip_special_tokens=True)
         hit = _find_stop(final, stop)
-        self.last_output = GenerationOutput(final[:hit] if hit is not None else final, out_ids, reason, stats)
+        final = final[:hit] if hit is not None else final
+        self.last_output = GenerationOutput(final, out_ids, reason, stats)
+        if final.startswith(text) and len(final) > len(text):
+            yield final[len(text):]          # what the detokenizer held back (an unfinished character)
 
     # -- checks ---------------------------------------------------------------------------
     def _prompt_ids(self, prompt, prompt_ids) -> np.ndarray:

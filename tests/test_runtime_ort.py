@@ -1,0 +1,245 @@
+"""The runtime on real exported tiny models: greedy equals Hugging Face greedy, draft = target accepts
+everything, tree commits compact the KV correctly, bad input gets clear errors, and speculative
+sampling matches vanilla sampling in distribution (two-sample test)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+import specexport
+from specexport.cli import main
+from specexport.errors import SpecexportError
+from specexport.io_spec import ModelIO
+from specexport.runtime.backends.ort import OrtBackend
+from specexport.runtime.loop import DecodeStats, decode
+from specexport.runtime.sampling import SamplingParams
+from specexport.runtime.tree import Tree
+
+CAPACITY = 320
+
+
+@pytest.fixture(scope="session")
+def built_long(tiny_root, tiny_checkpoints, write_yaml, run_build):
+    """llama target + 1-layer draft, room for 20-token prompts + 200 new tokens, verify up to 8."""
+    out = tiny_root / "build" / "llama-long"
+    cfg = write_yaml(tiny_root / "yaml" / "llama-long.yaml", name="llama-long",
+                     target={"path": tiny_checkpoints["llama"]}, draft={"path": tiny_checkpoints["llama-draft"]},
+                     max_seq_len=CAPACITY, max_verify_tokens=8, output=out)
+    assert run_build(cfg) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def pipe(built_long):
+    with specexport.load(built_long, threads=1) as p:
+        yield p
+
+
+@pytest.fixture(scope="session")
+def hf_target(tiny_checkpoints):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama"]).eval()
+
+
+def _hf_greedy(model, prompt, n):
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor(prompt)[None], max_new_tokens=n, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [s[0].numpy() for s in out.scores]
+
+
+def _assert_same_greedy(ours, ref, scores, label):
+    """Token-for-token equality; a divergence is tolerated only at a genuine near-tie (fp32 noise)."""
+    for j, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            top2 = np.sort(scores[j])[-2:]
+            assert top2[1] - top2[0] < 1e-5, f"{label}: token {j} is {a}, HF greedy {b} (gap {top2[1] - top2[0]:.2e})"
+            return
+    assert len(ours) == len(ref), f"{label}: {len(ours)} tokens, HF greedy {len(ref)}"
+
+
+def test_greedy_equals_hf_for_every_gamma(pipe, hf_target):
+    rng = np.random.default_rng(0)
+    vocab = pipe.manifest["models"]["target"]["vocab_size"]
+    for p in range(20):
+        prompt = [1, *rng.integers(3, vocab, int(rng.integers(2, 20))).tolist()]
+        ref, scores = _hf_greedy(hf_target, prompt, 200)
+        out = pipe.generate(prompt_ids=prompt, max_new_tokens=200, method="vanilla")
+        _assert_same_greedy(out.token_ids, ref, scores, f"prompt {p} vanilla")
+        for gamma in range(1, 7):
+            out = pipe.generate(prompt_ids=prompt, max_new_tokens=200, method="draft", gamma=gamma)
+            _assert_same_greedy(out.token_ids, ref, scores, f"prompt {p} gamma {gamma}")
+            assert out.stats.proposed > 0
+
+
+def _backend(build, role, capacity=CAPACITY, max_tokens=64):
+    m = json.loads((build / "manifest.json").read_text())
+    io = ModelIO.from_dict(m["models"][role]["io"])
+    return OrtBackend(build / role / "fp32", io=io, capacity=capacity, max_tokens=max_tokens, threads=1)
+
+
+def test_draft_equal_to_target_accepts_everything(built_long):
+    target, draft = _backend(built_long, "target"), _backend(built_long, "target")
+    for gamma in (1, 3, 7):
+        st = DecodeStats()
+        ids = list(decode(target, draft, np.array([1, 40, 41, 42]), max_new_tokens=60, params=SamplingParams(),
+                          gamma=gamma, rng=np.random.default_rng(0), stats=st))
+        assert st.proposed > 0 and st.accepted == st.proposed, (gamma, st.accepted, st.proposed)
+        assert sum(map(len, ids)) == 60
+
+
+def test_tree_commit_compacts_the_accepted_path(built_long):
+    """Verify a tree, commit one root-to-leaf path, then decode: logits equal a plain chain's."""
+    a, b = _backend(built_long, "target"), _backend(built_long, "target")
+    prompt = np.array([1, 50, 60, 70, 80, 90])
+    tree = Tree(np.array([-1, 0, 0, 1, 2, 2, 4]))          # root, 2 children, ...
+    tokens = np.array([prompt[-1], 11, 12, 13, 14, 15, 16])
+    a.forward(prompt[:-1]); a.commit(len(prompt) - 1)
+    a.forward(tokens, depths=tree.depths, tree_mask=tree.mask)
+    path = tree.path_to(6)                                    # [0, 2, 4, 6]
+    a.commit(path)
+    chain = np.concatenate([prompt, tokens[path[1:]]])
+    b.forward(chain); b.commit(len(chain))
+    assert a.length == b.length == len(chain)
+    nxt = np.array([33, 34])
+    la, lb = np.array(a.forward(nxt).logits), np.array(b.forward(nxt).logits)
+    np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-5)
+    # and a wrong compaction (committing the path's rows without moving them) differs
+    c = _backend(built_long, "target")
+    c.forward(prompt[:-1]); c.commit(len(prompt) - 1)
+    c.forward(tokens, depths=tree.depths, tree_mask=tree.mask)
+    c.commit(len(path))
+    assert np.abs(np.array(c.forward(nxt).logits) - lb).max() > 1e-3
+
+
+def test_capacity_stops_cleanly_with_length(pipe):
+    prompt = list(range(3, 3 + CAPACITY - 10))
+    for method in ("vanilla", "draft"):
+        out = pipe.generate(prompt_ids=prompt, max_new_tokens=100, method=method, gamma=5)
+        assert out.finish_reason == "length"
+        eos = pipe.eos_ids
+        if not eos.intersection(out.token_ids):
+            assert len(prompt) + len(out.token_ids) == CAPACITY
+
+
+def test_eos_and_stop_strings(pipe):
+    prompt = [1, 100, 101, 102]
+    base = pipe.generate(prompt_ids=prompt, max_new_tokens=40, method="vanilla")
+    stop_token = base.token_ids[7]
+    first = base.token_ids.index(stop_token)
+    saved = set(pipe.eos_ids)
+    try:
+        pipe.eos_ids = {stop_token}
+        for gamma in (1, 4):
+            out = pipe.generate(prompt_ids=prompt, max_new_tokens=40, method="draft", gamma=gamma)
+            assert out.token_ids == base.token_ids[:first + 1] and out.finish_reason == "stop"
+    finally:
+        pipe.eos_ids = saved
+    text = base.text
+    needle = next(text[i:i + 3] for i in range(len(text) // 2, len(text) - 3) if text[i:i + 3].strip())
+    cut = text.find(needle)
+    outs = [pipe.generate(prompt_ids=prompt, max_new_tokens=40, method="draft", gamma=g, stop=[needle])
+            for g in (1, 4)]
+    for out in outs:
+        assert out.text == text[:cut] and out.finish_reason == "stop"
+    assert outs[0].token_ids == outs[1].token_ids          # the trimmed ids do not depend on γ
+
+
+def test_stream_pieces_add_up_to_the_text(pipe):
+    pieces = list(pipe.stream("def fib(n):", max_new_tokens=50, gamma=3, temperature=0.9, seed=3))
+    out = pipe.last_output
+    assert "".join(pieces) == out.text and len(out.token_ids) == 50
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(method="medusa"), r"method: 'medusa' is not supported"),
+    (dict(gamma=0), r"gamma: expected an integer in 1\.\.7"),
+    (dict(gamma=8), r"gamma: expected an integer in 1\.\.7"),
+    (dict(temperature=-1.0), r"temperature: expected a number >= 0"),
+    (dict(top_p=0.0), r"top_p: expected a number in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p: expected a number in \(0, 1\]"),
+    (dict(top_k=0), r"top_k: expected an integer >= 1"),
+    (dict(max_new_tokens=0), r"max_new_tokens: expected an integer >= 1"),
+    (dict(prompt_ids=list(range(3, 3 + CAPACITY))), r"prompt: 320 tokens leave no room"),
+])
+def test_bad_generation_arguments(pipe, kwargs, match):
+    kwargs.setdefault("prompt_ids", [1, 5, 6])
+    with pytest.raises(SpecexportError, match=match):
+        pipe.generate(**kwargs)
+
+
+def test_bad_output_folders(built_long, tmp_path):
+    with pytest.raises(SpecexportError, match="no manifest.json"):
+        specexport.load(tmp_path)
+    m = json.loads((built_long / "manifest.json").read_text())
+    m["schema_version"] = 99
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SpecexportError, match="schema_version 99 is not supported"):
+        specexport.load(tmp_path)
+    with pytest.raises(SpecexportError, match=r"precision: 'int8' was not built for the target; built: fp32"):
+        specexport.load(built_long, precision="int8")
+
+
+def test_vanilla_only_build_refuses_draft(built_long, tmp_path, pipe):
+    import shutil
+
+    shutil.copytree(built_long, tmp_path / "b")
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    del m["models"]["draft"]
+    (tmp_path / "b" / "manifest.json").write_text(json.dumps(m))
+    p = specexport.load(tmp_path / "b")
+    with pytest.raises(SpecexportError, match=r"method: 'draft' was not built"):
+        p.generate(prompt_ids=[1, 2], method="draft")
+    assert len(p.generate(prompt_ids=[1, 5], method="vanilla", max_new_tokens=5).token_ids) == 5
+
+
+def test_cli_generate(built_long, capsys):
+    assert main(["generate", str(built_long), "def fib(n):", "--max-new-tokens", "12", "--gamma", "3"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("def fib(n):") and "acceptance" in captured.err
+    assert main(["generate", str(built_long), "x", "--top-p", "2"]) == 1
+    assert "top_p" in capsys.readouterr().err
+
+
+def _first_tokens(pipe, method, n_runs, temperature, seed0=0):
+    """Counts of the (first, second, third) generated tokens over seeded runs."""
+    counts = {}
+    for s in range(n_runs):
+        out = pipe.generate(prompt_ids=[1, 200, 201], max_new_tokens=3, method=method, gamma=2,
+                            temperature=temperature, top_k=3, seed=seed0 + s)
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _two_sample_p(a: dict, b: dict) -> float:
+    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
+    table = np.array([[a.get(k, 0) for k in keys], [b.get(k, 0) for k in keys]])
+    # pool categories with small expected counts into one, so the chi-square approximation holds
+    small = table.sum(0) < 10
+    if small.any():
+        table = np.column_stack([table[:, ~small], table[:, small].sum(1)])
+    return sps.chi2_contingency(table)[1]
+
+
+def test_speculative_sampling_matches_vanilla_two_sample(pipe):
+    spec = _first_tokens(pipe, "draft", 1500, 1.0, seed0=0)
+    vanilla = _first_tokens(pipe, "vanilla", 1500, 1.0, seed0=10_000)
+    assert _two_sample_p(spec, vanilla) > 1e-3
+    # the same test has teeth: a different temperature is detected
+    cooler = _first_tokens(pipe, "vanilla", 1500, 0.5, seed0=20_000)
+    assert _two_sample_p(cooler, vanilla) < 1e-6
+
+
+def test_runtime_imports_without_torch():
+    code = ("import sys, specexport, specexport.runtime.pipeline, specexport.runtime.backends.ort, specexport.cli;"
+            "specexport.cli._register();"
+            "bad = {'torch', 'transformers', 'onnx', 'tensorrt'} & set(sys.modules); assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
