@@ -89,12 +89,14 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", name):
         raise SpecexportError(f"name: expected a folder-safe string (letters, digits, . _ -), got {name!r}")
     max_seq_len = _positive_int(raw["max_seq_len"], "max_seq_len")
-    max_verify = _positive_int(raw.get("max_verify_tokens", 16), "max_verify_tokens")
+    max_verify = _positive_int(raw.get("max_verify_tokens", min(16, max_seq_len)), "max_verify_tokens")
     if max_verify < 2 or max_verify > max_seq_len:
         raise SpecexportError(f"max_verify_tokens: expected 2..max_seq_len ({max_seq_len}), got {max_verify}")
     tol = raw.get("parity_tolerance", 1e-4)
     if not isinstance(tol, (int, float)) or isinstance(tol, bool) or not tol > 0:
         raise SpecexportError(f"parity_tolerance: expected a positive number, got {tol!r}")
+    if raw.get("output") is not None and not isinstance(raw["output"], str):
+        raise SpecexportError(f"output: expected a folder path (a string), got {raw['output']!r}")
     output = Path(raw["output"]) if raw.get("output") else Path("engines") / name
     cfg = BuildConfig(
         name=name,
@@ -144,6 +146,8 @@ def _model(raw, role: str, base: Path) -> ModelConfig:
     if not isinstance(raw, dict):
         raise SpecexportError(f"{role}: expected a mapping like {{path: models/{role}}}, got {raw!r}")
     _check_keys(raw, MODEL_KEYS, ("path",), prefix=f"{role}.")
+    if not isinstance(raw["path"], str):
+        raise SpecexportError(f"{role}.path: expected a folder path (a string), got {raw['path']!r}")
     path = Path(raw["path"])
     path = path if path.is_absolute() else base / path
     shown = raw["path"]
@@ -157,7 +161,7 @@ def _model(raw, role: str, base: Path) -> ModelConfig:
         raise SpecexportError(f"{role}.path: {shown} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     aux = raw.get("aux_hidden_layers", ())
     if aux != "eagle3":
-        if not isinstance(aux, (list, tuple)) or not all(isinstance(i, int) and i >= 0 for i in aux):
+        if not isinstance(aux, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in aux):
             raise SpecexportError(f"{role}.aux_hidden_layers: expected a list of layer indices or 'eagle3', got {aux!r}")
         aux = tuple(sorted(set(aux)))
     return ModelConfig(role=role, path=path.resolve(), aux_hidden_layers=aux)

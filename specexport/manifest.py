@@ -38,6 +38,7 @@ def write_json_atomic(path: Path, data: dict) -> None:
             json.dump(data, f, indent=2, sort_keys=False)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)                 # mkstemp creates 0600; the manifest is as readable as the models
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except click.exceptions.ClickException as err:      # usage errors: click formats them
         err.show()
-        return err.exit_code
+        return 1                                         # 2 is reserved for a failed parity gate
     except click.exceptions.Exit as err:
         return err.exit_code
     except SpecexportError as err:

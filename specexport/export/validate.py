@@ -16,6 +16,7 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.io_spec import ModelIO
+from specexport.runtime.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -40,70 +41,93 @@ def random_tree(rng: np.random.Generator, size: int) -> np.ndarray:
 
 
 def ancestor_mask(parents: np.ndarray) -> np.ndarray:
-    """[T, T] bool: mask[i, j] is True when j is i or an ancestor of i."""
-    size = len(parents)
-    mask = np.eye(size, dtype=bool)
-    for i in range(size):
-        j = parents[i]
-        while j >= 0:
-            mask[i, j] = True
-            j = parents[j]
-    return mask
+    """[T, T] bool: mask[i, j] is True when j is i or an ancestor of i (the runtime's Tree.mask)."""
+    return Tree(parents).mask
 
 
-def check_parity(model, onnx_path, io: ModelIO, *, max_seq_len: int, max_verify_tokens: int,
-                 seed: int = 0) -> ParityReport:
-    """Compare ORT and PyTorch logits on a prefill, decode steps and a random tree."""
-    torch = require("torch")
-    ort = require("onnxruntime")
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+@dataclass(frozen=True)
+class ParityCase:
+    """One seeded token sequence: a prompt, decode steps, then the tokens of a random tree."""
+    seq: np.ndarray          # [n_prompt + n_decode + n_tree]
+    n_prompt: int
+    n_decode: int
+    parents: np.ndarray      # [n_tree] tree over the last n_tree tokens (may be empty)
+
+    @property
+    def context(self) -> int:
+        return self.n_prompt + self.n_decode
+
+
+def parity_case(io: ModelIO, *, max_seq_len: int, max_verify_tokens: int, seed: int = 0) -> ParityCase:
     rng = np.random.default_rng(seed)
     n_prompt, n_decode = max(2, min(12, max_seq_len // 4)), 3
     n_tree = int(min(max_verify_tokens, 8, max_seq_len - n_prompt - n_decode))
     seq = rng.integers(0, io.vocab_size, n_prompt + n_decode + n_tree)
+    parents = random_tree(rng, n_tree) if n_tree >= 2 else np.zeros(0, np.int64)
+    return ParityCase(seq, n_prompt, n_decode, parents)
 
-    def reference(tokens) -> np.ndarray:                   # [S, V] HF logits
+
+def reference_logits(model, case: ParityCase) -> dict:
+    """PyTorch logits per phase: {"prefill": [n_prompt, V], "decode": [n_decode, V], "tree": [n_tree, V]}."""
+    torch = require("torch")
+
+    def run(tokens) -> np.ndarray:                   # [S, V]
         with torch.no_grad():
             return model(torch.from_numpy(np.asarray(tokens)[None])).logits[0].float().numpy()
 
-    empty = np.zeros((1, 0, io.num_kv_heads, io.head_dim), np.float32)
-    past = [empty] * (2 * io.num_layers)
-    pairs = {"prefill": [], "decode": [], "tree": []}
+    full = run(case.seq[:case.context])
+    out = {"prefill": full[:case.n_prompt], "decode": full[case.n_prompt:]}
+    if len(case.parents):
+        mask, tree_tokens = ancestor_mask(case.parents), case.seq[case.context:]
+        # node i's reference: the context plus the root-to-i path (ancestors in index order)
+        out["tree"] = np.stack([run(np.concatenate([case.seq[:case.context], tree_tokens[mask[i]]]))[-1]
+                                for i in range(len(case.parents))])
+    return out
+
+
+def onnx_logits(onnx_path, io: ModelIO, case: ParityCase) -> dict:
+    """The same phases through the ONNX graph in ONNX Runtime, feeding back the K/V it produced."""
+    ort = require("onnxruntime")
+    opts = ort.SessionOptions()
+    # Prepacking makes a second, transient copy of every weight; the check runs each graph a few
+    # times only, so it skips that and keeps the build's peak memory near two copies of the weights.
+    opts.add_session_config_entry("session.disable_prepacking", "1")
+    session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    past = [np.zeros((1, 0, io.num_kv_heads, io.head_dim), np.float32)] * (2 * io.num_layers)
 
     def run(tokens, positions, mask):
         feeds = {"input_ids": tokens[None].astype(np.int64), "position_ids": positions[None].astype(np.int64),
                  "tree_mask": mask[None]}
         feeds.update(zip(io.input_names[3:], past))
         outs = dict(zip(io.output_names, session.run(None, feeds)))
-        new = [outs[n] for i in range(io.num_layers) for n in io.present_names(i)]
-        return outs["logits"][0], new
+        return outs["logits"][0], [outs[n] for i in range(io.num_layers) for n in io.present_names(i)]
 
-    full_ref = reference(seq[: n_prompt + n_decode])
-    logits, new = run(seq[:n_prompt], np.arange(n_prompt), np.tril(np.ones((n_prompt,) * 2, bool)))
-    pairs["prefill"].append((logits, full_ref[:n_prompt]))
-    past = [np.concatenate([p, n], axis=1) for p, n in zip(past, new)]
-    for s in range(n_prompt, n_prompt + n_decode):
-        logits, new = run(seq[s: s + 1], np.array([s]), np.ones((1, 1), bool))
-        pairs["decode"].append((logits, full_ref[s: s + 1]))
-        past = [np.concatenate([p, n], axis=1) for p, n in zip(past, new)]
-    if n_tree >= 2:
-        parents = random_tree(rng, n_tree)
-        mask = ancestor_mask(parents)
-        depth = mask.sum(1) - 1
-        tree_tokens = seq[n_prompt + n_decode:]
-        ctx = n_prompt + n_decode
-        logits, _ = run(tree_tokens, ctx + depth, mask)
-        for i in range(n_tree):
-            path = tree_tokens[np.flatnonzero(mask[i])]        # ancestors in index order = root-to-i order
-            ref = reference(np.concatenate([seq[:ctx], path]))[-1:]
-            pairs["tree"].append((logits[i: i + 1], ref))
-    return _summarize(pairs)
+    n, seq = case.n_prompt, case.seq
+    out = {}
+    out["prefill"], new = run(seq[:n], np.arange(n), np.tril(np.ones((n, n), bool)))
+    past = [np.concatenate([p, k], axis=1) for p, k in zip(past, new)]
+    rows = []
+    for s in range(n, case.context):
+        logits, new = run(seq[s:s + 1], np.array([s]), np.ones((1, 1), bool))
+        rows.append(logits[0])
+        past = [np.concatenate([p, k], axis=1) for p, k in zip(past, new)]
+    out["decode"] = np.stack(rows)
+    if len(case.parents):
+        mask = ancestor_mask(case.parents)
+        out["tree"], _ = run(seq[case.context:], case.context + mask.sum(1) - 1, mask)
+    return out
 
 
-def _summarize(pairs: dict) -> ParityReport:
-    max_abs_logit = max(float(np.abs(r).max()) for rows in pairs.values() for _, r in rows)
-    max_abs_logit = max(max_abs_logit, 1e-30)
-    per_phase = {k: max(float(np.abs(o - r).max()) for o, r in rows) / max_abs_logit
-                 for k, rows in pairs.items() if rows}
-    max_abs = max(per_phase.values()) * max_abs_logit
-    return ParityReport(max(per_phase.values()), max_abs, max_abs_logit, per_phase)
+def compare(reference: dict, got: dict) -> ParityReport:
+    """max|Δlogits| / max|logits| over every phase."""
+    max_abs_logit = max(max(float(np.abs(r).max()) for r in reference.values()), 1e-30)
+    per_phase = {k: float(np.abs(got[k] - r).max()) / max_abs_logit for k, r in reference.items()}
+    worst = max(per_phase.values())
+    return ParityReport(worst, worst * max_abs_logit, max_abs_logit, per_phase)
+
+
+def check_parity(model, onnx_path, io: ModelIO, *, max_seq_len: int, max_verify_tokens: int,
+                 seed: int = 0) -> ParityReport:
+    """Compare ORT and PyTorch logits on a prefill, decode steps and a random tree."""
+    case = parity_case(io, max_seq_len=max_seq_len, max_verify_tokens=max_verify_tokens, seed=seed)
+    return compare(reference_logits(model, case), onnx_logits(onnx_path, io, case))

@@ -1,0 +1,221 @@
+"""Numpy fakes and statistics helpers for the speculative-decoding tests (no torch, no ONNX).
+
+`TabularBackend` is a toy LM whose next-token logits depend only on the last two tokens of the
+context: `table[prev2, prev1]` -> logits [V]. Missing previous tokens (position 0 and 1 of the
+sequence) read as token BOS = 0. Because the model is a lookup table, the exact probability of
+every k-token continuation is computable (`exact_continuation_probs`), which is what the
+sequence-level G-tests compare the decode loop against.
+
+    table [V, V, V] (prev2, prev1, next) log-probs, float64; the backend serves them as float32
+    history [capacity]   the "KV cache": the token at each committed position
+
+`goodness_of_fit` is the one G-test both statistics files use (cells with small expected counts are
+pooled, so sparse tables stay valid; an observed impossible outcome is an immediate failure).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats as sps
+
+from specexport.runtime.backends.base import Backend, StepOutput
+from specexport.runtime.sampling import SamplingParams, warp
+
+BOS = 0
+
+
+# ------------------------------------------------------------------------------------------------
+# The tabular backend
+# ------------------------------------------------------------------------------------------------
+class TabularBackend(Backend):
+    """A second-order Markov "LM" behind the Backend interface, with a real (token) KV history.
+
+    Each forward row's context is the committed history [0, length) plus that row's ancestors among
+    the new tokens (tree_mask; default causal). The fake checks what a real attention kernel would
+    silently get wrong: the mask must be a tree's ancestor-or-self mask (lower triangular, unit
+    diagonal, closed under ancestry) and `depths` must equal each row's number of ancestors.
+    Logits come back in one reused [max_tokens, V] buffer, as an engine's output binding would.
+    """
+
+    def __init__(self, table: np.ndarray, *, capacity: int, max_tokens: int):
+        table = np.asarray(table)
+        V = table.shape[-1]
+        if table.shape != (V, V, V):
+            raise ValueError(f"table: expected shape [V, V, V], got {table.shape}")
+        super().__init__(capacity=capacity, max_tokens=max_tokens, vocab_size=V)
+        self.table = table.astype(np.float32)                       # [V, V, V] served logits
+        self.history = np.full(capacity, -1, dtype=np.int64)        # [capacity] token per KV row
+        self._out = np.empty((max_tokens, V), dtype=np.float32)     # [max_tokens, V] reused
+        self._chain_parents = np.arange(-1, max_tokens, dtype=np.int64)   # [max_tokens + 1]
+        self.forward_calls = 0
+        self.forward_tokens = 0
+
+    def _forward(self, tokens, depths, tree_mask) -> StepOutput:
+        T, L = len(tokens), self.length
+        if tree_mask is None:                                        # causal chain: fast path
+            parents = self._chain_parents[:T]
+            expected_depths = self._chain_parents[1:T + 1]
+        else:
+            mask = np.asarray(tree_mask, dtype=bool)
+            parents = _check_tree_mask(mask)                         # [T] index among new tokens or -1
+            expected_depths = mask.sum(1) - 1
+        if depths is not None:
+            assert np.array_equal(np.asarray(depths), expected_depths), \
+                f"depths {np.asarray(depths).tolist()} != {expected_depths.tolist()}"
+        if not 0 <= int(tokens.min()) <= int(tokens.max()) < self.vocab_size:
+            raise AssertionError(f"token ids out of range: {tokens.tolist()}")
+        self.history[L:L + T] = tokens
+        before = self.history[L - 1] if L > 0 else BOS             # last committed token
+        prev2 = np.where(parents >= 0, tokens[np.maximum(parents, 0)], before)   # [T]
+        logits = self._out[:T]
+        logits[:] = self.table[prev2, tokens]                        # [T, V]
+        self.forward_calls += 1
+        self.forward_tokens += T
+        return StepOutput(logits=logits, hidden=None)
+
+    def _move_rows(self, keep: np.ndarray) -> None:
+        L = self.length
+        self.history[L:L + len(keep)] = self.history[L + keep]      # fancy index copies first
+
+    def context(self) -> np.ndarray:
+        """[length] the committed tokens."""
+        return self.history[:self.length].copy()
+
+
+def _check_tree_mask(mask: np.ndarray) -> np.ndarray:
+    """Parent (among the new tokens) of each row of an ancestor-or-self mask [T, T], -1 for none."""
+    T = len(mask)
+    assert mask.shape == (T, T), mask.shape
+    assert np.all(np.diag(mask)), "tree_mask: every row must see itself"
+    assert not np.any(np.triu(mask, 1)), "tree_mask: a row sees a later row"
+    parents = np.full(T, -1, dtype=np.int64)
+    for i in range(T):
+        anc = np.flatnonzero(mask[i, :i])
+        if len(anc):
+            parents[i] = anc[-1]
+            closure = mask[parents[i]].copy()
+            closure[i] = True
+            assert np.array_equal(mask[i], closure), f"tree_mask row {i} is not its parent's row plus itself"
+    return parents
+
+
+# ------------------------------------------------------------------------------------------------
+# Tables and exact distributions
+# ------------------------------------------------------------------------------------------------
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def make_table(rng: np.random.Generator, V: int, sharpness: float = 1.0) -> np.ndarray:
+    """[V, V, V] log-probs; sharpness 0 = uniform, ~1 = moderate, >= 3 = nearly deterministic."""
+    return log_softmax(sharpness * rng.standard_normal((V, V, V)))
+
+
+def perturb_table(rng: np.random.Generator, table: np.ndarray, noise: float) -> np.ndarray:
+    """A draft for `table`: the same logits plus Gaussian noise (noise 0 = the target itself)."""
+    return log_softmax(table + noise * rng.standard_normal(table.shape))
+
+
+def _context(prompt) -> tuple[int, int]:
+    prompt = [int(t) for t in prompt]
+    padded = [BOS, BOS] + prompt
+    return padded[-2], padded[-1]
+
+
+def exact_continuation_probs(table: np.ndarray, prompt, k: int, params: SamplingParams) -> np.ndarray:
+    """[V] * k: the exact probability of every k-token continuation of `prompt` when each token is
+    drawn from `warp(target logits, params)`; the logits are the float32 values the backend serves.
+
+    Example: k = 1 gives warp(table[prompt[-2], prompt[-1]]) (BOS = 0 for a missing token).
+    """
+    V = table.shape[-1]
+    W = warp(np.asarray(table, dtype=np.float32), params)         # [V, V, V] next-token probs
+    a, b = _context(prompt)
+    out = W[a, b]                                                  # [V]
+    if k >= 2:
+        out = out[:, None] * W[b]                                  # [V, V]
+    for _ in range(k - 2):
+        out = out[..., None] * W                                   # [..., V, V] * [V, V, V] on the last two axes
+    assert out.shape == (V,) * k
+    return out
+
+
+def greedy_reference(table: np.ndarray, prompt, n: int) -> np.ndarray:
+    """[n] plain greedy continuation computed straight from the float32 table (no Backend, no loop)."""
+    t32 = np.asarray(table, dtype=np.float32)
+    a, b = _context(prompt)
+    out = []
+    for _ in range(n):
+        nxt = int(np.argmax(t32[a, b]))
+        out.append(nxt)
+        a, b = b, nxt
+    return np.asarray(out, dtype=np.int64)
+
+
+# ------------------------------------------------------------------------------------------------
+# Vectorized sampling and the goodness-of-fit test
+# ------------------------------------------------------------------------------------------------
+def draw(probs: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Vectorized inverse-CDF draw: probs [N, V] (rows need not be normalized), u [N] -> [N] tokens."""
+    cdf = np.cumsum(probs, axis=-1)                                  # [N, V]
+    idx = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)                 # zero-mass tokens are skipped
+    last = probs.shape[-1] - 1 - np.argmax(probs[:, ::-1] > 0, axis=-1)
+    return np.minimum(idx, last)
+
+
+@dataclass(frozen=True)
+class Fit:
+    pvalue: float
+    tv: float              # total variation between the empirical and the exact distribution
+    n: int                 # trials
+    cells: int             # outcomes in the exact distribution (before pooling)
+
+    @property
+    def tv_bound(self) -> float:
+        """4 sqrt(V / N) (ANCHORS.md "How to prove losslessness")."""
+        return 4.0 * np.sqrt(self.cells / self.n)
+
+    def __str__(self):
+        return f"G-test p = {self.pvalue:.3g}, TV = {self.tv:.4f} (bound {self.tv_bound:.4f}), N = {self.n}"
+
+
+def counts_of(outcomes: np.ndarray, shape: tuple) -> np.ndarray:
+    """outcomes [N, k] int -> counts with `shape` (V,) * k."""
+    flat = np.ravel_multi_index(tuple(np.asarray(outcomes).T), shape)
+    return np.bincount(flat, minlength=int(np.prod(shape))).reshape(shape)
+
+
+def goodness_of_fit(counts: np.ndarray, probs: np.ndarray, *, min_expected: float = 5.0) -> Fit:
+    """G-test (log-likelihood ratio) of observed counts against exact probabilities (same shape).
+
+    Cells whose expected count is below `min_expected` are pooled into one cell (chosen from the
+    exact distribution, not the data, so the test stays valid). Any count in a zero-probability cell
+    gives p = 0: the sampler produced an impossible outcome.
+    """
+    counts = np.asarray(counts, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    assert counts.shape == probs.shape and probs.min() >= 0
+    probs = probs / probs.sum()
+    n = int(counts.sum())
+    tv = 0.5 * float(np.abs(counts / n - probs).sum())
+    if np.any(counts[probs == 0] > 0):
+        return Fit(0.0, tv, n, len(probs))
+    expected = probs * n
+    big = expected >= min_expected
+    obs, exp = list(counts[big]), list(expected[big])
+    small = ~big & (probs > 0)
+    if small.any():
+        pooled_obs, pooled_exp = counts[small].sum(), expected[small].sum()
+        if pooled_exp >= min_expected or not exp:
+            obs.append(pooled_obs)
+            exp.append(pooled_exp)
+        else:                                       # too small even pooled: fold into the smallest cell
+            j = int(np.argmin(exp))
+            obs[j] += pooled_obs
+            exp[j] += pooled_exp
+    if len(obs) < 2:
+        return Fit(1.0, tv, n, len(probs))           # one possible outcome, and only it was seen
+    res = sps.power_divergence(np.asarray(obs), np.asarray(exp), lambda_="log-likelihood")
+    return Fit(float(res.pvalue), tv, n, len(probs))
