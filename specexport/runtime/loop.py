@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specexport.errors import SpecexportError
 from specexport.runtime.accept import accept_chain, accept_greedy
 from specexport.runtime.backends.base import Backend
 from specexport.runtime.sampling import SamplingParams, sample, warp
@@ -70,11 +71,16 @@ def decode(target: Backend, draft: Backend | None, prompt: np.ndarray, *, max_ne
            prefill_chunk: int = 64):
     """Yield chunks of emitted tokens ([k] int64 arrays). draft None or gamma 0 = vanilla decoding."""
     start = time.perf_counter()
-    capacity = target.capacity
+    capacity = target.capacity if draft is None else min(target.capacity, draft.capacity)
+    if not 1 <= len(prompt) < capacity:
+        raise SpecexportError(f"prompt: {len(prompt)} tokens; expected 1..{capacity - 1} (max_seq_len {capacity} "
+                              f"holds the prompt and at least one generated token)")
+    if max_new_tokens < 1:
+        raise SpecexportError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
     seq = np.zeros(capacity, dtype=np.int64)                   # prompt + emitted; fixed size
     n = len(prompt)
     seq[:n] = prompt
-    gamma = gamma if draft is not None else 0
+    gamma = min(gamma, target.max_tokens - 1) if draft is not None else 0     # verify takes γ+1 tokens
     stats.gamma, stats.prompt_tokens = gamma, n
     stats.proposed_at, stats.accepted_at = np.zeros(gamma, np.int64), np.zeros(gamma, np.int64)
     target.reset()
