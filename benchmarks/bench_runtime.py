@@ -89,16 +89,21 @@ def main():
         print(f"    T={T}: cap2048 {ma * 1e3:.2f} ms, cap128 {mb * 1e3:.2f} ms, ratio {ma / mb:.3f}")
 
     print("(c) RSS over 2,000 generated tokens (draft, greedy)")
-    marks = {}
-    for _ in big.stream(prompt_ids=list(range(3, 20)), max_new_tokens=2000, method="draft", gamma=4):
-        marks.setdefault("first piece", rss_mib())
-    out = big.last_output
-    marks["end"] = rss_mib()
-    print(f"    generated {len(out.token_ids)} tokens ({out.finish_reason}); RSS after first piece "
-          f"{marks['first piece']:.1f} MiB, at end {marks['end']:.1f} MiB, growth {marks['end'] - marks['first piece']:+.1f} MiB")
-    # a second long generation on the same pipeline must not grow it either
-    big.generate(prompt_ids=list(range(3, 20)), max_new_tokens=2000, method="draft", gamma=4)
-    print(f"    after a second 2,000-token generation: {rss_mib():.1f} MiB")
+    from specexport.runtime.loop import DecodeStats, decode
+    from specexport.runtime.sampling import SamplingParams
+
+    big.generate(prompt_ids=list(range(3, 20)), max_new_tokens=50, method="draft", gamma=4)   # warm-up
+    samples, emitted = [], 0
+    for chunk in decode(big.target, big.draft, np.arange(3, 20), max_new_tokens=2000, params=SamplingParams(),
+                        gamma=4, rng=np.random.default_rng(0), stats=DecodeStats()):
+        emitted += len(chunk)
+        samples.append((emitted, rss_mib()))
+    first, last = samples[0], samples[-1]
+    print(f"    {emitted} tokens; RSS after token {first[0]}: {first[1]:.1f} MiB, after token {last[0]}: "
+          f"{last[1]:.1f} MiB, growth {last[1] - first[1]:+.1f} MiB (max during run {max(r for _, r in samples):.1f})")
+    for i in range(2):
+        big.generate(prompt_ids=list(range(3, 20)), max_new_tokens=2000, method="draft", gamma=4)
+        print(f"    after another 2,000-token generation: {rss_mib():.1f} MiB")
 
 
 if __name__ == "__main__":
