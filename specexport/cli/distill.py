@@ -1,0 +1,45 @@
+"""specexport distill-draft TARGET --out DIR: a draft for a target that has none."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from specexport.cli import cli
+
+
+@cli.command("distill-draft")
+@click.argument("target", type=click.Path(file_okay=False))
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output checkpoint folder.")
+@click.option("--layers", default=2, show_default=True, help="Draft decoder layers.")
+@click.option("--hidden-size", default=None, type=int, help="Draft width (default: the target's).")
+@click.option("--intermediate-size", default=None, type=int, help="Draft MLP width (default: scaled).")
+@click.option("--prompts", multiple=True, type=click.Path(dir_okay=False), help="Prompt file (repeatable).")
+@click.option("--corpus", default=None, type=click.Path(file_okay=False), help="Folder to draw prompts from.")
+@click.option("--num-prompts", default=256, show_default=True)
+@click.option("--prompt-tokens", default=32, show_default=True)
+@click.option("--new-tokens", default=96, show_default=True, help="Target continuation length per prompt.")
+@click.option("--steps", default=300, show_default=True)
+@click.option("--batch-size", default=16, show_default=True)
+@click.option("--lr", default=1e-3, show_default=True)
+@click.option("--seed", default=0, show_default=True)
+@click.option("--checkpoint-every", default=50, show_default=True)
+@click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("-v", "--verbose", is_flag=True)
+def distill_draft(target, out, layers, hidden_size, intermediate_size, prompts, corpus, num_prompts, prompt_tokens,
+                  new_tokens, steps, batch_size, lr, seed, checkpoint_every, device, verbose):
+    """Self-distill a small draft from TARGET (a HF checkpoint folder) into --out."""
+    from rich.console import Console
+
+    from specexport.distill.train import DistillConfig, distill_draft as run
+
+    cfg = DistillConfig(target=Path(target).resolve(), out=Path(out).resolve(), layers=layers,
+                        hidden_size=hidden_size, intermediate_size=intermediate_size,
+                        prompts=tuple(Path(p) for p in prompts), corpus=Path(corpus) if corpus else None,
+                        num_prompts=num_prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens, steps=steps,
+                        batch_size=batch_size, lr=lr, seed=seed, checkpoint_every=checkpoint_every, device=device)
+    console = Console(stderr=True)
+    report = run(cfg, console=console)
+    console.print(f"[green]✓[/] draft written to {cfg.out} ({report['draft']['parameters']:,} parameters); "
+                  f"greedy agreement with the target on held-out prompts: {report['agreement_before']:.3f} before, "
+                  f"{report['agreement_after']:.3f} after (KL {report['kl_before']:.3f} -> {report['kl_after']:.3f})")

@@ -1,0 +1,1 @@
+"""Self-distillation of a draft model from a target (`specexport distill-draft`)."""

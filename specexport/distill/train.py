@@ -1,0 +1,309 @@
+"""specexport distill-draft: make a small draft from a target by self-distillation.
+
+    target ──generate (sampled)──► sequences ──► train draft on KL(p_target ‖ q_draft) per position
+                                                  (Medusa-2 / EAGLE self-distillation)
+
+State lives in <out>/.distill/: data.pt (prompts and target sequences, made once) and state.pt (the
+draft, optimizer and step, saved every `checkpoint_every` steps, atomically). A rerun with the same
+options resumes from state.pt; the batch order is a function of (seed, step), so a resumed run ends
+with the same weights as an uninterrupted one. The output is an ordinary HF checkpoint folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specexport._optional import require
+from specexport.distill import data as distill_data
+from specexport.errors import SpecexportError
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    target: Path
+    out: Path
+    layers: int = 2
+    hidden_size: int | None = None          # default: the target's width
+    intermediate_size: int | None = None    # default: the target's ratio
+    prompts: tuple[Path, ...] = ()          # text files, one prompt per paragraph
+    corpus: Path | None = None              # or a folder to draw prompt windows from
+    num_prompts: int = 256
+    prompt_tokens: int = 32
+    new_tokens: int = 96
+    heldout: int = 16                       # prompts kept out of training for the agreement figure
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-3
+    seed: int = 0
+    checkpoint_every: int = 50
+    device: str | None = None               # default: cuda when available, else cpu
+    extra: dict = field(default_factory=dict)
+
+    def fingerprint(self) -> str:
+        keep = {k: str(v) for k, v in asdict(self).items() if k not in ("steps", "checkpoint_every", "device")}
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
+    """Run (or resume) distillation; returns the report written to <out>/distill_report.json."""
+    torch = require("torch")
+    transformers = require("transformers")
+    _check(cfg)
+    transformers.utils.logging.disable_progress_bar()
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    state_dir = cfg.out / ".distill"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.target)
+    target = transformers.AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    data = _load_or_make_data(cfg, target, tokenizer, state_dir, console)
+    draft = _init_draft(cfg, target).to(device)
+    opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
+    step, history = 0, []
+    state_path = state_dir / "state.pt"
+    if state_path.is_file():
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        if state["fingerprint"] == cfg.fingerprint():
+            draft.load_state_dict(state["draft"])
+            opt.load_state_dict(state["opt"])
+            step, history = state["step"], state["history"]
+            _say(console, f"resuming from step {step}")
+    heldout = data["heldout"]
+    before = evaluate(target, _init_draft(cfg, target).to(device), heldout)
+    train = data["train"]
+    total_tokens = 0
+    start = time.perf_counter()
+    progress = _progress(console, cfg.steps, step)
+    try:
+        while step < cfg.steps:
+            batch = _batch(train, step, cfg, device)
+            loss = _kl_step(target, draft, opt, batch, lr=_lr(cfg, step))
+            step += 1
+            total_tokens += int(batch[1].sum())
+            history.append(round(loss, 5))
+            progress(step, loss, total_tokens / max(time.perf_counter() - start, 1e-9))
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                _save_state(state_path, draft, opt, step, history, cfg)
+            if on_step:
+                on_step(step)
+    finally:
+        progress(None, None, None)
+    after = evaluate(target, draft, heldout)
+    return _write_outputs(cfg, draft, tokenizer, before, after, history)
+
+
+# -- pieces ----------------------------------------------------------------------------------
+
+def _check(cfg: DistillConfig) -> None:
+    if not (cfg.target / "config.json").is_file():
+        raise SpecexportError(f"target: {cfg.target} has no config.json")
+    if (cfg.corpus is None) == (not cfg.prompts):
+        raise SpecexportError("give prompts (--prompts FILE) or a corpus (--corpus DIR), exactly one of them")
+    for name in ("layers", "steps", "batch_size", "num_prompts", "prompt_tokens", "new_tokens", "checkpoint_every"):
+        if getattr(cfg, name) < 1:
+            raise SpecexportError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(cfg, name)}")
+
+
+def _load_or_make_data(cfg, target, tokenizer, state_dir: Path, console) -> dict:
+    torch = require("torch")
+    path = state_dir / "data.pt"
+    if path.is_file():
+        data = torch.load(path, weights_only=False)
+        if data["fingerprint"] == cfg.fingerprint():
+            return data
+    if cfg.corpus is not None:
+        prompts = distill_data.prompts_from_corpus(cfg.corpus, tokenizer, count=cfg.num_prompts + cfg.heldout,
+                                                   tokens=cfg.prompt_tokens, seed=cfg.seed)
+    else:
+        prompts = distill_data.prompts_from_files(cfg.prompts, tokenizer, max_tokens=cfg.prompt_tokens)
+    rng = np.random.default_rng(cfg.seed)
+    order = rng.permutation(len(prompts))
+    n_held = min(cfg.heldout, max(1, len(prompts) // 5))
+    held, train_p = [prompts[i] for i in order[:n_held]], [prompts[i] for i in order[n_held:]]
+    if not train_p:
+        raise SpecexportError("prompts: need at least 2 prompts (one is held out for evaluation)")
+    eos = tuple(_eos_ids(target))
+    _say(console, f"generating {len(train_p)} target continuations of up to {cfg.new_tokens} tokens")
+    seqs = distill_data.generate_sequences(target, train_p, new_tokens=cfg.new_tokens, batch_size=cfg.batch_size,
+                                           seed=cfg.seed, eos_ids=eos)
+    data = {"fingerprint": cfg.fingerprint(), "train": seqs, "heldout": _greedy_heldout(target, held, cfg.new_tokens)}
+    _atomic_save(data, path)
+    return data
+
+
+def _eos_ids(model):
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
+
+
+def _greedy_heldout(target, prompts, new_tokens):
+    """Held-out prompts with the target's greedy continuation: (sequence, prompt length) pairs."""
+    torch = require("torch")
+    out = []
+    device = next(target.parameters()).device
+    for p in prompts:
+        ids = torch.tensor([p], device=device)
+        with torch.no_grad():
+            seq = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                  do_sample=False, pad_token_id=0)
+        out.append((seq[0].cpu().tolist(), len(p)))
+    return out
+
+
+def evaluate(target, draft, heldout) -> dict:
+    """On the target's greedy continuations of held-out prompts (teacher-forced):
+    agreement = share of positions where the draft's argmax equals the target's (the greedy acceptance
+    rate of a one-token proposal); kl = mean KL(p_target ‖ q_draft) per position."""
+    torch = require("torch")
+    device = next(draft.parameters()).device
+    hits = total = 0
+    kl_sum = 0.0
+    was_training = draft.training
+    draft.eval()
+    with torch.no_grad():
+        for seq, n_prompt in heldout:
+            ids = torch.tensor([seq], device=device)
+            p_log = torch.log_softmax(target(ids).logits[0, n_prompt - 1:-1].float(), -1)   # [S, V]
+            q_log = torch.log_softmax(draft(ids).logits[0, n_prompt - 1:-1].float(), -1)    # [S, V]
+            hits += int((p_log.argmax(-1) == q_log.argmax(-1)).sum())
+            kl_sum += float((p_log.exp() * (p_log - q_log)).sum())
+            total += p_log.shape[0]
+    draft.train(was_training)
+    return {"agreement": hits / max(total, 1), "kl": kl_sum / max(total, 1)}
+
+
+def _init_draft(cfg: DistillConfig, target):
+    """The draft's config and initial weights: the target's first layers when as wide as the target,
+    else fresh layers with the target's embeddings projected onto their top singular directions."""
+    torch = require("torch")
+    transformers = require("transformers")
+    tcfg = target.config
+    hidden = cfg.hidden_size or tcfg.hidden_size
+    conf = tcfg.to_dict()
+    head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads
+    heads = max(1, hidden // head_dim)
+    kv = max(1, min(heads, tcfg.num_key_value_heads * heads // tcfg.num_attention_heads))
+    while heads % kv:
+        kv -= 1
+    inter = cfg.intermediate_size or int(tcfg.intermediate_size * hidden / tcfg.hidden_size)
+    same_width = hidden == tcfg.hidden_size
+    conf.update(num_hidden_layers=cfg.layers, hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                num_key_value_heads=kv, head_dim=head_dim, dtype="float32",
+                tie_word_embeddings=tcfg.tie_word_embeddings if same_width else True)
+    conf.pop("layer_types", None)
+    draft_cfg = type(tcfg).from_dict(conf)
+    torch.manual_seed(cfg.seed)
+    draft = transformers.AutoModelForCausalLM.from_config(draft_cfg)
+    emb = target.get_input_embeddings().weight.detach().float().cpu()           # [V, Ht]
+    with torch.no_grad():
+        if same_width:
+            sd = {k: v for k, v in target.state_dict().items()
+                  if not k.startswith("model.layers.") or int(k.split(".")[2]) < cfg.layers}
+            missing, unexpected = draft.load_state_dict(sd, strict=False)
+            if unexpected or [k for k in missing if k != "lm_head.weight"]:
+                raise SpecexportError(f"draft init: keys differ from the target's: {missing + unexpected}")
+        else:
+            _, _, vt = torch.linalg.svd(emb - emb.mean(0), full_matrices=False)   # vt [Ht, Ht]
+            draft.get_input_embeddings().weight.copy_(emb @ vt[:hidden].T)          # [V, H]
+        draft.tie_weights()
+    return draft.train()
+
+
+def _batch(train, step: int, cfg: DistillConfig, device):
+    """Batch `step`: a pure function of (seed, step) so resuming reproduces the same batches."""
+    torch = require("torch")
+    epoch_len = max(1, len(train) // cfg.batch_size)
+    perm = np.random.default_rng([cfg.seed, step // epoch_len]).permutation(len(train))
+    rows = [train[i] for i in perm[(step % epoch_len) * cfg.batch_size:][:cfg.batch_size]]
+    width = max(map(len, rows))
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for r, seq in enumerate(rows):
+        ids[r, :len(seq)] = torch.tensor(seq)
+        mask[r, :len(seq)] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _kl_step(target, draft, opt, batch, *, lr: float) -> float:
+    torch = require("torch")
+    ids, mask = batch
+    with torch.no_grad():
+        p_log = torch.log_softmax(target(ids, attention_mask=mask).logits.float(), -1)     # [B, S, V]
+    q_log = torch.log_softmax(draft(ids, attention_mask=mask).logits.float(), -1)        # [B, S, V]
+    kl = (p_log.exp() * (p_log - q_log)).sum(-1)                                         # [B, S]
+    loss = (kl * mask).sum() / mask.sum()
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+    opt.step()
+    return float(loss.detach())
+
+
+def _lr(cfg: DistillConfig, step: int) -> float:
+    warmup = max(1, cfg.steps // 20)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, cfg.steps - warmup)))
+
+
+def _save_state(path: Path, draft, opt, step, history, cfg) -> None:
+    _atomic_save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
+                  "fingerprint": cfg.fingerprint()}, path)
+
+
+def _atomic_save(obj, path: Path) -> None:
+    torch = require("torch")
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _write_outputs(cfg, draft, tokenizer, before, after, history) -> dict:
+    draft.eval().save_pretrained(cfg.out)
+    tokenizer.save_pretrained(cfg.out)
+    gen = cfg.target / "generation_config.json"
+    if gen.is_file():
+        (cfg.out / "generation_config.json").write_text(gen.read_text())
+    report = {"agreement_before": before["agreement"], "agreement_after": after["agreement"],
+              "kl_before": before["kl"], "kl_after": after["kl"], "steps": cfg.steps,
+              "final_loss": history[-1] if history else None, "loss_first": history[:1],
+              "draft": {"layers": cfg.layers, "hidden_size": draft.config.hidden_size,
+                        "parameters": sum(p.numel() for p in draft.parameters())},
+              "config": {k: str(v) for k, v in asdict(cfg).items()}}
+    (cfg.out / "distill_report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _say(console, text):
+    if console is not None:
+        console.print(text)
+
+
+def _progress(console, total: int, done: int):
+    """A rich progress bar with loss and tokens/s; call with step None to close it."""
+    if console is None:
+        return lambda *a: None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("distill"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                   TimeRemainingColumn(), console=console)
+    task = bar.add_task("distill", total=total, completed=done, info="")
+    bar.start()
+
+    def update(step, loss, tps):
+        if step is None:
+            bar.stop()
+            return
+        bar.update(task, completed=step, info=f"loss {loss:.4f}  {tps:,.0f} tok/s")
+
+    return update
