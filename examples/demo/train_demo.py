@@ -83,6 +83,8 @@ def main():
     rng = np.random.default_rng(args.seed)
     train_files, held = stdlib_files()
     write_prompts(held, rng)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "train_files.txt").write_text("".join(f"{p}\n" for p in train_files))
     tokenizer = train_tokenizer(train_files, 2048)
     data = token_stream(train_files, tokenizer)
     print(f"{len(train_files)} training files, {len(held)} held out, {len(data):,} tokens", flush=True)

@@ -15,7 +15,8 @@ from specexport.cli import cli
 @click.option("--hidden-size", default=None, type=int, help="Draft width (default: the target's).")
 @click.option("--intermediate-size", default=None, type=int, help="Draft MLP width (default: scaled).")
 @click.option("--prompts", multiple=True, type=click.Path(dir_okay=False), help="Prompt file (repeatable).")
-@click.option("--corpus", default=None, type=click.Path(file_okay=False), help="Folder to draw prompts from.")
+@click.option("--corpus", default=None, type=click.Path(),
+              help="Folder to draw prompts from, or a text file listing files.")
 @click.option("--num-prompts", default=256, show_default=True)
 @click.option("--prompt-tokens", default=32, show_default=True)
 @click.option("--new-tokens", default=96, show_default=True, help="Target continuation length per prompt.")

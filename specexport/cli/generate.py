@@ -19,9 +19,10 @@ from specexport.cli import cli
 @click.option("--precision", default="fp32", show_default=True)
 @click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--compare", is_flag=True, help="Also time vanilla decoding on the same build and print the speedup.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
 def generate(output_dir, prompt, method, gamma, temperature, top_k, top_p, max_new_tokens, seed, precision,
-             threads, stop, verbose):
+             threads, stop, compare, verbose):
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
 
@@ -41,3 +42,19 @@ def generate(output_dir, prompt, method, gamma, temperature, top_k, top_p, max_n
         line += (f", γ={s.gamma}, acceptance {s.acceptance_rate:.2f}, "
                  f"{s.mean_accepted_tokens:.2f} tokens per target pass")
     click.secho(line, fg="cyan", err=True)
+    if compare and method != "vanilla":
+        _compare(pipe, prompt, dict(max_new_tokens=max_new_tokens, gamma=gamma, temperature=temperature,
+                                    top_k=top_k, top_p=top_p, seed=seed, stop=stop), method)
+
+
+def _compare(pipe, prompt, kwargs, method, repeats: int = 5) -> None:
+    """Interleave vanilla and speculative runs of the same request; print median tokens/s and the ratio."""
+    import statistics
+
+    speeds = {"vanilla": [], method: []}
+    for _ in range(repeats):
+        for m in speeds:
+            speeds[m].append(pipe.generate(prompt, method=m, **kwargs).stats.tokens_per_second)
+    v, s = statistics.median(speeds["vanilla"]), statistics.median(speeds[method])
+    click.secho(f"speedup: {method} {s:.1f} tok/s vs vanilla {v:.1f} tok/s on the same build = {s / v:.2f}x "
+                f"(medians of {repeats} interleaved runs)", fg="green", bold=True, err=True)

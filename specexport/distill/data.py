@@ -18,7 +18,17 @@ CORPUS_SUFFIXES = (".py", ".txt", ".md", ".rst")
 
 
 def corpus_files(folder: Path) -> list[Path]:
-    files = sorted(p for p in Path(folder).rglob("*") if p.suffix in CORPUS_SUFFIXES and p.is_file())
+    """The corpus: a folder (its *.py/*.txt/*.md/*.rst files, recursively) or a text file listing files."""
+    folder = Path(folder)
+    if folder.is_file():
+        files = [Path(line.strip()) for line in folder.read_text().splitlines() if line.strip()]
+        missing = [str(p) for p in files if not p.is_file()]
+        if missing:
+            raise SpecexportError(f"--corpus: {folder} lists files that do not exist: {missing[:3]}")
+    elif folder.is_dir():
+        files = sorted(p for p in folder.rglob("*") if p.suffix in CORPUS_SUFFIXES and p.is_file())
+    else:
+        raise SpecexportError(f"--corpus: {folder} does not exist")
     if not files:
         raise SpecexportError(f"--corpus: {folder} has no {', '.join(CORPUS_SUFFIXES)} files")
     return files

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Reproduce the demo pair from scratch, seeded, on CPU (about 40 minutes on 2 cores; the measured
+# time is written to examples/demo/models/RUNTIME.txt). Run from the repository root.
+set -euo pipefail
+start=$(date +%s)
+out=examples/demo/models
+python examples/demo/train_demo.py --out "$out"
+# train_demo.py writes its training-file list (held-out files excluded); the draft learns from those.
+specexport distill-draft "$out/target" --out "$out/draft" --corpus "$out/train_files.txt" \
+  --layers 1 --hidden-size 192 --num-prompts 512 --prompt-tokens 32 --new-tokens 96 \
+  --steps 600 --batch-size 16 --lr 2e-3 --seed 0 --device cpu
+python - "$out/draft" <<'PY'
+import sys, torch, transformers
+path = sys.argv[1]
+model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+model.to(torch.float16).save_pretrained(path)          # ship fp16, like the target
+PY
+rm -rf "$out/draft/.distill" "$out/train_files.txt"
+echo "make_demo.sh: $(( $(date +%s) - start )) s on $(nproc) cores, $(date -u +%F)" > "$out/RUNTIME.txt"
