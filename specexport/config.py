@@ -7,29 +7,37 @@ Relative paths resolve against the YAML file's folder.
     target: {path: models/target}     # HF directory: config.json, weights, tokenizer files
     draft: {path: models/draft}       # optional; same tokenizer and vocabulary as the target
     max_seq_len: 1024                 # capacity of the static KV buffers (prompt + generated)
-    precisions: [fp32]
+    precisions: [fp32, int8, int4]    # fp32 is always built: the reference and the source of the others
     backends: [onnxruntime]
     output: engines/demo              # optional
     max_verify_tokens: 16             # optional: most tokens one verification pass takes (tree size)
     parity_tolerance: 1.0e-4          # optional: max|Δlogits| / max|logits| gate for fp32
+    eval_text: data/heldout.txt       # optional: held-out text for the quantized graphs' quality gate
+    quality_gates: {int4: {min_top1: 0.8, max_kl: 0.2}}   # optional: per quantized precision
     # per model, optional: aux_hidden_layers: [2, 8, 13] or "eagle3" (layers whose inputs are exported)
+    # per model, optional: precisions: [int4] (overrides the top-level list for that model)
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specexport.errors import SpecexportError
 
-PRECISIONS = ("fp32",)               # int8/int4/fp8 come with the quantization issue
+PRECISIONS = ("fp32", "int8", "int4")   # int8/int4: weight-only MatMulNBits made from fp32 (export/quantize.py)
+QUANTIZED = ("int8", "int4")             # checked against fp32 by a quality gate (export/quality.py)
 BACKENDS = ("onnxruntime",)          # tensorrt comes with the engine issue
 MODEL_ROLES = ("target", "draft")
 TOP_KEYS = {"name", "target", "draft", "max_seq_len", "precisions", "backends", "output",
-            "max_verify_tokens", "parity_tolerance"}
-MODEL_KEYS = {"path", "aux_hidden_layers"}
+            "max_verify_tokens", "parity_tolerance", "eval_text", "quality_gates"}
+MODEL_KEYS = {"path", "aux_hidden_layers", "precisions"}
+# Quality gates of the quantized graphs against the fp32 graph, on held-out text: the share of positions
+# whose argmax agrees (min_top1) and the mean KL(p_fp32 || p_quant) of the next-token distribution (max_kl).
+DEFAULT_QUALITY_GATES = {"int8": {"min_top1": 0.90, "max_kl": 0.05}, "int4": {"min_top1": 0.80, "max_kl": 0.20}}
+GATE_KEYS = ("min_top1", "max_kl")
 REQUIRED = ("name", "target", "max_seq_len")
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -40,6 +48,7 @@ class ModelConfig:
     role: str
     path: Path
     aux_hidden_layers: tuple[int, ...] | str = ()   # explicit layer ids, or "eagle3"
+    precisions: tuple[str, ...] = ("fp32",)         # what this model is built in; always fp32 first
 
 
 @dataclass(frozen=True)
@@ -48,11 +57,13 @@ class BuildConfig:
     target: ModelConfig
     draft: ModelConfig | None
     max_seq_len: int
-    precisions: tuple[str, ...]
+    precisions: tuple[str, ...]                     # the top-level list (fp32 first); see ModelConfig
     backends: tuple[str, ...]
     output: Path
     max_verify_tokens: int = 16
     parity_tolerance: float = 1e-4
+    eval_text: Path | None = None                   # held-out text for the quality gates (None: sampled)
+    quality_gates: dict = field(default_factory=lambda: {p: dict(g) for p, g in DEFAULT_QUALITY_GATES.items()})
     source: Path | None = None                      # the YAML file this came from
 
     @property
@@ -98,16 +109,19 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
     if raw.get("output") is not None and not isinstance(raw["output"], str):
         raise SpecexportError(f"output: expected a folder path (a string), got {raw['output']!r}")
     output = Path(raw["output"]) if raw.get("output") else Path("engines") / name
+    precisions = _precisions(raw.get("precisions", ["fp32"]), "precisions")
     cfg = BuildConfig(
         name=name,
-        target=_model(raw["target"], "target", base),
-        draft=_model(raw["draft"], "draft", base) if raw.get("draft") is not None else None,
+        target=_model(raw["target"], "target", base, precisions),
+        draft=_model(raw["draft"], "draft", base, precisions) if raw.get("draft") is not None else None,
         max_seq_len=max_seq_len,
-        precisions=_choices(raw.get("precisions", ["fp32"]), "precisions", PRECISIONS),
+        precisions=precisions,
         backends=_choices(raw.get("backends", ["onnxruntime"]), "backends", BACKENDS),
         output=output if output.is_absolute() else (base / output),
         max_verify_tokens=max_verify,
         parity_tolerance=float(tol),
+        eval_text=_eval_text(raw.get("eval_text"), base),
+        quality_gates=_quality_gates(raw.get("quality_gates")),
         source=source,
     )
     _check_output_writable(cfg.output)
@@ -140,7 +154,51 @@ def _choices(value, key: str, allowed) -> tuple[str, ...]:
     return tuple(dict.fromkeys(value))
 
 
-def _model(raw, role: str, base: Path) -> ModelConfig:
+def _precisions(value, key: str) -> tuple[str, ...]:
+    """The listed precisions, fp32 first: the quantized graphs are made from it and checked against it."""
+    return tuple(dict.fromkeys(("fp32", *_choices(value, key, PRECISIONS))))
+
+
+def _eval_text(value, base: Path) -> Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise SpecexportError(f"eval_text: expected a text file path (a string), got {value!r}")
+    path = Path(value) if Path(value).is_absolute() else base / value
+    if not path.is_file():
+        raise SpecexportError(f"eval_text: {value} does not exist or is not a file")
+    return path.resolve()
+
+
+def _quality_gates(raw) -> dict:
+    """DEFAULT_QUALITY_GATES with the YAML's overrides, e.g. {int4: {min_top1: 0.7}}."""
+    gates = {p: dict(g) for p, g in DEFAULT_QUALITY_GATES.items()}
+    if raw is None:
+        return gates
+    if not isinstance(raw, dict):
+        raise SpecexportError(f"quality_gates: expected a mapping like {{int8: {{min_top1: 0.9, max_kl: 0.05}}}}, "
+                              f"got {raw!r}")
+    for precision, gate in raw.items():
+        if precision not in QUANTIZED:
+            why = " (fp32 is gated against PyTorch by parity_tolerance)" if precision == "fp32" else ""
+            raise SpecexportError(f"quality_gates.{precision}: unknown key; allowed: {', '.join(QUANTIZED)}{why}")
+        if not isinstance(gate, dict):
+            raise SpecexportError(f"quality_gates.{precision}: expected a mapping like {{min_top1: 0.9, "
+                                  f"max_kl: 0.05}}, got {gate!r}")
+        for key, value in gate.items():
+            where = f"quality_gates.{precision}.{key}"
+            if key not in GATE_KEYS:
+                raise SpecexportError(f"{where}: unknown key; allowed: {', '.join(GATE_KEYS)}")
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if key == "min_top1" and not (number and 0 <= value <= 1):
+                raise SpecexportError(f"{where}: expected a number in 0..1 (a share of positions), got {value!r}")
+            if key == "max_kl" and not (number and value >= 0):
+                raise SpecexportError(f"{where}: expected a number >= 0 (nats), got {value!r}")
+            gates[precision][key] = float(value)
+    return gates
+
+
+def _model(raw, role: str, base: Path, precisions: tuple[str, ...]) -> ModelConfig:
     if isinstance(raw, str):
         raw = {"path": raw}
     if not isinstance(raw, dict):
@@ -164,7 +222,9 @@ def _model(raw, role: str, base: Path) -> ModelConfig:
         if not isinstance(aux, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in aux):
             raise SpecexportError(f"{role}.aux_hidden_layers: expected a list of layer indices or 'eagle3', got {aux!r}")
         aux = tuple(sorted(set(aux)))
-    return ModelConfig(role=role, path=path.resolve(), aux_hidden_layers=aux)
+    if raw.get("precisions") is not None:
+        precisions = _precisions(raw["precisions"], f"{role}.precisions")
+    return ModelConfig(role=role, path=path.resolve(), aux_hidden_layers=aux, precisions=precisions)
 
 
 def _check_output_writable(output: Path) -> None:

@@ -1,6 +1,8 @@
 """specexport build CONFIG: export, check and describe every model x precision in model.yaml."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from specexport.cli import cli
@@ -44,13 +46,47 @@ def _print_plan(plan) -> None:
 
 def _print_summary(manifest: dict, output) -> None:
     from rich.console import Console
+
+    Console().print(checks_table(manifest, title=f"built {manifest['name']} -> {output}", build_columns=True))
+
+
+def checks_table(manifest: dict, *, title: str | None = None, build_columns: bool = False):
+    """One row per model x precision: what it was checked against, the figures and the gate.
+
+    fp32 rows: relative logits error against PyTorch (parity_tolerance). Quantized rows: top-1 agreement
+    and mean KL against the fp32 graph (quality_gates), and the relative logits error for reference."""
     from rich.table import Table
 
-    table = Table(title=f"built {manifest['name']} -> {output}")
-    for col in ("model", "precision", "size", "parity error", "gate", "time"):
-        table.add_column(col)
+    columns = ["model", "precision", "top-1", "KL", "rel err", "gate"]
+    if build_columns:
+        columns[2:2] = ["size"]
+        columns.append("time")
+    table = Table(title=title, show_edge=False)
+    for col in columns:
+        numeric = col in ("size", "top-1", "KL", "rel err", "time")
+        table.add_column(col, justify="right" if numeric else "left", overflow="fold")
+    sources = set()
     for role, m in manifest["models"].items():
         for precision, e in m["precisions"].items():
-            table.add_row(role, precision, f"{e['size_bytes'] / 2**20:.1f} MiB", f"{e['parity_max_rel_error']:.2e}",
-                          f"≤ {e['parity_tolerance']:.0e}", f"{e['build_seconds']:.1f} s")
-    Console().print(table)
+            cells = dict(zip(("top-1", "KL", "rel err", "gate"), _check_cells(e)), model=role,
+                         precision=precision, size=f"{e['size_bytes'] / 2**20:.1f} MiB",
+                         time=f"{e['build_seconds']:.1f} s")
+            table.add_row(*(cells[c] for c in columns))
+            if "quality_text" in e:
+                t = e["quality_text"]
+                sources.add(f"eval_text {Path(t['path']).name}" if t["source"] == "eval_text"
+                            else "sequences sampled from each model's fp32 graph")
+    caption = "fp32: rel err of the logits vs PyTorch"
+    if sources:
+        caption += f"; int8/int4: top-1 agreement, mean KL and rel err vs fp32 on {' and '.join(sorted(sources))}"
+    table.caption = caption
+    return table
+
+
+def _check_cells(e: dict) -> list[str]:
+    rel = f"{e['parity_max_rel_error']:.1e}"
+    if e.get("parity_reference", "pytorch") == "pytorch":          # fp32: parity against PyTorch
+        return ["", "", rel, f"rel ≤ {e['parity_tolerance']:.0e}"]
+    gate = e["quality_gate"]
+    return [f"{e['top1_agreement']:.3f}", f"{e['mean_kl']:.4f}", rel,
+            f"top-1 ≥ {gate['min_top1']:.2f}\nKL ≤ {gate['max_kl']:g}"]

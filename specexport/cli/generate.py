@@ -17,16 +17,17 @@ from specexport.cli import cli
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--precision", default="fp32", show_default=True)
+@click.option("--draft-precision", default=None, help="The draft's precision (default: --precision).")
 @click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--compare", is_flag=True, help="Also time vanilla decoding on the same build and print the speedup.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
 def generate(output_dir, prompt, method, gamma, temperature, top_k, top_p, max_new_tokens, seed, precision,
-             threads, stop, compare, verbose):
+             draft_precision, threads, stop, compare, verbose):
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
 
-    pipe = specexport.load(output_dir, precision=precision, threads=threads)
+    pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision, threads=threads)
     pieces = pipe.stream(prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
     first = next(pieces, "")            # input errors surface here, before anything is printed

@@ -17,6 +17,7 @@ def inspect(output_dir, as_json, verbose):
     from rich.console import Console
     from rich.table import Table
 
+    from specexport.cli.build import checks_table
     from specexport.manifest import read_manifest
 
     m = read_manifest(output_dir)
@@ -30,15 +31,15 @@ def inspect(output_dir, as_json, verbose):
                   f"special tokens {m['special_tokens']}")
     console.print("versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
     table = Table()
-    for col in ("model", "type", "layers", "vocab", "precision", "files", "size", "parity error"):
+    for col in ("model", "type", "layers", "vocab", "precision", "files", "size"):
         table.add_column(col)
     for role, mm in m["models"].items():
         io = mm["io"]
         for precision, e in mm["precisions"].items():
             table.add_row(role, mm["model_type"], str(io["num_layers"]), str(mm["vocab_size"]), precision,
-                          "\n".join(e["files"]), f"{e['size_bytes'] / 2**20:.1f} MiB",
-                          f"{e['parity_max_rel_error']:.2e}")
+                          "\n".join(e["files"]), f"{e['size_bytes'] / 2**20:.1f} MiB")
     console.print(table)
+    console.print(checks_table(m, title="checks"))
     if verbose:
         for role, mm in m["models"].items():
             console.print(f"[bold]{role}[/] tensors:")

@@ -1,10 +1,11 @@
-"""Run a planned build: export -> parity check per model and precision, then the manifest.
+"""Run a planned build per model: fp32 export -> parity check against PyTorch, then each quantized
+precision made from that fp32 graph -> quality gate against it; then the manifest.
 
 Atomicity: the old manifest is removed before any stage rewrites files; each stage writes into a
-hidden `.partial` folder that is renamed into place only after its parity gate passes; the manifest is
+hidden `.partial` folder that is renamed into place only after its gate passes; the manifest is
 written last (atomically). An interrupted or failed build therefore never leaves a manifest that
 points at partial or missing files. Stages whose fingerprint is unchanged are reused (`force` redoes
-them).
+them); a model whose fp32 graph was rebuilt has its quantized graphs rebuilt too.
 """
 from __future__ import annotations
 
@@ -67,16 +68,24 @@ def run_build(plan: Plan, *, force: bool = False, reporter: Reporter | None = No
     manifest_path = out / MANIFEST_NAME
     results = []
     for mp in plan.models:
-        for precision in plan.config.precisions:
-            old = previous.get("models", {}).get(mp.role, {})
+        old = previous.get("models", {}).get(mp.role, {})
+        fp32_rebuilt, samples = False, {}
+        for precision in mp.config.precisions:              # fp32 first: the others are made from it
             entry = old.get("precisions", {}).get(precision)
-            if (not force and entry and old.get("fingerprint") == mp.fingerprint
+            stage_fp = plan.stage_fingerprint(mp, precision)
+            if (not force and not fp32_rebuilt and entry and old.get("fingerprint") == mp.fingerprint
+                    and entry.get("stage_fingerprint", mp.fingerprint) == stage_fp
                     and files_intact(out, entry["files"])):
                 reporter.note(f"[dim]- {mp.role} {precision}: unchanged, reused[/]")
                 results.append(StageResult(mp.role, precision, entry, skipped=True))
                 continue
             manifest_path.unlink(missing_ok=True)       # from here on the old manifest may lie
-            results.append(_export_stage(plan, mp, precision, reporter))
+            if precision == "fp32":
+                results.append(_export_stage(plan, mp, precision, reporter))
+                fp32_rebuilt = True
+            else:
+                results.append(_quantize_stage(plan, mp, precision, reporter, samples))
+            results[-1].entry["stage_fingerprint"] = stage_fp
     with reporter.stage("copy tokenizer"):
         _copy_tokenizer(plan, out)
     manifest = _manifest(plan, results)
@@ -122,12 +131,94 @@ def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter)
         "backend": "onnxruntime",
         "files": describe_files(out, files),
         "size_bytes": sum(f.stat().st_size for f in files),
+        "parity_reference": "pytorch",
         "parity_max_rel_error": report.max_rel_error,
         "parity_per_phase": report.per_phase,
         "parity_tolerance": tolerance,
         "build_seconds": round(time.perf_counter() - start, 2),
     }
     return StageResult(mp.role, precision, entry, skipped=False)
+
+
+def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter, samples: dict) -> StageResult:
+    """Quantize the model's fp32 graph, check it against that graph (quality gate), rename into place.
+
+    `samples` caches this model's eval sequences between its quantized precisions."""
+    from specexport.export.quality import measure_quality, runtime_session
+    from specexport.export.quantize import QUANTIZERS, describe, quantize_graph
+    from specexport.export.to_onnx import check_graph_io
+    from specexport.export.validate import compare, onnx_logits, parity_case
+
+    out = plan.config.output
+    source = out / mp.role / "fp32" / "model.onnx"
+    final = out / mp.role / precision
+    partial = out / mp.role / f".{precision}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    start = time.perf_counter()
+    gate, settings = plan.config.quality_gates[precision], QUANTIZERS[precision]
+    try:
+        with reporter.stage(f"quantize {mp.role} {precision} from fp32 "
+                            f"(MatMulNBits {settings['bits']}-bit, block {settings['block_size']})"):
+            names = [f.name for f in quantize_graph(source, partial / "model.onnx", precision)]
+            check_graph_io(partial / "model.onnx", mp.io)
+        reference, quantized = runtime_session(source), runtime_session(partial / "model.onnx")
+        sequences, text = _eval_sequences(plan, mp, reference, reporter, samples)
+        with reporter.stage(f"check {mp.role} {precision} against fp32 on {text['label']}"):
+            quality = measure_quality(reference, quantized, mp.io, sequences)
+            case = parity_case(mp.io, max_seq_len=plan.config.max_seq_len,
+                               max_verify_tokens=plan.config.max_verify_tokens)
+            parity = compare(onnx_logits(source, mp.io, case, session=reference),
+                             onnx_logits(partial / "model.onnx", mp.io, case, session=quantized))
+        del reference, quantized
+        failures = quality.failures(gate)
+        if failures:
+            raise ParityError(f"{mp.role} {precision}: quality gate against fp32 failed: {'; '.join(failures)}. "
+                              f"Measured {quality.describe()}, on {text['description']}. The gate is "
+                              f"quality_gates.{precision} in the model.yaml")
+        reporter.note(f"  {mp.role} {precision}: {quality.describe()}")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(partial, final)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    files = [final / name for name in names]
+    entry = {
+        "backend": "onnxruntime",
+        "files": describe_files(out, files),
+        "size_bytes": sum(f.stat().st_size for f in files),
+        "quantization": describe(precision),
+        "top1_agreement": quality.top1_agreement,
+        "mean_kl": quality.mean_kl,
+        "quality_gate": dict(gate),
+        "quality_text": {**{k: v for k, v in text.items() if k != "label"}, "sequences": quality.sequences,
+                         "positions": quality.positions},
+        "parity_reference": "fp32",
+        "parity_max_rel_error": parity.max_rel_error,
+        "parity_per_phase": parity.per_phase,
+        "parity_tolerance": None,          # not gated: the quality gate decides for quantized graphs
+        "build_seconds": round(time.perf_counter() - start, 2),
+    }
+    return StageResult(mp.role, precision, entry, skipped=False)
+
+
+def _eval_sequences(plan: Plan, mp: ModelPlan, fp32_session, reporter: Reporter, samples: dict):
+    """The quality gate's token sequences and a record of where they came from (for the manifest)."""
+    from specexport.export.quality import (EVAL_LENGTH, SAMPLE_SEED, SAMPLE_TEMPERATURE, sampled_sequences,
+                                           text_sequences)
+
+    length = min(EVAL_LENGTH, plan.config.max_seq_len)
+    bos = mp.arch.bos_token_id
+    if plan.eval_ids is not None:
+        text = {"source": "eval_text", "path": str(plan.config.eval_text), "tokens": len(plan.eval_ids),
+                "description": f"eval_text {plan.config.eval_text}", "label": f"eval_text {plan.config.eval_text.name}"}
+        return text_sequences(plan.eval_ids, bos=bos, length=length), text
+    if "sequences" not in samples:
+        with reporter.stage(f"sample eval sequences from the {mp.role} fp32 graph"):
+            samples["sequences"] = sampled_sequences(fp32_session, mp.io, start=bos, length=length)
+    text = {"source": "sampled", "seed": SAMPLE_SEED, "temperature": SAMPLE_TEMPERATURE,
+            "description": f"sequences sampled from the {mp.role} fp32 graph (no eval_text; seed {SAMPLE_SEED}, "
+                           f"temperature {SAMPLE_TEMPERATURE})", "label": "sampled sequences"}
+    return samples["sequences"], text
 
 
 def _run_export(mp: ModelPlan, onnx_path: Path) -> list[str]:

@@ -1,7 +1,8 @@
 """Plan a build: every check that needs the checkpoints' configs and tokenizers, before any export.
 
 `plan_build(config)` reads each model's config.json and tokenizer, resolves its adapter and options,
-and fingerprints the inputs of each stage so an unchanged stage can be skipped on rerun.
+tokenizes the held-out text of the quality gates (`eval_text`), and fingerprints the inputs of each
+stage so an unchanged stage can be skipped on rerun.
 """
 from __future__ import annotations
 
@@ -39,8 +40,23 @@ class Plan:
     tokenizer_files: tuple[Path, ...]   # files copied into <output>/tokenizer
     special_tokens: dict = field(default_factory=dict)
 
+    eval_ids: tuple[int, ...] | None = None    # eval_text through the target tokenizer (None: no eval_text)
+
     def stages(self) -> list[tuple[str, str]]:
-        return [(m.role, p) for m in self.models for p in self.config.precisions]
+        return [(m.role, p) for m in self.models for p in m.config.precisions]
+
+    def stage_fingerprint(self, mp: ModelPlan, precision: str) -> str:
+        """What a stage depends on: the model's export fingerprint and, for a quantized precision, the
+        quantizer settings, its quality gate and the held-out tokens."""
+        if precision == "fp32":
+            return mp.fingerprint
+        from specexport.export.quality import SETTINGS
+        from specexport.export.quantize import QUANTIZERS
+
+        options = {"model": mp.fingerprint, "precision": precision, "quantizer": QUANTIZERS[precision],
+                   "gate": self.config.quality_gates[precision], "quality": SETTINGS,
+                   "eval": hashlib.sha256(json.dumps(self.eval_ids).encode()).hexdigest()}
+        return hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def target(self) -> ModelPlan:
@@ -59,7 +75,26 @@ def plan_build(cfg: BuildConfig) -> Plan:
                       if (cfg.target.path / f).is_file())
     special = {"bos_token_id": target.arch.bos_token_id, "eos_token_ids": list(target.eos_token_ids),
                "pad_token_id": target.arch.pad_token_id}
-    return Plan(config=cfg, models=tuple(models), tokenizer_files=tok_files, special_tokens=special)
+    return Plan(config=cfg, models=tuple(models), tokenizer_files=tok_files, special_tokens=special,
+                eval_ids=_eval_ids(cfg))
+
+
+def _eval_ids(cfg: BuildConfig) -> tuple[int, ...] | None:
+    """The held-out text's token ids (target tokenizer, no special tokens); checked long enough here."""
+    from specexport.export.quality import MIN_EVAL_TOKENS
+
+    if cfg.eval_text is None:
+        return None
+    try:
+        text = cfg.eval_text.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecexportError(f"eval_text: {cfg.eval_text} is not a readable UTF-8 text file ({err})") from None
+    tok = require("transformers").AutoTokenizer.from_pretrained(cfg.target.path)
+    ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
+    if len(ids) < MIN_EVAL_TOKENS:
+        raise SpecexportError(f"eval_text: {cfg.eval_text} has {len(ids)} tokens; the quality gate needs at least "
+                              f"{MIN_EVAL_TOKENS}")
+    return ids
 
 
 def _plan_model(mc: ModelConfig, cfg: BuildConfig) -> ModelPlan:

@@ -85,14 +85,18 @@ def reference_logits(model, case: ParityCase) -> dict:
     return out
 
 
-def onnx_logits(onnx_path, io: ModelIO, case: ParityCase) -> dict:
-    """The same phases through the ONNX graph in ONNX Runtime, feeding back the K/V it produced."""
-    ort = require("onnxruntime")
-    opts = ort.SessionOptions()
-    # Prepacking makes a second, transient copy of every weight; the check runs each graph a few
-    # times only, so it skips that and keeps the build's peak memory near two copies of the weights.
-    opts.add_session_config_entry("session.disable_prepacking", "1")
-    session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+def onnx_logits(onnx_path, io: ModelIO, case: ParityCase, *, session=None) -> dict:
+    """The same phases through the ONNX graph in ONNX Runtime, feeding back the K/V it produced.
+
+    `session`: an open session of the graph to use instead (quantized graphs pass one with prepacking
+    on, which their MatMulNBits kernels need to compute what the runtime computes)."""
+    if session is None:
+        ort = require("onnxruntime")
+        opts = ort.SessionOptions()
+        # Prepacking makes a second, transient copy of every weight; the check runs each graph a few
+        # times only, so it skips that and keeps the build's peak memory near two copies of the weights.
+        opts.add_session_config_entry("session.disable_prepacking", "1")
+        session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
     past = [np.zeros((1, 0, io.num_kv_heads, io.head_dim), np.float32)] * (2 * io.num_layers)
 
     def run(tokens, positions, mask):

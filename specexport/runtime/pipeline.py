@@ -1,6 +1,7 @@
 """specexport.load(): a built output folder -> Pipeline with generate() and stream().
 
-    pipe = specexport.load("engines/demo")
+    pipe = specexport.load("engines/demo")                    # fp32 target and draft
+    pipe = specexport.load("engines/demo", precision="int8", draft_precision="int4")
     out = pipe.generate("def fib(n):", max_new_tokens=128, method="draft", gamma=4)
     out.text, out.token_ids, out.finish_reason, out.stats.acceptance_rate
 """
@@ -32,16 +33,20 @@ class GenerationOutput:
     stats: DecodeStats
 
 
-def load(output_dir, *, precision: str = "fp32", backend: str = "onnxruntime", threads: int | None = None,
-         **options) -> "Pipeline":
-    return Pipeline(output_dir, precision=precision, backend=backend, threads=threads, **options)
+def load(output_dir, *, precision: str = "fp32", draft_precision: str | None = None, backend: str = "onnxruntime",
+         threads: int | None = None, **options) -> "Pipeline":
+    """precision: the target's; draft_precision: the draft's (default: the same as the target's)."""
+    return Pipeline(output_dir, precision=precision, draft_precision=draft_precision, backend=backend,
+                    threads=threads, **options)
 
 
 class Pipeline:
-    def __init__(self, output_dir, *, precision="fp32", backend="onnxruntime", threads=None, **options):
+    def __init__(self, output_dir, *, precision="fp32", draft_precision=None, backend="onnxruntime", threads=None,
+                 **options):
         self.dir = Path(output_dir)
         self.manifest = read_manifest(self.dir)
         self.precision, self.backend_kind = precision, backend
+        self.draft_precision = precision if draft_precision is None else draft_precision
         self.capacity = self.manifest["max_seq_len"]
         self.max_verify_tokens = self.manifest["max_verify_tokens"]
         self.eos_ids = set(self.manifest["special_tokens"]["eos_token_ids"] or [])
@@ -69,13 +74,16 @@ class Pipeline:
         if role not in models:
             raise SpecexportError(f"method: this build has no {role} model (built: {', '.join(models)})")
         entry = models[role]
-        if self.precision not in entry["precisions"]:
-            raise SpecexportError(f"precision: {self.precision!r} was not built for the {role}; built: "
-                                  f"{', '.join(entry['precisions'])}")
-        built = entry["precisions"][self.precision]["backend"]
+        precision = self.precision if role == "target" else self.draft_precision
+        if precision not in entry["precisions"]:
+            key = "precision" if role == "target" else "draft_precision"
+            hint = "" if role == "target" else " (draft_precision defaults to precision; pass it to choose another)"
+            raise SpecexportError(f"{key}: {precision!r} was not built for the {role}; built: "
+                                  f"{', '.join(entry['precisions'])}{hint}")
+        built = entry["precisions"][precision]["backend"]
         if built != self.backend_kind:
             raise SpecexportError(f"backend: {self.backend_kind!r} was not built; built: {built}")
-        return open_backend(self.backend_kind, self.dir / role / self.precision, io=ModelIO.from_dict(entry["io"]),
+        return open_backend(self.backend_kind, self.dir / role / precision, io=ModelIO.from_dict(entry["io"]),
                             capacity=self.capacity, max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
                             **self._options)
 

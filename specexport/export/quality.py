@@ -1,0 +1,115 @@
+"""Quality gate of a quantized graph: its next-token distributions against the fp32 graph's.
+
+On a few token sequences (held-out text, or sequences sampled from the fp32 graph itself), both graphs
+prefill each sequence; at every position we compare the next-token distributions:
+  top1_agreement  share of positions where argmax p_quant == argmax p_fp32
+  mean_kl         mean over positions of KL(p_fp32 || p_quant), in nats
+Both sessions are opened the way the runtime opens them (all graph optimizations, weight prepacking
+on): MatMulNBits computes differently when prepacking is off, and the gate must measure what runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specexport._optional import require
+from specexport.io_spec import ModelIO
+
+MIN_EVAL_TOKENS = 16        # an eval_text shorter than this is refused at plan time
+EVAL_SEQUENCES = 4          # sequences per quality check
+EVAL_LENGTH = 128           # tokens per sequence (at most max_seq_len)
+SAMPLE_SEED = 0             # sequences sampled from the fp32 graph when there is no eval_text
+SAMPLE_TEMPERATURE = 1.0
+SETTINGS = {"sequences": EVAL_SEQUENCES, "length": EVAL_LENGTH, "seed": SAMPLE_SEED,
+            "temperature": SAMPLE_TEMPERATURE}     # part of the stage fingerprint
+
+
+@dataclass(frozen=True)
+class QualityReport:
+    top1_agreement: float
+    mean_kl: float
+    positions: int
+    sequences: int
+
+    def failures(self, gate: dict) -> list[str]:
+        """What misses `gate` ({min_top1, max_kl}), e.g. ["top-1 agreement 0.712 < min_top1 0.900"]."""
+        out = []
+        if not self.top1_agreement >= gate["min_top1"]:
+            out.append(f"top-1 agreement {self.top1_agreement:.3f} < min_top1 {gate['min_top1']:.3f}")
+        if not self.mean_kl <= gate["max_kl"]:
+            out.append(f"mean KL {self.mean_kl:.4f} > max_kl {gate['max_kl']:.4f}")
+        return out
+
+    def describe(self) -> str:
+        return (f"top-1 agreement {self.top1_agreement:.3f}, mean KL {self.mean_kl:.4f} nats "
+                f"over {self.positions} positions of {self.sequences} sequences")
+
+
+def runtime_session(onnx_path):
+    """An ORT CPU session configured like the runtime's (OrtBackend)."""
+    ort = require("onnxruntime")
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    return ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+
+
+def text_sequences(ids, *, bos: int | None, length: int, count: int = EVAL_SEQUENCES) -> list[np.ndarray]:
+    """Up to `count` consecutive chunks of the held-out ids, each [<= length], BOS first when there is one."""
+    body = length - (bos is not None)
+    chunks = [np.asarray(ids[i:i + body], np.int64) for i in range(0, min(len(ids), count * body), body)]
+    chunks = [c for c in chunks if len(c) >= 2]
+    return [np.concatenate([[bos], c]) if bos is not None else c for c in chunks]
+
+
+def sampled_sequences(session, io: ModelIO, *, start: int | None, length: int, count: int = EVAL_SEQUENCES,
+                      seed: int = SAMPLE_SEED, temperature: float = SAMPLE_TEMPERATURE) -> list[np.ndarray]:
+    """`count` sequences of `length` tokens sampled from the graph itself (batched, seeded)."""
+    rng = np.random.default_rng(seed)
+    seqs = np.empty((count, length), np.int64)                                 # [B, L]
+    seqs[:, 0] = start if start is not None else rng.integers(0, io.vocab_size, count)
+    past = [np.zeros((count, 0, io.num_kv_heads, io.head_dim), np.float32)] * (2 * io.num_layers)
+    for t in range(length - 1):
+        logits, past = _step(session, io, seqs[:, t:t + 1], np.full((count, 1), t), past)   # [B, 1, V]
+        z = logits[:, -1].astype(np.float64) / temperature                     # [B, V]
+        probs = np.exp(z - z.max(-1, keepdims=True))
+        cdf = np.cumsum(probs / probs.sum(-1, keepdims=True), axis=-1)         # [B, V]
+        seqs[:, t + 1] = np.minimum((cdf < rng.random((count, 1))).sum(-1), io.vocab_size - 1)
+    return list(seqs)
+
+
+def prefill_logits(session, io: ModelIO, ids: np.ndarray) -> np.ndarray:
+    """[T, V] logits of one sequence prefilled from an empty cache."""
+    past = [np.zeros((1, 0, io.num_kv_heads, io.head_dim), np.float32)] * (2 * io.num_layers)
+    logits, _ = _step(session, io, ids[None], np.arange(len(ids))[None], past)
+    return logits[0]
+
+
+def measure_quality(reference, quantized, io: ModelIO, sequences: list[np.ndarray]) -> QualityReport:
+    """Top-1 agreement and mean KL(p_ref || p_quant) over every position of `sequences` (two sessions)."""
+    agree, kls = [], []
+    for ids in sequences:
+        lp = _log_softmax(prefill_logits(reference, io, ids))                  # [T, V]
+        lq = _log_softmax(prefill_logits(quantized, io, ids))                  # [T, V]
+        agree.append(lp.argmax(-1) == lq.argmax(-1))
+        kls.append((np.exp(lp) * (lp - lq)).sum(-1))
+    agree, kls = np.concatenate(agree), np.concatenate(kls)
+    return QualityReport(float(agree.mean()), float(max(kls.mean(), 0.0)), len(agree), len(sequences))
+
+
+def _step(session, io: ModelIO, tokens: np.ndarray, positions: np.ndarray, past: list):
+    """One graph call on [B, T] tokens after `past`; returns logits [B, T, V] and past + the new K/V."""
+    B, T = tokens.shape
+    mask = np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))
+    feeds = {"input_ids": tokens.astype(np.int64), "position_ids": positions.astype(np.int64),
+             "tree_mask": np.ascontiguousarray(mask)}
+    feeds.update(zip(io.input_names[3:], past))
+    outs = dict(zip(io.output_names, session.run(None, feeds)))
+    new = [outs[n] for i in range(io.num_layers) for n in io.present_names(i)]
+    return outs["logits"], [np.concatenate([p, k], axis=1) for p, k in zip(past, new)]
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))

@@ -1,0 +1,268 @@
+"""int8 / int4 builds on ONNX Runtime CPU: quantized from fp32, gated against it, decoded losslessly.
+
+One module build (tiny llama target + 1-layer draft, fp32 + int8 + int4 for both) is exported once; the
+other builds copy it, so their fp32 stages are reused and only the quantized stages run. Random tiny
+weights have nearly flat next-token distributions, so int4 agrees with fp32 far less than a trained
+model does: the gates here are loose on purpose.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import specexport
+from specexport.cli import main
+from specexport.config import DEFAULT_QUALITY_GATES, load_config
+from specexport.errors import SpecexportError
+from specexport.export.plan import plan_build
+from specexport.export.quality import QualityReport, text_sequences
+from specexport.export.to_onnx import check_graph_io
+from specexport.io_spec import ModelIO
+from specexport.manifest import read_manifest, sha256_file
+
+GATES = {"int8": {"min_top1": 0.8, "max_kl": 0.01}, "int4": {"min_top1": 0.4, "max_kl": 0.1}}
+PROMPTS = ["def fib(n):", "import os\nclass A:"]
+
+
+@pytest.fixture(scope="module")
+def quant_fields(tiny_checkpoints, tmp_path_factory) -> dict:
+    return dict(name="tiny-quant", target={"path": tiny_checkpoints["llama"]},
+                draft={"path": tiny_checkpoints["llama-draft"]}, max_seq_len=128, precisions=["int8", "int4"],
+                quality_gates=GATES, output=tmp_path_factory.mktemp("quant") / "out")
+
+
+@pytest.fixture(scope="module")
+def built_quant(quant_fields, write_yaml, run_build, tmp_path_factory) -> Path:
+    path = write_yaml(tmp_path_factory.mktemp("quant-yaml") / "model.yaml", **quant_fields)
+    assert run_build(path) == 0
+    return quant_fields["output"]
+
+
+@pytest.fixture
+def rebuild(built_quant, quant_fields, write_yaml, run_build, tmp_path):
+    """rebuild(**changes) -> (exit code, output): the module build copied to tmp_path, rebuilt with changes."""
+    out = tmp_path / "out"
+    shutil.copytree(built_quant, out)
+
+    def run(**changes):
+        fields = {**quant_fields, "output": out, **changes}
+        return run_build(write_yaml(tmp_path / "model.yaml", **fields)), out
+
+    return run
+
+
+def mtimes(out: Path) -> dict:
+    return {p.relative_to(out).as_posix(): p.stat().st_mtime_ns for p in out.glob("*/*/model.onnx")}
+
+
+# -- building ------------------------------------------------------------------------------------
+
+def test_quantized_builds_pass_their_gates_and_record_the_figures(built_quant):
+    manifest = read_manifest(built_quant)
+    for role in ("target", "draft"):
+        model = manifest["models"][role]
+        assert list(model["precisions"]) == ["fp32", "int8", "int4"]
+        assert model["precisions"]["fp32"]["parity_reference"] == "pytorch"
+        io = ModelIO.from_dict(model["io"])
+        for precision, bits in (("int8", 8), ("int4", 4)):
+            e = model["precisions"][precision]
+            gate = GATES[precision]
+            assert e["quality_gate"] == gate
+            assert gate["min_top1"] <= e["top1_agreement"] <= 1 and 0 <= e["mean_kl"] <= gate["max_kl"]
+            assert e["quality_text"]["source"] == "sampled" and "fp32 graph" in e["quality_text"]["description"]
+            assert e["quality_text"]["sequences"] == 4 and e["quality_text"]["positions"] == 4 * 128
+            assert e["parity_reference"] == "fp32" and e["parity_tolerance"] is None
+            assert 0 < e["parity_max_rel_error"] < 1 and set(e["parity_per_phase"]) == {"prefill", "decode", "tree"}
+            assert e["quantization"]["bits"] == bits and e["quantization"]["accuracy_level"] == 4
+            assert e["quantization"]["block_size"] == 32
+            assert set(e["files"]) == {f"{role}/{precision}/model.onnx", f"{role}/{precision}/model.onnx.data"}
+            for rel, meta in e["files"].items():
+                assert sha256_file(built_quant / rel) == meta["sha256"]
+            graph_path = built_quant / role / precision / "model.onnx"
+            check_graph_io(graph_path, io)                         # the IO table is unchanged
+            ops = [n for n in onnx.load(str(graph_path), load_external_data=False).graph.node]
+            nbits = [n for n in ops if n.op_type == "MatMulNBits"]
+            assert nbits and not any(n.op_type == "MatMul" for n in ops)
+            assert all(a.i == bits for n in nbits for a in n.attribute if a.name == "bits")
+        # quantized graphs are smaller than fp32
+        sizes = {p: model["precisions"][p]["size_bytes"] for p in ("fp32", "int8", "int4")}
+        assert sizes["int4"] < sizes["int8"] < sizes["fp32"]
+    assert [p.name for p in built_quant.rglob("*") if ".partial" in p.name] == []
+
+
+def test_impossible_gate_fails_with_exit_2_the_figures_and_no_manifest(rebuild, capsys):
+    capsys.readouterr()
+    code, out = rebuild(quality_gates={**GATES, "int4": {"min_top1": 1.0, "max_kl": 0.0}})
+    assert code == 2
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if line.startswith("error:"))
+    assert "target int4: quality gate against fp32 failed" in line
+    assert re.search(r"top-1 agreement 0\.\d{3} < min_top1 1\.000", line), line
+    assert re.search(r"mean KL \d\.\d{4} > max_kl 0\.0000", line), line
+    assert "quality_gates.int4" in line and "Traceback" not in err
+    assert not (out / "manifest.json").exists()
+    assert [p.name for p in out.rglob("*") if ".partial" in p.name] == []
+
+
+def test_rerun_reuses_each_role_and_precision_and_a_new_gate_redoes_only_that_one(rebuild):
+    code, out = rebuild()
+    before = mtimes(out)
+    assert len(before) == 6
+    assert code == 0 and mtimes(out) == before, "an unchanged stage was rebuilt"
+
+    code, _ = rebuild(quality_gates={**GATES, "int4": {"min_top1": 0.3, "max_kl": 0.1}})
+    assert code == 0
+    changed = {k for k, v in mtimes(out).items() if v != before[k]}
+    assert changed == {"target/int4/model.onnx", "draft/int4/model.onnx"}
+    manifest = read_manifest(out)
+    assert manifest["models"]["draft"]["precisions"]["int4"]["quality_gate"] == {"min_top1": 0.3, "max_kl": 0.1}
+
+
+def test_eval_text_is_used_and_recorded_and_the_summary_shows_the_figures(rebuild, tmp_path, capsys):
+    text = tmp_path / "heldout.txt"
+    text.write_text(json.__doc__ * 3)
+    capsys.readouterr()
+    code, out = rebuild(eval_text=str(text))
+    assert code == 0
+    summary = capsys.readouterr().out
+    manifest = read_manifest(out)
+    for role in ("target", "draft"):
+        for precision in ("int8", "int4"):
+            e = manifest["models"][role]["precisions"][precision]
+            assert e["quality_text"]["source"] == "eval_text" and e["quality_text"]["path"] == str(text)
+            assert e["quality_text"]["tokens"] > 4 * 128 and e["quality_text"]["positions"] == 4 * 128
+            assert f"{e['top1_agreement']:.3f}" in summary and f"{e['mean_kl']:.4f}" in summary
+    assert "eval_text heldout.txt" in summary.replace("\n", " ")
+
+    capsys.readouterr()
+    assert main(["inspect", str(out)]) == 0
+    shown = capsys.readouterr().out
+    e = manifest["models"]["target"]["precisions"]["int4"]
+    assert "int4" in shown and f"{e['top1_agreement']:.3f}" in shown and f"{e['mean_kl']:.4f}" in shown
+
+
+# -- decoding ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("precision, draft_precision", [
+    ("int8", None), ("int4", None), ("int4", "fp32"), ("int4", "int8"), ("fp32", "int4")])
+def test_greedy_speculative_equals_vanilla_on_the_same_precision(built_quant, precision, draft_precision):
+    with specexport.load(built_quant, precision=precision, draft_precision=draft_precision) as pipe:
+        assert pipe.draft_precision == (draft_precision or precision)
+        for prompt in PROMPTS:
+            vanilla = pipe.generate(prompt, max_new_tokens=100, method="vanilla").token_ids
+            for gamma in (1, 3, 6):
+                out = pipe.generate(prompt, max_new_tokens=100, method="draft", gamma=gamma)
+                assert out.token_ids == vanilla, (prompt, gamma)
+
+
+def test_quantized_graph_computes_each_row_independently(built_quant):
+    """Lossless verification needs a token's logits not to depend on the other tokens of the call."""
+    from specexport.export.quality import prefill_logits, runtime_session
+
+    manifest = read_manifest(built_quant)
+    io = ModelIO.from_dict(manifest["models"]["target"]["io"])
+    ids = np.arange(3, 13)
+    for precision in ("int8", "int4"):
+        session = runtime_session(built_quant / "target" / precision / "model.onnx")
+        full = prefill_logits(session, io, ids)                          # [10, V]
+        alone = prefill_logits(session, io, ids[:4])                     # [4, V]: same prefix, fewer rows
+        assert np.abs(full[:4] - alone).max() <= 1e-4 * np.abs(full).max(), precision
+
+
+def test_per_model_precisions_and_clear_runtime_errors(rebuild, quant_fields, capsys):
+    code, out = rebuild(draft={**quant_fields["draft"], "precisions": ["int4"]})
+    assert code == 0
+    models = read_manifest(out)["models"]
+    assert list(models["target"]["precisions"]) == ["fp32", "int8", "int4"]
+    assert list(models["draft"]["precisions"]) == ["fp32", "int4"]
+
+    pipe = specexport.load(out, precision="int8")
+    assert pipe.generate(PROMPTS[0], max_new_tokens=4, method="vanilla").token_ids
+    with pytest.raises(SpecexportError, match=r"draft_precision: 'int8' was not built for the draft; "
+                                              r"built: fp32, int4 \(draft_precision defaults to precision"):
+        pipe.generate(PROMPTS[0], max_new_tokens=4, method="draft")
+    with pytest.raises(SpecexportError, match=r"precision: 'int2' was not built for the target; built: fp32, int8"):
+        specexport.load(out, precision="int2")
+
+    capsys.readouterr()
+    assert main(["generate", str(out), "def", "--precision", "int8", "--draft-precision", "int4",
+                 "--max-new-tokens", "6"]) == 0
+    assert main(["generate", str(out), "def", "--precision", "int8", "--max-new-tokens", "6"]) == 1
+    assert "error: draft_precision: 'int8' was not built for the draft" in capsys.readouterr().err
+
+
+# -- config --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("edit, match, key", [
+    (lambda f: f.update(precisions=["fp8"]), r"precisions: 'fp8' is not supported; supported: fp32, int8, int4",
+     "precisions"),
+    (lambda f: f["target"].update(precisions=["int3"]), r"target\.precisions: 'int3' is not supported",
+     "target.precisions"),
+    (lambda f: f.update(quality_gates={"int8": {"min_top": 0.9}}),
+     r"quality_gates\.int8\.min_top: unknown key; allowed: min_top1, max_kl", "quality_gates.int8.min_top"),
+    (lambda f: f.update(quality_gates={"fp32": {"min_top1": 0.9}}),
+     r"quality_gates\.fp32: unknown key; allowed: int8, int4 \(fp32 is gated against PyTorch", "quality_gates.fp32"),
+    (lambda f: f.update(quality_gates={"int4": {"min_top1": 2}}),
+     r"quality_gates\.int4\.min_top1: expected a number in 0\.\.1", "quality_gates.int4.min_top1"),
+    (lambda f: f.update(quality_gates={"int4": {"max_kl": -1}}), r"quality_gates\.int4\.max_kl: expected a number >= 0",
+     "quality_gates.int4.max_kl"),
+    (lambda f: f.update(quality_gates=[0.9]), r"quality_gates: expected a mapping", "quality_gates"),
+    (lambda f: f.update(eval_text="missing.txt"), r"eval_text: missing\.txt does not exist", "eval_text"),
+    (lambda f: f.update(eval_text=5), r"eval_text: expected a text file path", "eval_text"),
+], ids=["precision", "model-precision", "gate-key", "gate-fp32", "gate-top1", "gate-kl", "gate-type",
+        "eval-missing", "eval-type"])
+def test_config_errors(tiny_checkpoints, tmp_path, write_yaml, capsys, edit, match, key):
+    fields = dict(name="q", target={"path": tiny_checkpoints["llama"]}, max_seq_len=64, output=tmp_path / "out")
+    edit(fields)
+    check_one_line_error(write_yaml(tmp_path / "model.yaml", **fields), match, key, capsys)
+
+
+def test_eval_text_too_short_is_refused_before_any_work(tiny_checkpoints, tmp_path, write_yaml, capsys):
+    (tmp_path / "short.txt").write_text("x = 1")
+    path = write_yaml(tmp_path / "model.yaml", name="q", target={"path": tiny_checkpoints["llama"]},
+                      max_seq_len=64, eval_text="short.txt", output=tmp_path / "out")
+    check_one_line_error(path, r"eval_text: .*short\.txt has \d+ tokens; the quality gate needs at least 16",
+                         "eval_text", capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def check_one_line_error(path: Path, match: str, key: str, capsys) -> None:
+    with pytest.raises(SpecexportError, match=match) as info:
+        plan_build(load_config(path))
+    assert "\n" not in str(info.value) and key in str(info.value)
+    capsys.readouterr()
+    assert main(["build", str(path)]) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and re.search(match, lines[0]), lines
+
+
+def test_config_precisions_resolve_per_model_with_fp32_first(tiny_checkpoints, tmp_path, write_yaml):
+    path = write_yaml(tmp_path / "model.yaml", name="q", target={"path": tiny_checkpoints["llama"]},
+                      draft={"path": tiny_checkpoints["llama-draft"], "precisions": ["int4"]},
+                      precisions=["int8"], max_seq_len=64, quality_gates={"int4": {"min_top1": 0.5}})
+    cfg = load_config(path)
+    assert cfg.precisions == ("fp32", "int8")
+    assert cfg.target.precisions == ("fp32", "int8") and cfg.draft.precisions == ("fp32", "int4")
+    assert cfg.quality_gates == {"int8": DEFAULT_QUALITY_GATES["int8"], "int4": {"min_top1": 0.5, "max_kl": 0.2}}
+    assert plan_build(cfg).stages() == [("target", "fp32"), ("target", "int8"), ("draft", "fp32"), ("draft", "int4")]
+
+
+# -- pieces --------------------------------------------------------------------------------------
+
+def test_text_sequences_and_gate_arithmetic():
+    seqs = text_sequences(list(range(100, 400)), bos=1, length=64)
+    assert len(seqs) == 4 and all(len(s) == 64 and s[0] == 1 for s in seqs)
+    assert list(seqs[1][1:4]) == [163, 164, 165]                   # consecutive chunks of 63 text tokens
+    short = text_sequences(list(range(20)), bos=None, length=64)
+    assert len(short) == 1 and len(short[0]) == 20
+
+    report = QualityReport(top1_agreement=0.85, mean_kl=0.06, positions=512, sequences=4)
+    assert report.failures({"min_top1": 0.8, "max_kl": 0.1}) == []
+    assert report.failures({"min_top1": 0.9, "max_kl": 0.05}) == [
+        "top-1 agreement 0.850 < min_top1 0.900", "mean KL 0.0600 > max_kl 0.0500"]
