@@ -18,16 +18,18 @@ from specexport.cli import cli
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--precision", default="fp32", show_default=True)
 @click.option("--draft-precision", default=None, help="The draft's precision (default: --precision).")
-@click.option("--threads", default=None, type=int, help="ONNX Runtime intra-op threads (default: all cores).")
+@click.option("--threads", default=None, type=int, help="Target's ONNX Runtime intra-op threads (default: all cores).")
+@click.option("--draft-threads", default=1, show_default=True, type=int, help="Draft's intra-op threads.")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--compare", is_flag=True, help="Also time vanilla decoding on the same build and print the speedup.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
 def generate(output_dir, prompt, method, gamma, temperature, top_k, top_p, max_new_tokens, seed, precision,
-             draft_precision, threads, stop, compare, verbose):
+             draft_precision, threads, draft_threads, stop, compare, verbose):
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
 
-    pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision, threads=threads)
+    pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision, threads=threads,
+                           draft_threads=draft_threads)
     pieces = pipe.stream(prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
     first = next(pieces, "")            # input errors surface here, before anything is printed

@@ -34,15 +34,16 @@ class GenerationOutput:
 
 
 def load(output_dir, *, precision: str = "fp32", draft_precision: str | None = None, backend: str = "onnxruntime",
-         threads: int | None = None, **options) -> "Pipeline":
-    """precision: the target's; draft_precision: the draft's (default: the same as the target's)."""
+         threads: int | None = None, draft_threads: int | None = 1, **options) -> "Pipeline":
+    """precision: the target's; draft_precision: the draft's (default: the same as the target's).
+    threads: the target's intra-op threads (default: all cores); draft_threads: the draft's (default 1)."""
     return Pipeline(output_dir, precision=precision, draft_precision=draft_precision, backend=backend,
-                    threads=threads, **options)
+                    threads=threads, draft_threads=draft_threads, **options)
 
 
 class Pipeline:
     def __init__(self, output_dir, *, precision="fp32", draft_precision=None, backend="onnxruntime", threads=None,
-                 **options):
+                 draft_threads=1, **options):
         self.dir = Path(output_dir)
         self.manifest = read_manifest(self.dir)
         self.precision, self.backend_kind = precision, backend
@@ -50,7 +51,11 @@ class Pipeline:
         self.capacity = self.manifest["max_seq_len"]
         self.max_verify_tokens = self.manifest["max_verify_tokens"]
         self.eos_ids = set(self.manifest["special_tokens"]["eos_token_ids"] or [])
-        self._options = dict(threads=threads, **options)
+        # The draft runs single-threaded by default: a small draft gains nothing from a thread pool, and
+        # its pool's threads would compete with the target's on the same cores (demo pair, 2 cores:
+        # 1.32 vs 2.23 ms/token at γ = 2, benchmarks/bench_demo.py).
+        self._threads = {"target": threads, "draft": draft_threads}
+        self._options = options
         self.target = self._open("target")
         self._draft = None
         tok_path = self.dir / self.manifest["tokenizer"]["dir"] / "tokenizer.json"
@@ -85,7 +90,7 @@ class Pipeline:
             raise SpecexportError(f"backend: {self.backend_kind!r} was not built; built: {built}")
         return open_backend(self.backend_kind, self.dir / role / precision, io=ModelIO.from_dict(entry["io"]),
                             capacity=self.capacity, max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
-                            **self._options)
+                            threads=self._threads[role], **self._options)
 
     # -- public API -----------------------------------------------------------------------
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationOutput:

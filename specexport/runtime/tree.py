@@ -16,6 +16,7 @@ Worked example, a root with two children, the first of which has a child:
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,12 +53,17 @@ class Tree:
 
     @classmethod
     def chain(cls, gamma: int) -> "Tree":
-        """Root plus γ proposals in a line: parents [-1, 0, 1, ..., γ-1]."""
-        return cls(np.arange(-1, gamma, dtype=np.int64))
+        """Root plus γ proposals in a line: parents [-1, 0, 1, ..., γ-1] (built once per γ)."""
+        return _chain(gamma)
 
     def path_to(self, node: int) -> np.ndarray:
         """[depth + 1] node indices from the root to `node`. Example: tree above, node 3 -> [0, 1, 3]."""
         return np.flatnonzero(self.mask[node])
+
+
+@functools.lru_cache(maxsize=64)
+def _chain(gamma: int) -> Tree:
+    return Tree(np.arange(-1, gamma, dtype=np.int64))
 
 
 def check_parents(parents: np.ndarray) -> None:

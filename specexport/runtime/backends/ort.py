@@ -25,7 +25,7 @@ from specexport.runtime.backends.base import Backend, StepOutput
 
 class OrtBackend(Backend):
     def __init__(self, model_dir, *, io: ModelIO, capacity: int, max_tokens: int, threads: int | None = None,
-                 session_options: dict | None = None):
+                 spin: bool = True, session_options: dict | None = None):
         super().__init__(capacity=capacity, max_tokens=max_tokens, vocab_size=io.vocab_size)
         ort = require("onnxruntime")
         path = Path(model_dir) / "model.onnx"
@@ -36,6 +36,10 @@ class OrtBackend(Backend):
         if threads:
             opts.intra_op_num_threads = threads
             opts.inter_op_num_threads = 1
+        if not spin:
+            # Idle intra-op threads otherwise spin after each run; with a draft and a target session
+            # alternating on few cores, one session's spinning pool steals the other's cores.
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         for key, value in (session_options or {}).items():
             setattr(opts, key, value)
         self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
