@@ -10,7 +10,8 @@ from specexport.cli import cli
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.argument("prompt")
 @click.option("--method", default="draft", show_default=True, help="vanilla | draft")
-@click.option("--gamma", default=4, show_default=True, type=int, help="Draft tokens proposed per round.")
+@click.option("--gamma", default="4", show_default=True,
+              help="Draft tokens proposed per round, or 'auto' (the γ `specexport bench` measured best).")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-k", default=None, type=int)
 @click.option("--top-p", default=None, type=float)
@@ -30,6 +31,7 @@ def generate(output_dir, prompt, method, gamma, temperature, top_k, top_p, max_n
 
     pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision, threads=threads,
                            draft_threads=draft_threads)
+    gamma = gamma if gamma == "auto" else _int_gamma(gamma)
     pieces = pipe.stream(prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
     first = next(pieces, "")            # input errors surface here, before anything is printed
@@ -38,6 +40,8 @@ def generate(output_dir, prompt, method, gamma, temperature, top_k, top_p, max_n
         click.echo(piece, nl=False)
     out = pipe.last_output
     s = out.stats
+    if pipe.auto_note:
+        click.secho(f"--gamma auto: {pipe.auto_note}", fg="yellow", err=True)
     click.echo("")
     line = (f"[{method}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.tokens_per_second:.1f} tok/s, "
             f"TTFT {s.ttft_s * 1e3:.1f} ms, TPOT {s.tpot_s * 1e3:.2f} ms")
@@ -48,6 +52,15 @@ def generate(output_dir, prompt, method, gamma, temperature, top_k, top_p, max_n
     if compare and method != "vanilla":
         _compare(pipe, prompt, dict(max_new_tokens=max_new_tokens, gamma=gamma, temperature=temperature,
                                     top_k=top_k, top_p=top_p, seed=seed, stop=stop), method)
+
+
+def _int_gamma(text: str) -> int:
+    from specexport.errors import SpecexportError
+
+    try:
+        return int(text)
+    except ValueError:
+        raise SpecexportError(f"--gamma: expected an integer or 'auto', got {text!r}") from None
 
 
 def _compare(pipe, prompt, kwargs, method, repeats: int = 5) -> None:

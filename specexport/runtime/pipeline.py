@@ -63,6 +63,7 @@ class Pipeline:
             raise SpecexportError(f"{tok_path}: missing (the build output is incomplete; rebuild it)")
         self.tokenizer = require("tokenizers").Tokenizer.from_file(str(tok_path))
         self.last_output: GenerationOutput | None = None
+        self.auto_note: str | None = None          # what gamma="auto" decided, for the CLI to show
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -104,7 +105,7 @@ class Pipeline:
         """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards."""
         ids = self._prompt_ids(prompt, prompt_ids)
         params = self._params(temperature, top_k, top_p)
-        draft = self._draft_for(method, gamma)
+        draft, gamma = self._draft_for(method, gamma)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpecexportError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
         stats, detok = DecodeStats(), IncrementalDetokenizer(self.tokenizer, ids.tolist())
@@ -164,18 +165,32 @@ class Pipeline:
         except ValueError as err:
             raise SpecexportError(str(err)) from None
 
-    def _draft_for(self, method: str, gamma):
+    def _draft_for(self, method: str, gamma) -> tuple:
+        """(draft backend or None for vanilla, γ). gamma="auto" takes the γ `specexport bench` stored
+        for this precision, and decodes vanilla when it predicted that speculation would lose."""
         if method not in METHODS:
             raise SpecexportError(f"method: {method!r} is not supported; supported: {', '.join(METHODS)}")
         if method == "vanilla":
-            return None
+            return None, 0
         if method not in self.methods:
             raise SpecexportError(f"method: {method!r} was not built (no draft model in this build); "
                                   f"available: {', '.join(self.methods)}")
+        if gamma == "auto":
+            choice = self.manifest.get("gamma_auto", {}).get(self.precision)
+            if choice is None:
+                raise SpecexportError(f"gamma: 'auto' needs a measured choice for precision {self.precision!r}: "
+                                      f"run `specexport bench {self.dir}` first")
+            self.auto_note = (f"γ = {choice['gamma']} (predicted speedup {choice['predicted_speedup']:.2f}x)"
+                              if choice["gamma"] else
+                              f"speculation predicted to lose here (best predicted speedup "
+                              f"{choice['predicted_speedup']:.2f}x): decoding vanilla")
+            if choice["gamma"] == 0:
+                return None, 0
+            gamma = min(int(choice["gamma"]), self.max_verify_tokens - 1)
         if not isinstance(gamma, int) or not 1 <= gamma <= self.max_verify_tokens - 1:
             raise SpecexportError(f"gamma: expected an integer in 1..{self.max_verify_tokens - 1} (the graph "
-                                  f"verifies up to max_verify_tokens={self.max_verify_tokens}), got {gamma!r}")
-        return self.draft
+                                  f"verifies up to max_verify_tokens={self.max_verify_tokens}) or 'auto', got {gamma!r}")
+        return self.draft, gamma
 
     def _trim_to_stop(self, ids: list[int], stop) -> list[int]:
         """The shortest prefix of `ids` whose text contains a stop string (independent of γ)."""

@@ -1,0 +1,49 @@
+"""specexport bench OUTPUT_DIR: latency and acceptance per precision, method and γ."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from specexport.cli import cli
+
+
+def _csv(value, cast=str):
+    return tuple(cast(v) for v in value.split(",") if v.strip()) if value else None
+
+
+@cli.command()
+@click.argument("output_dir", type=click.Path(file_okay=False))
+@click.option("--precisions", default=None, help="Comma list (default: every precision built for the target).")
+@click.option("--methods", default="vanilla,draft", show_default=True)
+@click.option("--gammas", default="2,3,4,5,6", show_default=True)
+@click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False),
+              help="JSON-lines file of prompt strings (default: a few built-in code prompts).")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--rounds", default=3, show_default=True, help="Repetitions of every configuration, interleaved.")
+@click.option("--threads", default=None, type=int)
+@click.option("--out", default=None, type=click.Path(file_okay=False), help="Report folder (default: OUTPUT_DIR/bench).")
+@click.option("-v", "--verbose", is_flag=True)
+def bench(output_dir, precisions, methods, gammas, prompts_file, max_new_tokens, rounds, threads, out, verbose):
+    """Measure tokens/s, TTFT, TPOT, acceptance and speedup; write report.json, report.md and plots."""
+    from specexport.errors import SpecexportError
+    from specexport.report.bench import BenchConfig, run_bench
+
+    if prompts_file:
+        prompts = tuple(json.loads(line) for line in Path(prompts_file).read_text().splitlines() if line.strip())
+    else:
+        prompts = ("def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):")
+    try:
+        gamma_list = _csv(gammas, int)
+    except ValueError:
+        raise SpecexportError(f"--gammas: expected a comma list of integers, got {gammas!r}") from None
+    if not gamma_list or min(gamma_list) < 1:
+        raise SpecexportError(f"--gammas: expected integers >= 1, got {gammas!r}")
+    cfg = BenchConfig(output_dir=Path(output_dir), prompts=prompts, precisions=_csv(precisions),
+                      methods=_csv(methods) or ("vanilla",), gammas=gamma_list, max_new_tokens=max_new_tokens,
+                      rounds=rounds, out=Path(out) if out else None, threads=threads)
+    report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
+    from specexport.report.bench import render_markdown
+
+    click.echo(render_markdown(report))

@@ -1,0 +1,1 @@
+"""Latency and acceptance reports (`specexport bench`)."""

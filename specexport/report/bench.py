@@ -1,0 +1,269 @@
+"""`specexport bench`: configurations interleaved and repeated, medians, report.json / report.md / plots.
+
+A configuration is (method, target precision, draft precision, γ). Every round runs every
+configuration once per prompt, so machine noise hits all of them alike; figures are medians over
+(prompt, round) runs, and speedups are ratios of medians measured in the same run.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specexport.manifest import MANIFEST_NAME, read_manifest, write_json_atomic
+from specexport.report.model import choose_gamma, predicted_speedup
+
+ROW_KEYS = ("precision", "draft_precision", "method", "gamma", "tokens_per_s", "ttft_ms", "tpot_ms_p50", "tpot_ms_p90",
+            "acceptance_rate", "acceptance_per_position", "mean_accepted_tokens", "speedup_vs_vanilla",
+            "ideal_speedup", "efficiency")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    output_dir: Path
+    prompts: tuple[str, ...]
+    precisions: tuple[str, ...] | None = None      # default: every precision built for the target
+    methods: tuple[str, ...] = ("vanilla", "draft")
+    gammas: tuple[int, ...] = (2, 3, 4, 5, 6)
+    max_new_tokens: int = 128
+    rounds: int = 3
+    out: Path | None = None                         # default: <output_dir>/bench
+    threads: int | None = None
+
+
+def run_bench(cfg: BenchConfig, *, log=print) -> dict:
+    import specexport
+
+    manifest = read_manifest(cfg.output_dir)
+    models = manifest["models"]
+    built = list(models["target"]["precisions"])
+    precisions = list(cfg.precisions or built)
+    has_draft = "draft" in models and "draft" in cfg.methods
+    configs = _configs(precisions, models, cfg, has_draft)
+    pipes = {}
+    for _, tp, dp, _ in configs:
+        if (tp, dp) not in pipes:
+            pipes[(tp, dp)] = specexport.load(cfg.output_dir, precision=tp, draft_precision=dp or tp, threads=cfg.threads)
+    runs = {c: [] for c in configs}
+    log(f"bench: {len(configs)} configurations x {len(cfg.prompts)} prompts x {cfg.rounds} rounds, interleaved")
+    for r in range(cfg.rounds):
+        for prompt in cfg.prompts:
+            for c in configs:
+                method, tp, dp, g = c
+                out = pipes[(tp, dp)].generate(prompt, max_new_tokens=cfg.max_new_tokens, method=method,
+                                               gamma=max(g, 1))
+                runs[c].append(out.stats)
+        log(f"  round {r + 1}/{cfg.rounds} done")
+    costs = {key: _step_costs(pipe, max(cfg.gammas) + 1, has_draft and key[1] is not None)
+             for key, pipe in pipes.items()}
+    rows = [_row(c, runs, costs) for c in configs]
+    choice = _gamma_choice(rows, costs, cfg)
+    report = {
+        "command": " ".join(sys.argv),
+        "output_dir": str(cfg.output_dir),
+        "settings": {"prompts": len(cfg.prompts), "rounds": cfg.rounds, "max_new_tokens": cfg.max_new_tokens,
+                     "greedy": True, "threads": cfg.threads},
+        "rows": rows,
+        "step_costs_ms": {f"{tp}/{dp or '-'}": v for (tp, dp), v in costs.items()},
+        "gamma_auto": choice,
+        "acceptance_drop": _acceptance_drop(rows),
+        "memory": _memory(manifest, pipes, precisions),
+        "peers": "not run (transformers assisted generation and onnxruntime-genai peers are not implemented yet)",
+    }
+    out = Path(cfg.out or cfg.output_dir / "bench")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(render_markdown(report))
+    report["plots"] = _plots(report, out, log)
+    _store_gamma_choice(cfg.output_dir, choice)
+    return report
+
+
+def _configs(precisions, models, cfg, has_draft):
+    configs = []
+    draft_built = models.get("draft", {}).get("precisions", {})
+    for p in precisions:
+        if "vanilla" in cfg.methods:
+            configs.append(("vanilla", p, None, 0))
+        if has_draft and p in draft_built:
+            configs += [("draft", p, p, g) for g in cfg.gammas]
+    if has_draft and "fp32" in draft_built:       # acceptance cost of quantizing one side only
+        g0 = cfg.gammas[0]
+        for p in precisions:
+            if p != "fp32" and p in draft_built and "fp32" in precisions:
+                configs += [("draft", p, "fp32", g0), ("draft", "fp32", p, g0)]
+    return configs
+
+
+def _step_costs(pipe, max_t: int, with_draft: bool, reps: int = 30) -> dict:
+    """Median seconds of one target forward for T = 1..max_t and one draft step, at a 64-token context."""
+    ctx = np.arange(3, 3 + 64) % pipe.target.vocab_size
+    samples = {t: [] for t in range(1, max_t + 1)}
+    draft = []
+    for _ in range(reps):
+        for t in samples:
+            samples[t].append(_time_forward(pipe.target, ctx, t))
+        if with_draft:
+            draft.append(_time_forward(pipe.draft, ctx, 1))
+    out = {str(t): statistics.median(v) * 1e3 for t, v in samples.items()}
+    out["draft"] = statistics.median(draft) * 1e3 if draft else None
+    return out
+
+
+def _time_forward(backend, ctx, t: int) -> float:
+    backend.reset()
+    backend.forward(ctx)
+    backend.commit(len(ctx))
+    start = time.perf_counter()
+    backend.forward(ctx[:t])
+    return time.perf_counter() - start
+
+
+def _row(c, runs, costs) -> dict:
+    method, tp, dp, g = c
+    st = runs[c]
+    tps = statistics.median(s.tokens_per_second for s in st)
+    tpot = [s.tpot_s * 1e3 for s in st if s.emitted > 1]
+    proposed = sum(s.proposed for s in st)
+    accepted_at = np.sum([s.accepted_at for s in st], axis=0) if g else np.zeros(0)
+    proposed_at = np.sum([s.proposed_at for s in st], axis=0) if g else np.zeros(0)
+    per_pos = (accepted_at / np.maximum(proposed_at, 1)).tolist() if g else []
+    # conditional acceptance: P(pos i accepted | pos i-1 accepted)
+    cond = [per_pos[0]] + [per_pos[i] / per_pos[i - 1] if per_pos[i - 1] else 0.0 for i in range(1, len(per_pos))] \
+        if per_pos else []
+    vanilla = runs.get(("vanilla", tp, None, 0))
+    base = statistics.median(s.tokens_per_second for s in vanilla) if vanilla else None
+    cost = costs[(tp, dp)]
+    ideal = (predicted_speedup(cond, c_draft=cost["draft"], c_target={int(k): v for k, v in cost.items() if k != "draft"})
+             if g and cost.get("draft") else 1.0)
+    speedup = tps / base if base else None
+    passes = sum(s.target_passes for s in st)
+    return {
+        "precision": tp, "draft_precision": dp, "method": method, "gamma": g,
+        "tokens_per_s": tps, "ttft_ms": statistics.median(s.ttft_s * 1e3 for s in st),
+        "tpot_ms_p50": float(np.percentile(tpot, 50)) if tpot else None,
+        "tpot_ms_p90": float(np.percentile(tpot, 90)) if tpot else None,
+        "acceptance_rate": sum(s.accepted for s in st) / proposed if proposed else None,
+        "acceptance_per_position": per_pos, "acceptance_conditional": cond,
+        "mean_accepted_tokens": sum(s.emitted - 1 for s in st) / passes if passes else None,
+        "speedup_vs_vanilla": speedup, "ideal_speedup": ideal,
+        "efficiency": speedup / ideal if speedup and ideal else None,
+    }
+
+
+def _gamma_choice(rows, costs, cfg) -> dict:
+    """Per precision: the γ the measured acceptance (at the largest γ run) and step costs predict best."""
+    choice = {}
+    for r in rows:
+        if r["method"] != "draft" or r["precision"] != r["draft_precision"]:
+            continue
+        best_so_far = choice.get(r["precision"])
+        if best_so_far and best_so_far["measured_at_gamma"] >= r["gamma"]:
+            continue
+        cost = costs[(r["precision"], r["draft_precision"])]
+        c_target = {int(k): v for k, v in cost.items() if k != "draft"}
+        g, s = choose_gamma(r["acceptance_conditional"], c_draft=cost["draft"], c_target=c_target,
+                            max_gamma=max(c_target) - 1)
+        choice[r["precision"]] = {"gamma": g, "predicted_speedup": s, "measured_at_gamma": r["gamma"],
+                                  "predicted_by_gamma": {str(k): predicted_speedup(
+                                      _ext(r["acceptance_conditional"], k), c_draft=cost["draft"], c_target=c_target)
+                                      for k in range(1, max(c_target))}}
+    return choice
+
+
+def _ext(a, g):
+    from specexport.report.model import extend
+
+    return extend(a, g)
+
+
+def _acceptance_drop(rows) -> list:
+    """Acceptance of each quantized combination against fp32/fp32 at the same γ."""
+    ref = {r["gamma"]: r["acceptance_rate"] for r in rows
+           if r["method"] == "draft" and r["precision"] == "fp32" and r["draft_precision"] == "fp32"}
+    out = []
+    for r in rows:
+        if r["method"] == "draft" and (r["precision"], r["draft_precision"]) != ("fp32", "fp32") and r["gamma"] in ref:
+            out.append({"target": r["precision"], "draft": r["draft_precision"], "gamma": r["gamma"],
+                        "acceptance": r["acceptance_rate"], "fp32_acceptance": ref[r["gamma"]],
+                        "drop": ref[r["gamma"]] - r["acceptance_rate"]})
+    return out
+
+
+def _memory(manifest, pipes, precisions) -> dict:
+    weights = {}
+    for role, m in manifest["models"].items():
+        for p, e in m["precisions"].items():
+            weights[f"{role}/{p}"] = e["size_bytes"]
+    kv = {f"{tp}/{dp}": p.target.kv_bytes + (p.draft.kv_bytes if dp else 0) for (tp, dp), p in pipes.items()}
+    return {"weights_bytes": weights, "kv_buffer_bytes": kv,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def _store_gamma_choice(output_dir: Path, choice: dict) -> None:
+    manifest = read_manifest(output_dir)
+    manifest["gamma_auto"] = {p: {"gamma": c["gamma"], "predicted_speedup": c["predicted_speedup"]}
+                              for p, c in choice.items()}
+    write_json_atomic(Path(output_dir) / MANIFEST_NAME, manifest)
+
+
+def render_markdown(report: dict) -> str:
+    lines = [f"# specexport bench: {report['output_dir']}", "",
+             f"`{report['command']}`, {report['settings']['prompts']} prompts x {report['settings']['rounds']} rounds, "
+             f"{report['settings']['max_new_tokens']} new tokens, greedy; medians of interleaved runs.", "",
+             "| target | draft | method | γ | tok/s | TTFT ms | TPOT p50 | TPOT p90 | acceptance | tokens/pass "
+             "| speedup | ideal | efficiency |", "|" + "---|" * 13]
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    for r in report["rows"]:
+        lines.append(f"| {r['precision']} | {r['draft_precision'] or '-'} | {r['method']} | {r['gamma'] or '-'} | "
+                     f"{f(r['tokens_per_s'], '.1f')} | {f(r['ttft_ms'], '.2f')} | {f(r['tpot_ms_p50'], '.3f')} | "
+                     f"{f(r['tpot_ms_p90'], '.3f')} | {f(r['acceptance_rate'], '.3f')} | "
+                     f"{f(r['mean_accepted_tokens'], '.2f')} | {f(r['speedup_vs_vanilla'], '.2f')}x | "
+                     f"{f(r['ideal_speedup'], '.2f')}x | {f(r['efficiency'], '.2f')} |")
+    lines += ["", "## γ chosen for `--gamma auto`", ""]
+    for p, c in report["gamma_auto"].items():
+        verdict = "vanilla (speculation predicted to lose)" if c["gamma"] == 0 else f"γ = {c['gamma']}"
+        lines.append(f"- {p}: {verdict}, predicted speedup {c['predicted_speedup']:.2f}x")
+    if report["acceptance_drop"]:
+        lines += ["", "## Acceptance cost of quantization (vs fp32 target and draft)", ""]
+        for d in report["acceptance_drop"]:
+            lines.append(f"- target {d['target']}, draft {d['draft']}, γ {d['gamma']}: {d['acceptance']:.3f} "
+                         f"(fp32 {d['fp32_acceptance']:.3f}, drop {d['drop']:+.3f})")
+    lines += ["", "## Step costs (ms, one forward at a 64-token context)", ""]
+    for k, v in report["step_costs_ms"].items():
+        lines.append(f"- {k}: " + ", ".join(f"T={t}: {c:.3f}" if t != "draft" else f"draft: {c:.3f}"
+                                             for t, c in v.items() if c is not None))
+    lines += ["", f"Peers: {report['peers']}", ""]
+    return "\n".join(lines)
+
+
+def _plots(report: dict, out: Path, log) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plots (pip install 'specexport[bench]')")
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for p, c in report["gamma_auto"].items():
+        rows = [r for r in report["rows"] if r["method"] == "draft" and r["precision"] == p == r["draft_precision"]]
+        ax.plot([r["gamma"] for r in rows], [r["speedup_vs_vanilla"] for r in rows], "o-", label=f"{p} measured")
+        pred = c["predicted_by_gamma"]
+        ax.plot([int(k) for k in pred], list(pred.values()), "x--", label=f"{p} predicted")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("γ (draft tokens per round)")
+    ax.set_ylabel("speedup vs vanilla")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "speedup_vs_gamma.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [str(path)]
