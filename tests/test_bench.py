@@ -63,6 +63,16 @@ def test_report_rows_and_files(bench_report):
     assert (work / "report" / "speedup_vs_gamma.png").stat().st_size > 0
     stored = json.loads((work / "build" / "manifest.json").read_text())["gamma_auto"]["fp32"]
     assert stored["gamma"] == report["gamma_auto"]["fp32"]["gamma"]
+    peers = {p["peer"]: p for p in report["peers"]}
+    assert peers["transformers greedy"]["tokens_per_s"] > 0 and peers["transformers assisted"]["tokens_per_s"] > 0
+    assert "skipped" in peers["onnxruntime-genai"]
+
+
+def test_build_ends_with_a_short_report(built_llama):
+    """`specexport build` (conftest's built_llama) ran the quick bench: report and γ choice are there."""
+    report = json.loads((built_llama / "bench" / "report.json").read_text())
+    assert {r["method"] for r in report["rows"]} == {"vanilla", "draft"}
+    assert "fp32" in json.loads((built_llama / "manifest.json").read_text())["gamma_auto"]
 
 
 def test_gamma_auto_uses_the_stored_choice_and_falls_back_to_vanilla(bench_report, tmp_path):
@@ -88,7 +98,8 @@ def test_gamma_auto_uses_the_stored_choice_and_falls_back_to_vanilla(bench_repor
 
 def test_bench_cli(built_llama, tmp_path, capsys):
     shutil.copytree(built_llama, tmp_path / "b")
-    assert main(["bench", str(tmp_path / "b"), "--gammas", "1", "--rounds", "1", "--max-new-tokens", "4"]) == 0
+    assert main(["bench", str(tmp_path / "b"), "--gammas", "1", "--rounds", "1", "--max-new-tokens", "4",
+                 "--no-peers"]) == 0
     assert "| fp32 |" in capsys.readouterr().out
     assert main(["bench", str(tmp_path / "b"), "--gammas", "0"]) == 1
     assert main(["generate", str(tmp_path / "b"), "x", "--gamma", "auto", "--max-new-tokens", "3"]) == 0

@@ -23,9 +23,12 @@ def _csv(value, cast=str):
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--rounds", default=3, show_default=True, help="Repetitions of every configuration, interleaved.")
 @click.option("--threads", default=None, type=int)
+@click.option("--peers/--no-peers", default=True, show_default=True,
+              help="Also time transformers greedy and assisted generation on the same checkpoints.")
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="Report folder (default: OUTPUT_DIR/bench).")
 @click.option("-v", "--verbose", is_flag=True)
-def bench(output_dir, precisions, methods, gammas, prompts_file, max_new_tokens, rounds, threads, out, verbose):
+def bench(output_dir, precisions, methods, gammas, prompts_file, max_new_tokens, rounds, threads, peers, out,
+          verbose):
     """Measure tokens/s, TTFT, TPOT, acceptance and speedup; write report.json, report.md and plots."""
     from specexport.errors import SpecexportError
     from specexport.report.bench import BenchConfig, run_bench
@@ -33,7 +36,9 @@ def bench(output_dir, precisions, methods, gammas, prompts_file, max_new_tokens,
     if prompts_file:
         prompts = tuple(json.loads(line) for line in Path(prompts_file).read_text().splitlines() if line.strip())
     else:
-        prompts = ("def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):")
+        from specexport.report.bench import DEFAULT_PROMPTS
+
+        prompts = DEFAULT_PROMPTS
     try:
         gamma_list = _csv(gammas, int)
     except ValueError:
@@ -42,7 +47,7 @@ def bench(output_dir, precisions, methods, gammas, prompts_file, max_new_tokens,
         raise SpecexportError(f"--gammas: expected integers >= 1, got {gammas!r}")
     cfg = BenchConfig(output_dir=Path(output_dir), prompts=prompts, precisions=_csv(precisions),
                       methods=_csv(methods) or ("vanilla",), gammas=gamma_list, max_new_tokens=max_new_tokens,
-                      rounds=rounds, out=Path(out) if out else None, threads=threads)
+                      rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
     from specexport.report.bench import render_markdown
 

@@ -12,8 +12,10 @@ from specexport.cli import cli
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--dry-run", is_flag=True, help="Validate the config and print the plan; build nothing.")
 @click.option("--force", is_flag=True, help="Rebuild every stage, even unchanged ones.")
+@click.option("--bench/--no-bench", default=True, show_default=True,
+              help="End with a short latency report per precision (and store the γ for --gamma auto).")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
-def build(config, dry_run, force, verbose):
+def build(config, dry_run, force, bench, verbose):
     """Build the artifacts described by CONFIG (a model.yaml)."""
     from specexport.config import load_config
     from specexport.export.plan import plan_build
@@ -27,6 +29,27 @@ def build(config, dry_run, force, verbose):
 
     manifest = run_build(plan, force=force, reporter=Reporter())
     _print_summary(manifest, cfg.output)
+    if bench:
+        _print_quick_bench(cfg)
+
+
+def _print_quick_bench(cfg) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from specexport.report.bench import quick_bench, short_table
+
+    report = quick_bench(cfg.output, max_verify_tokens=cfg.max_verify_tokens, log=lambda m: None)
+    table = Table(title="latency (greedy, 3 short prompts x 32 tokens; `specexport bench` for the full report)")
+    for col in ("target", "draft", "method", "γ", "tok/s", "acceptance", "speedup"):
+        table.add_column(col)
+    for t, d, m, g, tps, acc, spd in short_table(report):
+        table.add_row(t, d, m, str(g), f"{tps:.1f}", "-" if acc is None else f"{acc:.2f}",
+                      "-" if spd is None else f"{spd:.2f}x")
+    Console().print(table)
+    for p, c in report["gamma_auto"].items():
+        verdict = f"γ = {c['gamma']}" if c["gamma"] else "vanilla (speculation predicted to lose)"
+        Console().print(f"--gamma auto for {p}: {verdict}, predicted {c['predicted_speedup']:.2f}x")
 
 
 def _print_plan(plan) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 from specexport.manifest import MANIFEST_NAME, read_manifest, write_json_atomic
 from specexport.report.model import choose_gamma, predicted_speedup
 
+DEFAULT_PROMPTS = ("def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):")
 ROW_KEYS = ("precision", "draft_precision", "method", "gamma", "tokens_per_s", "ttft_ms", "tpot_ms_p50", "tpot_ms_p90",
             "acceptance_rate", "acceptance_per_position", "mean_accepted_tokens", "speedup_vs_vanilla",
             "ideal_speedup", "efficiency")
@@ -35,6 +36,8 @@ class BenchConfig:
     rounds: int = 3
     out: Path | None = None                         # default: <output_dir>/bench
     threads: int | None = None
+    peers: bool = True
+    plots: bool = True
 
 
 def run_bench(cfg: BenchConfig, *, log=print) -> dict:
@@ -74,15 +77,24 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
         "gamma_auto": choice,
         "acceptance_drop": _acceptance_drop(rows),
         "memory": _memory(manifest, pipes, precisions),
-        "peers": "not run (transformers assisted generation and onnxruntime-genai peers are not implemented yet)",
+        "peers": _peers(manifest, cfg, log),
     }
     out = Path(cfg.out or cfg.output_dir / "bench")
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(render_markdown(report))
-    report["plots"] = _plots(report, out, log)
+    report["plots"] = _plots(report, out, log) if cfg.plots else []
     _store_gamma_choice(cfg.output_dir, choice)
     return report
+
+
+def _peers(manifest, cfg, log) -> list[dict]:
+    if not cfg.peers:
+        return [{"peer": "all", "skipped": "peers not requested"}]
+    from specexport.report.peers import run_peers
+
+    rows = run_peers(manifest, cfg.prompts, max_new_tokens=cfg.max_new_tokens, rounds=cfg.rounds, log=log)
+    return rows
 
 
 def _configs(precisions, models, cfg, has_draft):
@@ -213,6 +225,26 @@ def _store_gamma_choice(output_dir: Path, choice: dict) -> None:
     write_json_atomic(Path(output_dir) / MANIFEST_NAME, manifest)
 
 
+def quick_bench(output_dir: Path, *, max_verify_tokens: int, log=print) -> dict:
+    """The short report `specexport build` ends with: every built precision, vanilla and γ = 1..6,
+    one round of the default prompts, 32 tokens; no peers, no plots. Also stores the γ choice."""
+    gammas = tuple(range(1, min(6, max_verify_tokens - 1) + 1))
+    cfg = BenchConfig(output_dir=Path(output_dir), prompts=DEFAULT_PROMPTS, gammas=gammas, max_new_tokens=32,
+                      rounds=1, peers=False, plots=False)
+    return run_bench(cfg, log=log)
+
+
+def short_table(report: dict) -> list[tuple]:
+    """(target, draft, method, γ, tok/s, acceptance, speedup) rows: vanilla and the best γ per precision."""
+    best = {}
+    for r in report["rows"]:
+        key = (r["precision"], r["draft_precision"], r["method"])
+        if key not in best or (r["speedup_vs_vanilla"] or 0) > (best[key]["speedup_vs_vanilla"] or 0):
+            best[key] = r
+    return [(r["precision"], r["draft_precision"] or "-", r["method"], r["gamma"] or "-", r["tokens_per_s"],
+             r["acceptance_rate"], r["speedup_vs_vanilla"]) for r in best.values()]
+
+
 def render_markdown(report: dict) -> str:
     lines = [f"# specexport bench: {report['output_dir']}", "",
              f"`{report['command']}`, {report['settings']['prompts']} prompts x {report['settings']['rounds']} rounds, "
@@ -239,7 +271,16 @@ def render_markdown(report: dict) -> str:
     for k, v in report["step_costs_ms"].items():
         lines.append(f"- {k}: " + ", ".join(f"T={t}: {c:.3f}" if t != "draft" else f"draft: {c:.3f}"
                                              for t, c in v.items() if c is not None))
-    lines += ["", f"Peers: {report['peers']}", ""]
+    best = max((r for r in report["rows"] if r["precision"] == "fp32"), key=lambda r: r["tokens_per_s"], default=None)
+    lines += ["", "## Peers (same weights and prompts, same run)", ""]
+    for p in report["peers"]:
+        if "skipped" in p:
+            lines.append(f"- {p['peer']}: skipped ({p['skipped']})")
+        else:
+            ratio = f", specexport fp32 best ({best['method']} γ {best['gamma'] or '-'}) is " \
+                    f"{best['tokens_per_s'] / p['tokens_per_s']:.2f}x" if best else ""
+            lines.append(f"- {p['peer']}: {p['tokens_per_s']:.1f} tok/s{ratio}")
+    lines.append("")
     return "\n".join(lines)
 
 
