@@ -39,7 +39,13 @@ def _print_quick_bench(cfg) -> None:
 
     from specexport.report.bench import quick_bench, short_table
 
-    report = quick_bench(cfg.output, max_verify_tokens=cfg.max_verify_tokens, log=lambda m: None)
+    from specexport.errors import SpecexportError
+
+    try:
+        report = quick_bench(cfg.output, max_verify_tokens=cfg.max_verify_tokens, log=lambda m: None)
+    except SpecexportError as err:          # the build itself succeeded; say why there is no report
+        Console(stderr=True).print(f"[yellow]latency report skipped:[/] {err}")
+        return
     table = Table(title="latency (greedy, 3 short prompts x 32 tokens; `specexport bench` for the full report)")
     for col in ("target", "draft", "method", "γ", "tok/s", "acceptance", "speedup"):
         table.add_column(col)

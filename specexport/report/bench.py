@@ -114,8 +114,9 @@ def _configs(precisions, models, cfg, has_draft):
 
 
 def _step_costs(pipe, max_t: int, with_draft: bool, reps: int = 30) -> dict:
-    """Median seconds of one target forward for T = 1..max_t and one draft step, at a 64-token context."""
-    ctx = np.arange(3, 3 + 64) % pipe.target.vocab_size
+    """Median seconds of one target forward for T = 1..max_t and one draft step, at a context of 64
+    tokens (fewer when max_seq_len is small)."""
+    ctx = np.arange(3, 3 + max(1, min(64, pipe.capacity - max_t))) % pipe.target.vocab_size
     samples = {t: [] for t in range(1, max_t + 1)}
     draft = []
     for _ in range(reps):
