@@ -49,23 +49,25 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
     precisions = list(cfg.precisions or built)
     has_draft = "draft" in models and "draft" in cfg.methods
     configs = _configs(precisions, models, cfg, has_draft)
-    pipes = {}
-    for _, tp, dp, _ in configs:
-        if (tp, dp) not in pipes:
-            pipes[(tp, dp)] = specexport.load(cfg.output_dir, precision=tp, draft_precision=dp or tp, threads=cfg.threads)
+    # Vanilla runs on the same pipeline (same ORT sessions) as the speculative runs of its precision:
+    # a separate idle session's spinning thread pool would slow whichever session runs next.
+    keys = {(tp, dp) for _, tp, dp, _ in configs if dp is not None}
+    pipe_key = {c: ((c[1], c[1]) if (c[1], c[1]) in keys else (c[1], c[2])) for c in configs}
+    pipes = {k: specexport.load(cfg.output_dir, precision=k[0], draft_precision=k[1] or k[0], threads=cfg.threads)
+             for k in set(pipe_key.values())}
     runs = {c: [] for c in configs}
     log(f"bench: {len(configs)} configurations x {len(cfg.prompts)} prompts x {cfg.rounds} rounds, interleaved")
     for r in range(cfg.rounds):
         for prompt in cfg.prompts:
             for c in configs:
                 method, tp, dp, g = c
-                out = pipes[(tp, dp)].generate(prompt, max_new_tokens=cfg.max_new_tokens, method=method,
-                                               gamma=max(g, 1))
+                out = pipes[pipe_key[c]].generate(prompt, max_new_tokens=cfg.max_new_tokens, method=method,
+                                                  gamma=max(g, 1))
                 runs[c].append(out.stats)
         log(f"  round {r + 1}/{cfg.rounds} done")
     costs = {key: _step_costs(pipe, max(cfg.gammas) + 1, has_draft and key[1] is not None)
              for key, pipe in pipes.items()}
-    rows = [_row(c, runs, costs) for c in configs]
+    rows = [_row(c, runs, costs[pipe_key[c]]) for c in configs]
     choice = _gamma_choice(rows, costs, cfg)
     report = {
         "command": " ".join(sys.argv),
@@ -138,7 +140,7 @@ def _time_forward(backend, ctx, t: int) -> float:
     return time.perf_counter() - start
 
 
-def _row(c, runs, costs) -> dict:
+def _row(c, runs, cost) -> dict:
     method, tp, dp, g = c
     st = runs[c]
     tps = statistics.median(s.tokens_per_second for s in st)
@@ -152,7 +154,6 @@ def _row(c, runs, costs) -> dict:
         if per_pos else []
     vanilla = runs.get(("vanilla", tp, None, 0))
     base = statistics.median(s.tokens_per_second for s in vanilla) if vanilla else None
-    cost = costs[(tp, dp)]
     ideal = (predicted_speedup(cond, c_draft=cost["draft"], c_target={int(k): v for k, v in cost.items() if k != "draft"})
              if g and cost.get("draft") else 1.0)
     speedup = tps / base if base else None
