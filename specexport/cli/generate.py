@@ -43,7 +43,8 @@ def generate(output_dir, prompt, method, gamma, temperature, top_k, top_p, max_n
     if pipe.auto_note:
         click.secho(f"--gamma auto: {pipe.auto_note}", fg="yellow", err=True)
     click.echo("")
-    line = (f"[{method}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.tokens_per_second:.1f} tok/s, "
+    label = method if s.gamma or method == "vanilla" else "vanilla (auto)"
+    line = (f"[{label}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.tokens_per_second:.1f} tok/s, "
             f"TTFT {s.ttft_s * 1e3:.1f} ms, TPOT {s.tpot_s * 1e3:.2f} ms")
     if s.proposed:
         line += (f", γ={s.gamma}, acceptance {s.acceptance_rate:.2f}, "
