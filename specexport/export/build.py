@@ -122,15 +122,11 @@ def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter)
         if not report.max_rel_error <= tolerance:
             raise ParityError(f"{mp.role} {precision}: parity check failed: {report.describe()} "
                               f"> tolerance {tolerance:.1e}")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
+        _publish(partial, final)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    files = [final / name for name in names]
     entry = {
-        "backend": "onnxruntime",
-        "files": describe_files(out, files),
-        "size_bytes": sum(f.stat().st_size for f in files),
+        **_files_entry(out, final, names),
         "parity_reference": "pytorch",
         "parity_max_rel_error": report.max_rel_error,
         "parity_per_phase": report.per_phase,
@@ -138,6 +134,18 @@ def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter)
         "build_seconds": round(time.perf_counter() - start, 2),
     }
     return StageResult(mp.role, precision, entry, skipped=False)
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Move a stage's checked output into place (the old folder goes first)."""
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(partial, final)
+
+
+def _files_entry(out: Path, final: Path, names: list[str]) -> dict:
+    files = [final / name for name in names]
+    return {"backend": "onnxruntime", "files": describe_files(out, files),
+            "size_bytes": sum(f.stat().st_size for f in files)}
 
 
 def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter, samples: dict) -> StageResult:
@@ -177,15 +185,11 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
                               f"Measured {quality.describe()}, on {text['description']}. The gate is "
                               f"quality_gates.{precision} in the model.yaml")
         reporter.note(f"  {mp.role} {precision}: {quality.describe()}")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(partial, final)
+        _publish(partial, final)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    files = [final / name for name in names]
     entry = {
-        "backend": "onnxruntime",
-        "files": describe_files(out, files),
-        "size_bytes": sum(f.stat().st_size for f in files),
+        **_files_entry(out, final, names),
         "quantization": describe(precision),
         "top1_agreement": quality.top1_agreement,
         "mean_kl": quality.mean_kl,
