@@ -15,7 +15,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +44,6 @@ class DistillConfig:
     seed: int = 0
     checkpoint_every: int = 50
     device: str | None = None               # default: cuda when available, else cpu
-    extra: dict = field(default_factory=dict)
 
     def fingerprint(self) -> str:
         keep = {k: str(v) for k, v in asdict(self).items() if k not in ("steps", "checkpoint_every", "device")}

@@ -128,10 +128,3 @@ def compare(reference: dict, got: dict) -> ParityReport:
     per_phase = {k: float(np.abs(got[k] - r).max()) / max_abs_logit for k, r in reference.items()}
     worst = max(per_phase.values())
     return ParityReport(worst, worst * max_abs_logit, max_abs_logit, per_phase)
-
-
-def check_parity(model, onnx_path, io: ModelIO, *, max_seq_len: int, max_verify_tokens: int,
-                 seed: int = 0) -> ParityReport:
-    """Compare ORT and PyTorch logits on a prefill, decode steps and a random tree."""
-    case = parity_case(io, max_seq_len=max_seq_len, max_verify_tokens=max_verify_tokens, seed=seed)
-    return compare(reference_logits(model, case), onnx_logits(onnx_path, io, case))

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport.manifest import MANIFEST_NAME, read_manifest, write_json_atomic
-from specexport.report.model import choose_gamma, predicted_speedup
+from specexport.report.model import choose_gamma, extend, predicted_speedup
 
 DEFAULT_PROMPTS = ("def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):")
 ROW_KEYS = ("precision", "draft_precision", "method", "gamma", "tokens_per_s", "ttft_ms", "tpot_ms_p50", "tpot_ms_p90",
@@ -68,7 +68,7 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
     costs = {key: _step_costs(pipe, max(cfg.gammas) + 1, has_draft and key[1] is not None)
              for key, pipe in pipes.items()}
     rows = [_row(c, runs, costs[pipe_key[c]]) for c in configs]
-    choice = _gamma_choice(rows, costs, cfg)
+    choice = _gamma_choice(rows, costs)
     report = {
         "command": " ".join(sys.argv),
         "output_dir": str(cfg.output_dir),
@@ -154,7 +154,7 @@ def _row(c, runs, cost) -> dict:
         if per_pos else []
     vanilla = runs.get(("vanilla", tp, None, 0))
     base = statistics.median(s.tokens_per_second for s in vanilla) if vanilla else None
-    ideal = (predicted_speedup(cond, c_draft=cost["draft"], c_target={int(k): v for k, v in cost.items() if k != "draft"})
+    ideal = (predicted_speedup(cond, c_draft=cost["draft"], c_target=_target_costs(cost))
              if g and cost.get("draft") else 1.0)
     speedup = tps / base if base else None
     passes = sum(s.target_passes for s in st)
@@ -171,7 +171,12 @@ def _row(c, runs, cost) -> dict:
     }
 
 
-def _gamma_choice(rows, costs, cfg) -> dict:
+def _target_costs(cost: dict) -> dict[int, float]:
+    """{T: ms} of one target forward, from a step-cost record (which also holds the draft's cost)."""
+    return {int(k): v for k, v in cost.items() if k != "draft"}
+
+
+def _gamma_choice(rows, costs) -> dict:
     """Per precision: the γ the measured acceptance (at the largest γ run) and step costs predict best."""
     choice = {}
     for r in rows:
@@ -181,20 +186,14 @@ def _gamma_choice(rows, costs, cfg) -> dict:
         if best_so_far and best_so_far["measured_at_gamma"] >= r["gamma"]:
             continue
         cost = costs[(r["precision"], r["draft_precision"])]
-        c_target = {int(k): v for k, v in cost.items() if k != "draft"}
+        c_target = _target_costs(cost)
         g, s = choose_gamma(r["acceptance_conditional"], c_draft=cost["draft"], c_target=c_target,
                             max_gamma=max(c_target) - 1)
         choice[r["precision"]] = {"gamma": g, "predicted_speedup": s, "measured_at_gamma": r["gamma"],
                                   "predicted_by_gamma": {str(k): predicted_speedup(
-                                      _ext(r["acceptance_conditional"], k), c_draft=cost["draft"], c_target=c_target)
+                                      extend(r["acceptance_conditional"], k), c_draft=cost["draft"], c_target=c_target)
                                       for k in range(1, max(c_target))}}
     return choice
-
-
-def _ext(a, g):
-    from specexport.report.model import extend
-
-    return extend(a, g)
 
 
 def _acceptance_drop(rows) -> list:
