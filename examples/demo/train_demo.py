@@ -8,6 +8,11 @@
 2. Tokenizer: byte-level BPE (`tokenizers`), 2048 tokens, trained on the training files.
 3. Target: Llama, 8 layers x 320, 5 heads of 64 (1 KV head), SwiGLU 768, tied embeddings (~8.5M
    parameters), trained with AdamW on 256-token windows, then saved in fp16 safetensors.
+4. With `--init DIR --layers N` (the second stage in make_demo.sh): the model in DIR is deepened to
+   N layers by inserting identity blocks (a copy of its neighbour's weights with the attention output
+   and MLP down projections zeroed, as in LLaMA Pro's block expansion), so training resumes from the
+   same function, and all layers train on. Depth buys a costlier target step within the 25 MB
+   budget of the shipped weights more cheaply than training a deeper model from scratch.
 The draft is then made with `specexport distill-draft` (see make_demo.sh beside this file).
 """
 from __future__ import annotations
@@ -69,6 +74,32 @@ def write_prompts(held: list[Path], rng) -> None:
     (HERE / "prompts" / "general.jsonl").write_text("".join(json.dumps(p) + "\n" for p in general))
 
 
+def expand_depth(model: transformers.LlamaForCausalLM, layers: int) -> None:
+    """Insert identity blocks spread evenly among the existing layers until there are `layers`."""
+    import copy
+    old = list(model.model.layers)
+    extra = layers - len(old)
+    if extra < 0:
+        raise SystemExit(f"--layers {layers}: the model in --init already has {len(old)} layers")
+    after = {int((j + 1) * len(old) / (extra + 1)) - 1 for j in range(extra)}     # insert after these
+    if len(after) != extra:
+        raise SystemExit(f"--layers {layers}: at most {2 * len(old)} (one new block per existing layer)")
+    new = []
+    for i, layer in enumerate(old):
+        new.append(layer)
+        if i in after:
+            block = copy.deepcopy(layer)
+            torch.nn.init.zeros_(block.self_attn.o_proj.weight)
+            torch.nn.init.zeros_(block.mlp.down_proj.weight)
+            new.append(block)
+    for i, layer in enumerate(new):
+        layer.self_attn.layer_idx = i
+    model.model.layers = torch.nn.ModuleList(new)
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[0]] * layers
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(HERE / "models"))
@@ -77,26 +108,36 @@ def main():
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", help="continue from this checkpoint (its tokenizer is kept)")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=30)
     args = ap.parse_args()
     start = time.time()
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     train_files, held = stdlib_files()
-    write_prompts(held, rng)
+    if not args.init:                       # the measuring prompts come from the first stage only
+        write_prompts(held, rng)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "train_files.txt").write_text("".join(f"{p}\n" for p in train_files))
-    tokenizer = train_tokenizer(train_files, 2048)
+    if args.init:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.init)
+        model = transformers.LlamaForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        expand_depth(model, args.layers)
+    else:
+        tokenizer = train_tokenizer(train_files, 2048)
+        config = transformers.LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=320, intermediate_size=768, num_hidden_layers=args.layers,
+            num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True,
+            bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        model = transformers.LlamaForCausalLM(config)
     data = token_stream(train_files, tokenizer)
-    print(f"{len(train_files)} training files, {len(held)} held out, {len(data):,} tokens", flush=True)
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=320, intermediate_size=768, num_hidden_layers=8,
-        num_attention_heads=5, num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = transformers.LlamaForCausalLM(config)
+    print(f"{len(train_files)} training files, {len(held)} held out, {len(data):,} tokens, "
+          f"{len(model.model.layers)} layers", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     log = []
     for step in range(args.steps):
-        lr = args.lr * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
         for g in opt.param_groups:
             g["lr"] = lr
         starts = rng.integers(0, len(data) - args.seq_len - 1, args.batch)
@@ -113,11 +154,16 @@ def main():
     out = Path(args.out) / "target"
     model.to(torch.float16).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (Path(args.out) / "target_training.json").write_text(json.dumps({
+    record = Path(args.out) / "target_training.json"
+    previous = json.loads(record.read_text()) if args.init and record.is_file() else None
+    stages = previous.get("stages", [previous]) if previous else []
+    stages.append({
+        "init": args.init, "layers": args.layers, "seed": args.seed, "lr": args.lr,
         "seconds": round(time.time() - start), "steps": args.steps, "batch": args.batch, "seq_len": args.seq_len,
         "tokens_seen": args.steps * args.batch * args.seq_len, "corpus_tokens": int(len(data)),
         "final_loss_mean_last_10": float(np.mean(log[-10:])), "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "loss": log}, indent=1))
+        "threads": torch.get_num_threads(), "loss": log})
+    record.write_text(json.dumps({"stages": stages}, indent=1))
     print(f"wrote {out} in {time.time() - start:.0f}s")
 
 

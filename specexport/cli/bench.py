@@ -24,7 +24,8 @@ def _csv(value, cast=str):
 @click.option("--rounds", default=3, show_default=True, help="Repetitions of every configuration, interleaved.")
 @click.option("--threads", default=None, type=int)
 @click.option("--peers/--no-peers", default=True, show_default=True,
-              help="Also time transformers greedy and assisted generation on the same checkpoints.")
+              help="Also time peers on the same checkpoints and prompt tokens: transformers greedy and "
+                   "assisted generation, onnxruntime-genai greedy and n-gram (each where installed).")
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="Report folder (default: OUTPUT_DIR/bench).")
 @click.option("-v", "--verbose", is_flag=True)
 def bench(output_dir, precisions, methods, gammas, prompts_file, max_new_tokens, rounds, threads, peers, out,

@@ -55,15 +55,28 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
     pipe_key = {c: ((c[1], c[1]) if (c[1], c[1]) in keys else (c[1], c[2])) for c in configs}
     pipes = {k: specexport.load(cfg.output_dir, precision=k[0], draft_precision=k[1] or k[0], threads=cfg.threads)
              for k in set(pipe_key.values())}
+    out_dir = Path(cfg.out or cfg.output_dir / "bench")
+    peers, skipped = _open_peers(manifest, precisions, cfg, out_dir, log)
     runs = {c: [] for c in configs}
-    log(f"bench: {len(configs)} configurations x {len(cfg.prompts)} prompts x {cfg.rounds} rounds, interleaved")
+    peer_runs = {p.name + p.precision: [] for p in peers}
+    log(f"bench: {len(configs)} configurations + {len(peers)} peers x {len(cfg.prompts)} prompts x {cfg.rounds} "
+        "rounds, interleaved")
     for r in range(cfg.rounds):
         for prompt in cfg.prompts:
+            ours = {}
             for c in configs:
                 method, tp, dp, g = c
                 out = pipes[pipe_key[c]].generate(prompt, max_new_tokens=cfg.max_new_tokens, method=method,
                                                   gamma=max(g, 1))
                 runs[c].append(out.stats)
+                ours.setdefault(tp, out.token_ids)
+            ids = next(iter(pipes.values()))._prompt_ids(prompt, None).tolist()
+            for p in peers:
+                start = time.perf_counter()
+                got = p.run(ids, cfg.max_new_tokens)
+                seconds = time.perf_counter() - start
+                ref = ours.get(p.precision.split()[0], [])
+                peer_runs[p.name + p.precision].append((len(got) / seconds, got[:len(ref)] == ref[:len(got)]))
         log(f"  round {r + 1}/{cfg.rounds} done")
     costs = {key: _step_costs(pipe, max(cfg.gammas) + 1, has_draft and key[1] is not None)
              for key, pipe in pipes.items()}
@@ -79,9 +92,9 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
         "gamma_auto": choice,
         "acceptance_drop": _acceptance_drop(rows),
         "memory": _memory(manifest, pipes, precisions),
-        "peers": _peers(manifest, cfg, log),
+        "peers": [_peer_row(p, peer_runs[p.name + p.precision]) for p in peers] + skipped,
     }
-    out = Path(cfg.out or cfg.output_dir / "bench")
+    out = out_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(render_markdown(report))
@@ -90,13 +103,17 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
     return report
 
 
-def _peers(manifest, cfg, log) -> list[dict]:
+def _open_peers(manifest, precisions, cfg, out_dir: Path, log):
     if not cfg.peers:
-        return [{"peer": "all", "skipped": "peers not requested"}]
-    from specexport.report.peers import run_peers
+        return [], [{"peer": "all", "skipped": "peers not requested"}]
+    from specexport.report.peers import open_peers
 
-    rows = run_peers(manifest, cfg.prompts, max_new_tokens=cfg.max_new_tokens, rounds=cfg.rounds, log=log)
-    return rows
+    return open_peers(manifest, precisions, work_dir=out_dir / "peers", log=log)
+
+
+def _peer_row(peer, runs) -> dict:
+    return {"peer": peer.name, "precision": peer.precision, "tokens_per_s": statistics.median(s for s, _ in runs),
+            "same_tokens_as_specexport": sum(same for _, same in runs) / len(runs), "runs": len(runs)}
 
 
 def _configs(precisions, models, cfg, has_draft):
@@ -272,15 +289,20 @@ def render_markdown(report: dict) -> str:
     for k, v in report["step_costs_ms"].items():
         lines.append(f"- {k}: " + ", ".join(f"T={t}: {c:.3f}" if t != "draft" else f"draft: {c:.3f}"
                                              for t, c in v.items() if c is not None))
-    best = max((r for r in report["rows"] if r["precision"] == "fp32"), key=lambda r: r["tokens_per_s"], default=None)
-    lines += ["", "## Peers (same weights and prompts, same run)", ""]
+    lines += ["", "## Peers (same weights and prompt tokens, interleaved in the same run)", ""]
     for p in report["peers"]:
         if "skipped" in p:
             lines.append(f"- {p['peer']}: skipped ({p['skipped']})")
-        else:
-            ratio = f", specexport fp32 best ({best['method']} γ {best['gamma'] or '-'}) is " \
-                    f"{best['tokens_per_s'] / p['tokens_per_s']:.2f}x" if best else ""
-            lines.append(f"- {p['peer']}: {p['tokens_per_s']:.1f} tok/s{ratio}")
+            continue
+        prec = p["precision"].split()[0]
+        mine = [r for r in report["rows"] if r["precision"] == prec and r["draft_precision"] in (None, prec)]
+        best = max(mine, key=lambda r: r["tokens_per_s"], default=None)
+        vanilla = next((r for r in mine if r["method"] == "vanilla"), None)
+        ratio = (f"; specexport {prec} best ({best['method']} γ {best['gamma'] or '-'}) is "
+                 f"{best['tokens_per_s'] / p['tokens_per_s']:.2f}x" if best else "")
+        ratio += f", specexport {prec} vanilla {vanilla['tokens_per_s'] / p['tokens_per_s']:.2f}x" if vanilla else ""
+        lines.append(f"- {p['peer']} ({p['precision']}): {p['tokens_per_s']:.1f} tok/s{ratio}; greedy tokens equal to "
+                     f"ours in {p['same_tokens_as_specexport']:.0%} of {p['runs']} runs")
     lines.append("")
     return "\n".join(lines)
 
