@@ -95,6 +95,24 @@ def test_draft_equal_to_target_accepts_everything(built_long):
         assert sum(map(len, ids)) == 60
 
 
+def test_public_binding_fallback_gives_the_same_logits(built_long):
+    """The backend binds through onnxruntime's C-level IOBinding when it can; the public-API path
+    it falls back to must compute the same thing (a chain of forwards with commits)."""
+    import onnxruntime
+
+    from specexport.runtime.backends import ort as ort_backend
+
+    fast, public = _backend(built_long, "target"), _backend(built_long, "target")
+    no_c_level = type("NoCLevel", (), {})()          # an onnxruntime without OrtDevice.make
+    public._bind_in, public._bind_out, public._run = ort_backend._binding_calls(no_c_level, public.session,
+                                                                                public.binding)
+    assert fast._run.__code__ is not public._run.__code__ and hasattr(onnxruntime, "OrtDevice")
+    for step in (np.array([1, 40, 41, 42, 43]), np.array([44]), np.array([45, 46, 47])):
+        a, b = np.array(fast.forward(step).logits), np.array(public.forward(step).logits)
+        np.testing.assert_array_equal(a, b)
+        fast.commit(len(step)), public.commit(len(step))
+
+
 def test_tree_commit_compacts_the_accepted_path(built_long):
     """Verify a tree, commit one root-to-leaf path, then decode: logits equal a plain chain's."""
     a, b = _backend(built_long, "target"), _backend(built_long, "target")
