@@ -44,7 +44,7 @@ def backends(target_cls=TabularBackend, draft_cls=TabularBackend, *, capacity=CA
             draft_cls(draft_table, capacity=capacity, max_tokens=MAX_TOKENS))
 
 
-def run_decodes(target, draft, prompt, params, gamma, runs, max_new, seed):
+def run_decodes(target, draft, prompt, params, gamma, runs, max_new, seed, draft_stop=0.0):
     """tokens [runs, max_new] from `runs` decodes sharing one rng; plus summed DecodeStats counters."""
     rng = np.random.default_rng(seed)
     out = np.empty((runs, max_new), dtype=np.int64)
@@ -53,7 +53,8 @@ def run_decodes(target, draft, prompt, params, gamma, runs, max_new, seed):
     for r in range(runs):
         stats = DecodeStats()
         toks = np.concatenate(list(decode(target, draft, np.asarray(prompt), max_new_tokens=max_new,
-                                          params=params, gamma=gamma, rng=rng, stats=stats)))
+                                          params=params, gamma=gamma, rng=rng, stats=stats,
+                                          draft_stop=draft_stop)))
         out[r] = toks
         accepted[r] = stats.accepted
         proposed += stats.proposed
@@ -99,6 +100,19 @@ def test_decode_sampling_is_lossless(name, prompt, params, gamma):
     assert_lossless(views(tokens, prompt, params), name)
     if gamma:
         assert 0 < accepted.sum() < proposed                 # both verdicts were exercised
+
+
+@pytest.mark.parametrize("draft_stop", [0.3, 0.6])
+def test_adaptive_draft_length_is_lossless(draft_stop):
+    """Stopping a round's drafting on the draft's own confidence changes how many tokens are proposed,
+    never the distribution of what is emitted."""
+    target, draft = backends()
+    params = SamplingParams(temperature=1.0, top_k=4)
+    tokens, accepted, proposed = run_decodes(target, draft, [5, 0, 4], params, 4, 20_000, max_new=6,
+                                             seed=77, draft_stop=draft_stop)
+    assert_lossless(views(tokens, [5, 0, 4], params), f"γ 4, draft_stop {draft_stop}")
+    full_rounds = run_decodes(target, draft, [5, 0, 4], params, 4, 2_000, max_new=6, seed=78)[2]
+    assert 0 < accepted.sum() < proposed < full_rounds * 20_000 / 2_000     # fewer proposals than fixed γ
 
 
 def first_round_acceptance(prompt, params) -> float:
@@ -194,8 +208,8 @@ def test_teeth_draft_rollback_keeping_a_rejected_row_fails_loudly():
 # KV bookkeeping after every round (deterministic; catches what the distribution cannot)
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.7, top_k=3)])
-@pytest.mark.parametrize("gamma", [1, 3, 6])
-def test_kv_invariants_after_every_round(params, gamma):
+@pytest.mark.parametrize("gamma,draft_stop", [(1, 0.0), (3, 0.0), (6, 0.0), (6, 0.5)])
+def test_kv_invariants_after_every_round(params, gamma, draft_stop):
     """After each yielded chunk, with N tokens so far: target holds exactly seq[:N-1], the draft holds a
     prefix of seq no longer than N - 1; the stats add up."""
     target, draft = backends(capacity=40)
@@ -205,7 +219,7 @@ def test_kv_invariants_after_every_round(params, gamma):
         seq = list(prompt)
         proposed = accepted = 0
         for chunk in decode(target, draft, prompt, max_new_tokens=100, params=params, gamma=gamma,
-                            rng=np.random.default_rng(seed), stats=stats):
+                            rng=np.random.default_rng(seed), stats=stats, draft_stop=draft_stop):
             seq += chunk.tolist()
             n = len(seq)
             assert target.length == n - 1 and target.context().tolist() == seq[:n - 1]
@@ -230,8 +244,9 @@ def _greedy_prompts():
     return [rng.integers(0, V, size=n) for n in (1, 2, 3, 5, 8, 9, 13)]      # > MAX_TOKENS: chunked prefill
 
 
-@pytest.mark.parametrize("gamma", [1, 2, 3, 4, 5, 6])
-def test_greedy_equals_plain_greedy(gamma):
+@pytest.mark.parametrize("gamma,draft_stop", [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0), (5, 0.0), (6, 0.0),
+                                              (6, 0.5), (6, 0.9)])
+def test_greedy_equals_plain_greedy(gamma, draft_stop):
     """>= 200 tokens per prompt; the draft disagrees often enough that both verdicts occur."""
     target, draft = backends(capacity=256)
     rejected = 0
@@ -242,7 +257,7 @@ def test_greedy_equals_plain_greedy(gamma):
         stats = DecodeStats()
         spec = np.concatenate(list(decode(target, draft, prompt, max_new_tokens=200, params=SamplingParams(0.0),
                                           gamma=gamma, rng=np.random.default_rng(1), stats=stats,
-                                          prefill_chunk=3 + gamma)))
+                                          prefill_chunk=3 + gamma, draft_stop=draft_stop)))
         np.testing.assert_array_equal(spec, plain, err_msg=f"prompt {prompt.tolist()}, γ = {gamma}")
         rejected += stats.proposed - stats.accepted
     assert rejected > 0

@@ -12,6 +12,8 @@ from specexport.cli import cli
 @click.option("--method", default="draft", show_default=True, help="vanilla | draft")
 @click.option("--gamma", default="4", show_default=True,
               help="Draft tokens proposed per round, or 'auto' (the γ `specexport bench` measured best).")
+@click.option("--draft-stop", default=0.0, show_default=True, type=float,
+              help="End a round's drafting early once the draft's probability of its proposal is below this.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
 @click.option("--top-k", default=None, type=int)
 @click.option("--top-p", default=None, type=float)
@@ -24,7 +26,7 @@ from specexport.cli import cli
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--compare", is_flag=True, help="Also time vanilla decoding on the same build and print the speedup.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
-def generate(output_dir, prompt, method, gamma, temperature, top_k, top_p, max_new_tokens, seed, precision,
+def generate(output_dir, prompt, method, gamma, draft_stop, temperature, top_k, top_p, max_new_tokens, seed, precision,
              draft_precision, threads, draft_threads, stop, compare, verbose):
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
@@ -32,7 +34,7 @@ def generate(output_dir, prompt, method, gamma, temperature, top_k, top_p, max_n
     pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision, threads=threads,
                            draft_threads=draft_threads)
     gamma = gamma if gamma == "auto" else _int_gamma(gamma)
-    pieces = pipe.stream(prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma,
+    pieces = pipe.stream(prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma, draft_stop=draft_stop,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
     first = next(pieces, "")            # input errors surface here, before anything is printed
     click.echo(prompt + first, nl=False)
@@ -51,7 +53,8 @@ def generate(output_dir, prompt, method, gamma, temperature, top_k, top_p, max_n
                  f"{s.mean_accepted_tokens:.2f} tokens per target pass")
     click.secho(line, fg="cyan", err=True)
     if compare and method != "vanilla":
-        _compare(pipe, prompt, dict(max_new_tokens=max_new_tokens, gamma=gamma, temperature=temperature,
+        _compare(pipe, prompt, dict(max_new_tokens=max_new_tokens, gamma=gamma, draft_stop=draft_stop,
+                                    temperature=temperature,
                                     top_k=top_k, top_p=top_p, seed=seed, stop=stop), method)
 
 

@@ -9,6 +9,9 @@ Invariant at the start of each round, with N tokens so far (prompt + emitted):
     draft.length  <= N - 1            the draft catches up on seq[draft.length:N] in its first call
 One round with γ proposals (chain):
     draft:   feed seq[draft.length:N] -> q_1, x_1; feed x_1 -> q_2, x_2; ... x_γ   (γ calls)
+             with draft_stop > 0 the round proposes fewer: drafting stops after the first x_i the
+             draft itself gives probability < draft_stop (its own confidence; the target is not
+             consulted, so the output distribution is unchanged, greedy or sampled)
     target:  feed [root, x_1..x_γ] at positions N-1..N-1+γ -> p_0..p_γ            (1 call)
     verdict: n accepted + 1 bonus/recovered token; target commits root + n accepted rows,
              the draft rolls back to N + min(n, γ - 1) (it never saw x_γ).
@@ -68,8 +71,11 @@ class DecodeStats:
 
 def decode(target: Backend, draft: Backend | None, prompt: np.ndarray, *, max_new_tokens: int,
            params: SamplingParams, gamma: int, rng: np.random.Generator, stats: DecodeStats,
-           prefill_chunk: int = 64):
-    """Yield chunks of emitted tokens ([k] int64 arrays). draft None or gamma 0 = vanilla decoding."""
+           prefill_chunk: int = 64, draft_stop: float = 0.0):
+    """Yield chunks of emitted tokens ([k] int64 arrays). draft None or gamma 0 = vanilla decoding.
+    draft_stop: end a round's drafting early once the draft's probability of its proposal is below it."""
+    if not 0.0 <= draft_stop < 1.0:
+        raise SpecexportError(f"draft_stop: expected a probability in [0, 1), got {draft_stop!r}")
     start = time.perf_counter()
     capacity = target.capacity if draft is None else min(target.capacity, draft.capacity)
     if not 1 <= len(prompt) < capacity:
@@ -100,7 +106,7 @@ def decode(target: Backend, draft: Backend | None, prompt: np.ndarray, *, max_ne
             target.commit(1)
             new = np.array([_choose(out.logits[0], params, rng)])
         else:
-            new = _speculate(target, draft, seq, n, g, params, rng, stats)
+            new = _speculate(target, draft, seq, n, g, params, rng, stats, draft_stop)
         stats.target_passes += 1
         seq[n:n + len(new)] = new
         n += len(new)
@@ -109,19 +115,26 @@ def decode(target: Backend, draft: Backend | None, prompt: np.ndarray, *, max_ne
         yield new
 
 
-def _speculate(target, draft, seq, n, g, params, rng, stats) -> np.ndarray:
+def _speculate(target, draft, seq, n, g, params, rng, stats, draft_stop=0.0) -> np.ndarray:
     proposal = np.empty(g, dtype=np.int64)                     # [γ]
     q = None if params.greedy else np.empty((g, target.vocab_size))   # [γ, V]
     feed = seq[draft.length:n]
     for i in range(g):
         out = draft.forward(feed)
         draft.commit(len(feed))
+        logits = out.logits[-1]
         if params.greedy:
-            proposal[i] = int(out.logits[-1].argmax())
+            proposal[i] = x = int(logits.argmax())
+            confident = not draft_stop or _top_probability(logits, x) >= draft_stop
         else:
-            q[i] = warp(out.logits[-1], params)
-            proposal[i] = sample(q[i], rng.random())
+            q[i] = warp(logits, params)
+            proposal[i] = x = sample(q[i], rng.random())
+            confident = q[i][x] >= draft_stop
         feed = proposal[i:i + 1]
+        if not confident and i + 1 < g:
+            g = i + 1
+            proposal, q = proposal[:g], None if q is None else q[:g]
+            break
     stats.draft_passes += g
     verify = np.concatenate([seq[n - 1:n], proposal])            # [γ+1] root, x_1..x_γ
     out = target.forward(verify)
@@ -137,6 +150,11 @@ def _speculate(target, draft, seq, n, g, params, rng, stats) -> np.ndarray:
     stats.proposed_at[:g] += 1
     stats.accepted_at[:k] += 1
     return verdict.tokens
+
+
+def _top_probability(logits: np.ndarray, top: int) -> float:
+    """softmax(logits)[top] where `top` is the argmax."""
+    return 1.0 / float(np.exp(logits - logits[top], dtype=np.float64).sum())
 
 
 def _prefill(backend: Backend, prompt: np.ndarray, chunk: int) -> np.ndarray:

@@ -101,8 +101,11 @@ class Pipeline:
 
     def stream(self, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int = 128,
                method: str = "draft", gamma: int = 4, temperature: float = 0.0, top_k: int | None = None,
-               top_p: float | None = None, seed: int | None = 0, stop: list[str] | tuple = ()):
-        """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards."""
+               top_p: float | None = None, seed: int | None = 0, stop: list[str] | tuple = (),
+               draft_stop: float = 0.0):
+        """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards.
+        draft_stop: end a round's drafting once the draft gives its proposal a probability below this
+        (adaptive γ up to `gamma`; 0 = always γ proposals). Output is unchanged either way."""
         ids = self._prompt_ids(prompt, prompt_ids)
         params = self._params(temperature, top_k, top_p)
         draft, gamma = self._draft_for(method, gamma)
@@ -112,7 +115,7 @@ class Pipeline:
         out_ids, text, reason = [], "", "length"
         rounds = decode(self.target, draft, ids, max_new_tokens=max_new_tokens, params=params,
                         gamma=gamma if draft else 0, rng=np.random.default_rng(seed), stats=stats,
-                        prefill_chunk=PREFILL_CHUNK)
+                        prefill_chunk=PREFILL_CHUNK, draft_stop=draft_stop)
         try:
             for chunk in rounds:
                 chunk = chunk.tolist()
