@@ -13,7 +13,7 @@ import specexport
 from specexport.cli import main
 from specexport.errors import SpecexportError
 from specexport.report.bench import ROW_KEYS, BenchConfig, run_bench
-from specexport.report.model import choose_gamma, expected_tokens, extend, predicted_speedup
+from specexport.report.model import choose_gamma, expected_tokens, extend, predicted_speedup, speedup_from_counts
 
 
 def test_expected_tokens_matches_the_iid_formula():
@@ -30,6 +30,16 @@ def test_predicted_speedup_worked_example():
     assert predicted_speedup([0.8], c_draft=0.1, c_target=c_target) == pytest.approx(1.8 / 1.2)
 
 
+def test_speedup_from_counts():
+    c_target = {1: 1.0, 2: 1.1, 3: 1.2}
+    # 10 rounds of 2 proposals and 5 of 1, plus 2 plain steps; 30 tokens emitted
+    cost = 10 * (0.2 + 1.2) + 5 * (0.1 + 1.1) + 2 * 1.0
+    assert speedup_from_counts(30, {2: 10, 1: 5, 0: 2}, c_draft=0.1, c_target=c_target) == pytest.approx(30 / cost)
+    # fixed γ with every round accepting all: the per-position formula's answer
+    assert speedup_from_counts(30, {2: 10}, c_draft=0.1, c_target=c_target) == pytest.approx(
+        predicted_speedup([1.0, 1.0], c_draft=0.1, c_target=c_target))
+
+
 def test_choose_gamma():
     c_target = {t: 1.0 + 0.05 * (t - 1) for t in range(1, 9)}
     g, s = choose_gamma([0.9], c_draft=0.05, c_target=c_target, max_gamma=7)
@@ -44,7 +54,7 @@ def bench_report(built_llama, tmp_path_factory):
     work = tmp_path_factory.mktemp("bench")
     shutil.copytree(built_llama, work / "build")
     cfg = BenchConfig(output_dir=work / "build", prompts=("def f(x):", "import os"), gammas=(1, 2),
-                      max_new_tokens=8, rounds=1, out=work / "report")
+                      draft_stops=(0.5,), max_new_tokens=8, rounds=1, out=work / "report")
     return work, run_bench(cfg, log=lambda m: None)
 
 
@@ -60,7 +70,10 @@ def test_report_rows_and_files(bench_report):
         if r["method"] == "draft":
             assert 0 <= r["acceptance_rate"] <= 1 and len(r["acceptance_per_position"]) == r["gamma"]
             assert r["efficiency"] == pytest.approx(r["speedup_vs_vanilla"] / r["ideal_speedup"])
-    assert (work / "report" / "report.md").read_text().count("| fp32 |") == 3
+    adaptive = [r for r in rows if r["draft_stop"]]
+    assert [(r["gamma"], r["draft_stop"]) for r in adaptive] == [(2, 0.5)]
+    assert adaptive[0]["efficiency"] == pytest.approx(adaptive[0]["speedup_vs_vanilla"] / adaptive[0]["ideal_speedup"])
+    assert (work / "report" / "report.md").read_text().count("| fp32 |") == 4
     assert (work / "report" / "speedup_vs_gamma.png").stat().st_size > 0
     stored = json.loads((work / "build" / "manifest.json").read_text())["gamma_auto"]["fp32"]
     assert stored["gamma"] == report["gamma_auto"]["fp32"]["gamma"]
@@ -113,5 +126,6 @@ def test_bench_cli(built_llama, tmp_path, capsys):
                  "--no-peers"]) == 0
     assert "| fp32 |" in capsys.readouterr().out
     assert main(["bench", str(tmp_path / "b"), "--gammas", "0"]) == 1
+    assert main(["bench", str(tmp_path / "b"), "--draft-stops", "1.5"]) == 1
     assert main(["generate", str(tmp_path / "b"), "x", "--gamma", "auto", "--max-new-tokens", "3"]) == 0
     assert "--gamma auto" in capsys.readouterr().err

@@ -18,6 +18,7 @@ def _csv(value, cast=str):
 @click.option("--precisions", default=None, help="Comma list (default: every precision built for the target).")
 @click.option("--methods", default="vanilla,draft", show_default=True)
 @click.option("--gammas", default="2,3,4,5,6", show_default=True)
+@click.option("--draft-stops", default="", help="Comma list of draft_stop values: adaptive-γ rows at the largest γ.")
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False),
               help="JSON-lines file of prompt strings (default: a few built-in code prompts).")
 @click.option("--max-new-tokens", default=128, show_default=True)
@@ -28,7 +29,7 @@ def _csv(value, cast=str):
                    "assisted generation, onnxruntime-genai greedy and n-gram (each where installed).")
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="Report folder (default: OUTPUT_DIR/bench).")
 @click.option("-v", "--verbose", is_flag=True)
-def bench(output_dir, precisions, methods, gammas, prompts_file, max_new_tokens, rounds, threads, peers, out,
+def bench(output_dir, precisions, methods, gammas, draft_stops, prompts_file, max_new_tokens, rounds, threads, peers, out,
           verbose):
     """Measure tokens/s, TTFT, TPOT, acceptance and speedup; write report.json, report.md and plots."""
     from specexport.errors import SpecexportError
@@ -46,7 +47,13 @@ def bench(output_dir, precisions, methods, gammas, prompts_file, max_new_tokens,
         raise SpecexportError(f"--gammas: expected a comma list of integers, got {gammas!r}") from None
     if not gamma_list or min(gamma_list) < 1:
         raise SpecexportError(f"--gammas: expected integers >= 1, got {gammas!r}")
-    cfg = BenchConfig(output_dir=Path(output_dir), prompts=prompts, precisions=_csv(precisions),
+    try:
+        stops = _csv(draft_stops, float) or ()
+    except ValueError:
+        raise SpecexportError(f"--draft-stops: expected a comma list of numbers, got {draft_stops!r}") from None
+    if any(not 0 < x < 1 for x in stops):
+        raise SpecexportError(f"--draft-stops: expected probabilities in (0, 1), got {draft_stops!r}")
+    cfg = BenchConfig(output_dir=Path(output_dir), prompts=prompts, precisions=_csv(precisions), draft_stops=stops,
                       methods=_csv(methods) or ("vanilla",), gammas=gamma_list, max_new_tokens=max_new_tokens,
                       rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))

@@ -1,6 +1,6 @@
 """`specexport bench`: configurations interleaved and repeated, medians, report.json / report.md / plots.
 
-A configuration is (method, target precision, draft precision, γ). Every round runs every
+A configuration is (method, target precision, draft precision, γ, draft_stop). Every round runs every
 configuration once per prompt, so machine noise hits all of them alike; figures are medians over
 (prompt, round) runs, and speedups are ratios of medians measured in the same run.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport.manifest import MANIFEST_NAME, read_manifest, write_json_atomic
-from specexport.report.model import choose_gamma, extend, predicted_speedup
+from specexport.report.model import choose_gamma, extend, predicted_speedup, speedup_from_counts
 
 DEFAULT_PROMPTS = ("def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):")
 ROW_KEYS = ("precision", "draft_precision", "method", "gamma", "tokens_per_s", "ttft_ms", "tpot_ms_p50", "tpot_ms_p90",
@@ -32,6 +32,7 @@ class BenchConfig:
     precisions: tuple[str, ...] | None = None      # default: every precision built for the target
     methods: tuple[str, ...] = ("vanilla", "draft")
     gammas: tuple[int, ...] = (2, 3, 4, 5, 6)
+    draft_stops: tuple[float, ...] = ()             # adaptive-γ rows, at the largest γ, per value
     max_new_tokens: int = 128
     rounds: int = 3
     out: Path | None = None                         # default: <output_dir>/bench
@@ -51,7 +52,7 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
     configs = _configs(precisions, models, cfg, has_draft)
     # Vanilla runs on the same pipeline (same ORT sessions) as the speculative runs of its precision:
     # a separate idle session's spinning thread pool would slow whichever session runs next.
-    keys = {(tp, dp) for _, tp, dp, _ in configs if dp is not None}
+    keys = {(tp, dp) for _, tp, dp, _, _ in configs if dp is not None}
     pipe_key = {c: ((c[1], c[1]) if (c[1], c[1]) in keys else (c[1], c[2])) for c in configs}
     pipes = {k: specexport.load(cfg.output_dir, precision=k[0], draft_precision=k[1] or k[0], threads=cfg.threads)
              for k in set(pipe_key.values())}
@@ -65,9 +66,9 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
         for prompt in cfg.prompts:
             ours = {}
             for c in configs:
-                method, tp, dp, g = c
+                method, tp, dp, g, stop = c
                 out = pipes[pipe_key[c]].generate(prompt, max_new_tokens=cfg.max_new_tokens, method=method,
-                                                  gamma=max(g, 1))
+                                                  gamma=max(g, 1), draft_stop=stop)
                 runs[c].append(out.stats)
                 ours.setdefault(tp, out.token_ids)
             ids = next(iter(pipes.values()))._prompt_ids(prompt, None).tolist()
@@ -121,14 +122,15 @@ def _configs(precisions, models, cfg, has_draft):
     draft_built = models.get("draft", {}).get("precisions", {})
     for p in precisions:
         if "vanilla" in cfg.methods:
-            configs.append(("vanilla", p, None, 0))
+            configs.append(("vanilla", p, None, 0, 0.0))
         if has_draft and p in draft_built:
-            configs += [("draft", p, p, g) for g in cfg.gammas]
+            configs += [("draft", p, p, g, 0.0) for g in cfg.gammas]
+            configs += [("draft", p, p, max(cfg.gammas), stop) for stop in cfg.draft_stops if stop > 0]
     if has_draft and "fp32" in draft_built:       # acceptance cost of quantizing one side only
         g0 = cfg.gammas[0]
         for p in precisions:
             if p != "fp32" and p in draft_built and "fp32" in precisions:
-                configs += [("draft", p, "fp32", g0), ("draft", "fp32", p, g0)]
+                configs += [("draft", p, "fp32", g0, 0.0), ("draft", "fp32", p, g0, 0.0)]
     return configs
 
 
@@ -158,7 +160,7 @@ def _time_forward(backend, ctx, t: int) -> float:
 
 
 def _row(c, runs, cost) -> dict:
-    method, tp, dp, g = c
+    method, tp, dp, g, stop = c
     st = runs[c]
     tps = statistics.median(s.tokens_per_second for s in st)
     tpot = [s.tpot_s * 1e3 for s in st if s.emitted > 1]
@@ -169,14 +171,21 @@ def _row(c, runs, cost) -> dict:
     # conditional acceptance: P(pos i accepted | pos i-1 accepted)
     cond = [per_pos[0]] + [per_pos[i] / per_pos[i - 1] if per_pos[i - 1] else 0.0 for i in range(1, len(per_pos))] \
         if per_pos else []
-    vanilla = runs.get(("vanilla", tp, None, 0))
+    vanilla = runs.get(("vanilla", tp, None, 0, 0.0))
     base = statistics.median(s.tokens_per_second for s in vanilla) if vanilla else None
-    ideal = (predicted_speedup(cond, c_draft=cost["draft"], c_target=_target_costs(cost))
-             if g and cost.get("draft") else 1.0)
-    speedup = tps / base if base else None
     passes = sum(s.target_passes for s in st)
+    if g and cost.get("draft") and stop:
+        by_length = {j + 1: int(proposed_at[j] - (proposed_at[j + 1] if j + 1 < g else 0)) for j in range(g)}
+        by_length[0] = passes - int(proposed_at[0])
+        ideal = speedup_from_counts(sum(s.emitted - 1 for s in st), by_length, c_draft=cost["draft"],
+                                    c_target=_target_costs(cost))
+    elif g and cost.get("draft"):
+        ideal = predicted_speedup(cond, c_draft=cost["draft"], c_target=_target_costs(cost))
+    else:
+        ideal = 1.0
+    speedup = tps / base if base else None
     return {
-        "precision": tp, "draft_precision": dp, "method": method, "gamma": g,
+        "precision": tp, "draft_precision": dp, "method": method, "gamma": g, "draft_stop": stop,
         "tokens_per_s": tps, "ttft_ms": statistics.median(s.ttft_s * 1e3 for s in st),
         "tpot_ms_p50": float(np.percentile(tpot, 50)) if tpot else None,
         "tpot_ms_p90": float(np.percentile(tpot, 90)) if tpot else None,
@@ -197,7 +206,7 @@ def _gamma_choice(rows, costs) -> dict:
     """Per precision: the γ the measured acceptance (at the largest γ run) and step costs predict best."""
     choice = {}
     for r in rows:
-        if r["method"] != "draft" or r["precision"] != r["draft_precision"]:
+        if r["method"] != "draft" or r["precision"] != r["draft_precision"] or r["draft_stop"]:
             continue
         best_so_far = choice.get(r["precision"])
         if best_so_far and best_so_far["measured_at_gamma"] >= r["gamma"]:
@@ -216,10 +225,11 @@ def _gamma_choice(rows, costs) -> dict:
 def _acceptance_drop(rows) -> list:
     """Acceptance of each quantized combination against fp32/fp32 at the same γ."""
     ref = {r["gamma"]: r["acceptance_rate"] for r in rows
-           if r["method"] == "draft" and r["precision"] == "fp32" and r["draft_precision"] == "fp32"}
+           if r["method"] == "draft" and r["precision"] == "fp32" and r["draft_precision"] == "fp32" and not r["draft_stop"]}
     out = []
     for r in rows:
-        if r["method"] == "draft" and (r["precision"], r["draft_precision"]) != ("fp32", "fp32") and r["gamma"] in ref:
+        if r["method"] == "draft" and (r["precision"], r["draft_precision"]) != ("fp32", "fp32") and r["gamma"] in ref \
+                and not r["draft_stop"]:
             out.append({"target": r["precision"], "draft": r["draft_precision"], "gamma": r["gamma"],
                         "acceptance": r["acceptance_rate"], "fp32_acceptance": ref[r["gamma"]],
                         "drop": ref[r["gamma"]] - r["acceptance_rate"]})
@@ -271,7 +281,8 @@ def render_markdown(report: dict) -> str:
              "| speedup | ideal | efficiency |", "|" + "---|" * 13]
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     for r in report["rows"]:
-        lines.append(f"| {r['precision']} | {r['draft_precision'] or '-'} | {r['method']} | {r['gamma'] or '-'} | "
+        g = f"≤{r['gamma']}, stop {r['draft_stop']:g}" if r["draft_stop"] else (r["gamma"] or "-")
+        lines.append(f"| {r['precision']} | {r['draft_precision'] or '-'} | {r['method']} | {g} | "
                      f"{f(r['tokens_per_s'], '.1f')} | {f(r['ttft_ms'], '.2f')} | {f(r['tpot_ms_p50'], '.3f')} | "
                      f"{f(r['tpot_ms_p90'], '.3f')} | {f(r['acceptance_rate'], '.3f')} | "
                      f"{f(r['mean_accepted_tokens'], '.2f')} | {f(r['speedup_vs_vanilla'], '.2f')}x | "
@@ -318,7 +329,8 @@ def _plots(report: dict, out: Path, log) -> list[str]:
         return []
     fig, ax = plt.subplots(figsize=(6, 4))
     for p, c in report["gamma_auto"].items():
-        rows = [r for r in report["rows"] if r["method"] == "draft" and r["precision"] == p == r["draft_precision"]]
+        rows = [r for r in report["rows"] if r["method"] == "draft" and r["precision"] == p == r["draft_precision"]
+                and not r["draft_stop"]]
         ax.plot([r["gamma"] for r in rows], [r["speedup_vs_vanilla"] for r in rows], "o-", label=f"{p} measured")
         pred = c["predicted_by_gamma"]
         ax.plot([int(k) for k in pred], list(pred.values()), "x--", label=f"{p} predicted")

@@ -9,6 +9,9 @@ verification of γ + 1 tokens, so against vanilla decoding (one target step per 
 
 Worked example: a = [0.8, 0.8], c_draft = 0.1, c_target(1) = 1, c_target(3) = 1.2:
 E = 1 + 0.8 + 0.64 = 2.44, speedup = 2.44 / (0.2 + 1.2) = 1.743.
+
+With an adaptive draft length (draft_stop) rounds differ in length, so the ideal is taken from the
+counts instead: tokens emitted x c_target(1) / Σ over rounds (j · c_draft + c_target(j + 1)).
 """
 from __future__ import annotations
 
@@ -43,3 +46,10 @@ def choose_gamma(acceptance, *, c_draft: float, c_target, max_gamma: int) -> tup
         if s > best[1]:
             best = (g, s)
     return best
+
+
+def speedup_from_counts(tokens: int, rounds_by_length: dict[int, int], *, c_draft: float, c_target) -> float:
+    """Ideal speedup of decoding that emitted `tokens` in rounds of j proposals each, with
+    rounds_by_length {j: rounds} (j = 0: a plain target step): vanilla cost / speculative cost."""
+    cost = sum(n * (j * c_draft + c_target[j + 1]) for j, n in rounds_by_length.items())
+    return tokens * c_target[1] / cost if cost else 1.0
