@@ -11,6 +11,12 @@ and the new tokens see every committed position plus the ancestors that `tree_ma
    layer i:  x = norm(h) -> q,k,v (+q/k norm) -> RoPE -> k,v ---> present_key/value.i [B,T,Hkv,D]
                                                    K = cat(past_k, k), V = cat(past_v, v)
              h += o_proj(attention(q, K, V, visible)) ;  h += mlp(norm(h))
+
+RoPE and attention are written with torch.onnx.ops, which export to the ONNX-23 RotaryEmbedding and
+Attention ops on sequence-major [B, S, heads*D] tensors. The same math in plain torch ops (rotate_half,
+SDPA on [B, H, S, D]) exports to ~40 kernels a layer instead of ~22 (Split/Neg/Concat/Mul per RoPE, four
+Transposes for the head-major layout); on CPU, where a small model's step is mostly per-kernel cost,
+that was a large share of every decode step.
                |
           final norm -> hidden_states [B,T,H] -> lm_head -> logits [B,T,V]
 
@@ -25,9 +31,7 @@ nn = torch.nn
 F = torch.nn.functional
 
 
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+onnx_ops = torch.onnx.ops
 
 
 class StaticKVDecoder(nn.Module):
@@ -47,8 +51,9 @@ class StaticKVDecoder(nn.Module):
         B, T = input_ids.shape
         P = past[0].shape[1]
         h = self.embed(input_ids)                                   # [B, T, H]
-        cos, sin = self.rotary(h, position_ids)                     # [B, T, D] each
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)               # [B, T, 1, D]
+        cos, sin = self.rotary(h, position_ids)                     # [B, T, D] each: two equal halves
+        half = self.arch.head_dim // 2
+        cos, sin = cos[..., :half], sin[..., :half]                 # [B, T, D/2]
         committed = torch.ones((B, T, P), dtype=torch.bool, device=h.device)
         visible = torch.cat([committed, tree_mask], dim=-1).unsqueeze(1)   # [B, 1, T, P+T]
         aux, presents = [], []
@@ -67,20 +72,18 @@ class StaticKVDecoder(nn.Module):
     def _layer(self, layer, h, cos, sin, visible, past_k, past_v):
         attn, arch = layer.self_attn, self.arch
         B, T, _ = h.shape
+        P, hq, hkv, d = past_k.shape[1], arch.num_heads, arch.num_kv_heads, arch.head_dim
         x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(B, T, arch.num_heads, arch.head_dim)        # [B, T, Hq, D]
-        k = attn.k_proj(x).view(B, T, arch.num_kv_heads, arch.head_dim)     # [B, T, Hkv, D]
-        v = attn.v_proj(x).view(B, T, arch.num_kv_heads, arch.head_dim)     # [B, T, Hkv, D]
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)    # [B, T, Hq*D], [B, T, Hkv*D] x 2
         if self.adapter.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        keys = torch.cat([past_k, k], dim=1).transpose(1, 2)        # [B, Hkv, P+T, D]
-        values = torch.cat([past_v, v], dim=1).transpose(1, 2)      # [B, Hkv, P+T, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=visible,
-            scale=attn.scaling, enable_gqa=arch.num_heads != arch.num_kv_heads,
-        )                                                           # [B, Hq, T, D]
-        h = h + attn.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+            q = attn.q_norm(q.view(B, T, hq, d)).view(B, T, hq * d)
+            k = attn.k_norm(k.view(B, T, hkv, d)).view(B, T, hkv * d)
+        q = onnx_ops.rotary_embedding(q, cos, sin, num_heads=hq)    # [B, T, Hq*D]
+        k = onnx_ops.rotary_embedding(k, cos, sin, num_heads=hkv)   # [B, T, Hkv*D]
+        keys = torch.cat([past_k.reshape(B, P, hkv * d), k], dim=1)       # [B, P+T, Hkv*D]
+        values = torch.cat([past_v.reshape(B, P, hkv * d), v], dim=1)     # [B, P+T, Hkv*D]
+        out = onnx_ops.attention(q, keys, values, attn_mask=visible, q_num_heads=hq, kv_num_heads=hkv,
+                                 scale=attn.scaling)[0]             # [B, T, Hq*D]
+        h = h + attn.o_proj(out)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h, k, v
+        return h, k.view(B, T, hkv, d), v.view(B, T, hkv, d)
