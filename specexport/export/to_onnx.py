@@ -11,7 +11,7 @@ from specexport._optional import require
 from specexport.errors import SpecexportError
 from specexport.io_spec import DYNAMIC_AXES, ModelIO
 
-OPSET = 23          # SDPA -> ONNX Attention, RMSNorm -> RMSNormalization (ENVIRONMENT.md)
+OPSET = 23          # RotaryEmbedding, Attention (torch.onnx.ops), RMSNorm -> RMSNormalization (ENVIRONMENT.md)
 
 
 def load_hf_model(path: Path):
