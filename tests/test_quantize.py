@@ -266,3 +266,41 @@ def test_text_sequences_and_gate_arithmetic():
     assert report.failures({"min_top1": 0.8, "max_kl": 0.1}) == []
     assert report.failures({"min_top1": 0.9, "max_kl": 0.05}) == [
         "top-1 agreement 0.850 < min_top1 0.900", "mean KL 0.0600 > max_kl 0.0500"]
+
+
+def test_use_draft_precision_switches_the_draft_and_keeps_the_target(built_quant):
+    with specexport.load(built_quant) as pipe:
+        target, fp32_draft = pipe.target, pipe.draft
+        pipe.use_draft_precision("int4")
+        assert pipe.draft is not fp32_draft and pipe.target is target and pipe.draft_precision == "int4"
+        assert pipe.draft.model_path.parent.name == "int4"
+        pipe.use_draft_precision("fp32")
+        assert pipe.draft is fp32_draft
+        with pytest.raises(SpecexportError, match="draft_precision: 'fp8' was not built"):
+            pipe.use_draft_precision("fp8")
+        assert pipe.draft_precision == "fp32" and pipe.draft is fp32_draft
+
+
+def test_bench_runs_each_mixed_row_with_the_draft_it_names(built_quant, tmp_path, monkeypatch):
+    """fp32 target + quantized draft rows at every γ, quantized target + fp32 draft at the first γ;
+    a spy on Pipeline.generate records which draft each run actually decoded with."""
+    from specexport.report.bench import BenchConfig, run_bench
+    from specexport.runtime.pipeline import Pipeline
+
+    used, real = set(), Pipeline.generate
+
+    def spy(self, prompt=None, **kwargs):
+        out = real(self, prompt, **kwargs)
+        if kwargs.get("method") == "draft":
+            used.add((self.precision, self.draft.model_path.parent.name, kwargs["gamma"]))
+        return out
+
+    monkeypatch.setattr(Pipeline, "generate", spy)
+    shutil.copytree(built_quant, tmp_path / "b")
+    report = run_bench(BenchConfig(output_dir=tmp_path / "b", prompts=PROMPTS[:2], gammas=(2, 3), max_new_tokens=16,
+                                   rounds=1, peers=False, plots=False), log=lambda m: None)
+    combos = {(r["precision"], r["draft_precision"], r["gamma"]) for r in report["rows"] if r["method"] == "draft"}
+    for d in ("int8", "int4"):
+        assert {("fp32", d, 2), ("fp32", d, 3), (d, "fp32", 2), (d, d, 2), (d, d, 3)} <= combos
+    assert used == combos
+    assert set(report["step_costs_ms"]) >= {"fp32/fp32", "fp32/int4", "int4/fp32", "fp32/-"}

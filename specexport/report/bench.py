@@ -50,12 +50,11 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
     precisions = list(cfg.precisions or built)
     has_draft = "draft" in models and "draft" in cfg.methods
     configs = _configs(precisions, models, cfg, has_draft)
-    # Vanilla runs on the same pipeline (same ORT sessions) as the speculative runs of its precision:
-    # a separate idle session's spinning thread pool would slow whichever session runs next.
-    keys = {(tp, dp) for _, tp, dp, _, _ in configs if dp is not None}
-    pipe_key = {c: ((c[1], c[1]) if (c[1], c[1]) in keys else (c[1], c[2])) for c in configs}
-    pipes = {k: specexport.load(cfg.output_dir, precision=k[0], draft_precision=k[1] or k[0], threads=cfg.threads)
-             for k in set(pipe_key.values())}
+    # One pipeline (one target session) per target precision; every draft precision is switched in on
+    # it. Vanilla and speculative runs thus share the target's session: a second session of the same
+    # model, idle with a spinning thread pool, would slow whichever session runs next.
+    pipes = {tp: specexport.load(cfg.output_dir, precision=tp, threads=cfg.threads) for tp in precisions}
+    cost_keys = sorted({(tp, dp) for _, tp, dp, _, _ in configs}, key=str)
     out_dir = Path(cfg.out or cfg.output_dir / "bench")
     peers, skipped = _open_peers(manifest, precisions, cfg, out_dir, log)
     runs = {c: [] for c in configs}
@@ -67,8 +66,10 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
             ours = {}
             for c in configs:
                 method, tp, dp, g, stop = c
-                out = pipes[pipe_key[c]].generate(prompt, max_new_tokens=cfg.max_new_tokens, method=method,
-                                                  gamma=max(g, 1), draft_stop=stop)
+                if dp is not None:
+                    pipes[tp].use_draft_precision(dp)
+                out = pipes[tp].generate(prompt, max_new_tokens=cfg.max_new_tokens, method=method,
+                                         gamma=max(g, 1), draft_stop=stop)
                 runs[c].append(out.stats)
                 ours.setdefault(tp, out.token_ids)
             ids = next(iter(pipes.values()))._prompt_ids(prompt, None).tolist()
@@ -79,9 +80,12 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
                 ref = ours.get(p.precision.split()[0], [])
                 peer_runs[p.name + p.precision].append((len(got) / seconds, got[:len(ref)] == ref[:len(got)]))
         log(f"  round {r + 1}/{cfg.rounds} done")
-    costs = {key: _step_costs(pipe, max(cfg.gammas) + 1, has_draft and key[1] is not None)
-             for key, pipe in pipes.items()}
-    rows = [_row(c, runs, costs[pipe_key[c]]) for c in configs]
+    costs = {}
+    for tp, dp in cost_keys:
+        if dp is not None:
+            pipes[tp].use_draft_precision(dp)
+        costs[(tp, dp)] = _step_costs(pipes[tp], max(cfg.gammas) + 1, dp is not None)
+    rows = [_row(c, runs, costs[c[1], c[2]]) for c in configs]
     choice = _gamma_choice(rows, costs)
     report = {
         "command": " ".join(sys.argv),
@@ -92,7 +96,7 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
         "step_costs_ms": {f"{tp}/{dp or '-'}": v for (tp, dp), v in costs.items()},
         "gamma_auto": choice,
         "acceptance_drop": _acceptance_drop(rows),
-        "memory": _memory(manifest, pipes, precisions),
+        "memory": _memory(manifest, pipes),
         "peers": [_peer_row(p, peer_runs[p.name + p.precision]) for p in peers] + skipped,
     }
     out = out_dir
@@ -118,19 +122,25 @@ def _peer_row(peer, runs) -> dict:
 
 
 def _configs(precisions, models, cfg, has_draft):
+    """Per target precision: vanilla; the draft of the same precision at every γ (and the adaptive
+    rows); with an fp32 target, every quantized draft at every γ (the edge trick: quantize the draft
+    harder); with a quantized target, the fp32 draft at the first γ (acceptance cost of that side)."""
     configs = []
-    draft_built = models.get("draft", {}).get("precisions", {})
+    draft_built = models.get("draft", {}).get("precisions", {}) if has_draft else {}
     for p in precisions:
         if "vanilla" in cfg.methods:
             configs.append(("vanilla", p, None, 0, 0.0))
-        if has_draft and p in draft_built:
+        if p in draft_built:
             configs += [("draft", p, p, g, 0.0) for g in cfg.gammas]
             configs += [("draft", p, p, max(cfg.gammas), stop) for stop in cfg.draft_stops if stop > 0]
-    if has_draft and "fp32" in draft_built:       # acceptance cost of quantizing one side only
-        g0 = cfg.gammas[0]
+    if "fp32" in draft_built:
         for p in precisions:
-            if p != "fp32" and p in draft_built and "fp32" in precisions:
-                configs += [("draft", p, "fp32", g0, 0.0), ("draft", "fp32", p, g0, 0.0)]
+            if p != "fp32":
+                configs.append(("draft", p, "fp32", cfg.gammas[0], 0.0))
+    if "fp32" in precisions:
+        for d in draft_built:
+            if d != "fp32":
+                configs += [("draft", "fp32", d, g, 0.0) for g in cfg.gammas]
     return configs
 
 
@@ -168,9 +178,10 @@ def _row(c, runs, cost) -> dict:
     accepted_at = np.sum([s.accepted_at for s in st], axis=0) if g else np.zeros(0)
     proposed_at = np.sum([s.proposed_at for s in st], axis=0) if g else np.zeros(0)
     per_pos = (accepted_at / np.maximum(proposed_at, 1)).tolist() if g else []
-    # conditional acceptance: P(pos i accepted | pos i-1 accepted)
+    # conditional acceptance: P(pos i accepted | pos i-1 accepted); only meaningful when every round
+    # proposed γ tokens (an adaptive round that stopped early has no position i to accept)
     cond = [per_pos[0]] + [per_pos[i] / per_pos[i - 1] if per_pos[i - 1] else 0.0 for i in range(1, len(per_pos))] \
-        if per_pos else []
+        if per_pos and not stop else []
     vanilla = runs.get(("vanilla", tp, None, 0, 0.0))
     base = statistics.median(s.tokens_per_second for s in vanilla) if vanilla else None
     passes = sum(s.target_passes for s in st)
@@ -236,12 +247,13 @@ def _acceptance_drop(rows) -> list:
     return out
 
 
-def _memory(manifest, pipes, precisions) -> dict:
+def _memory(manifest, pipes) -> dict:
     weights = {}
     for role, m in manifest["models"].items():
         for p, e in m["precisions"].items():
             weights[f"{role}/{p}"] = e["size_bytes"]
-    kv = {f"{tp}/{dp}": p.target.kv_bytes + (p.draft.kv_bytes if dp else 0) for (tp, dp), p in pipes.items()}
+    kv = {f"{tp}/{dp}": p.target.kv_bytes + d.kv_bytes for tp, p in pipes.items() for dp, d in p._drafts.items()}
+    kv.update({f"{tp}/-": p.target.kv_bytes for tp, p in pipes.items()})
     return {"weights_bytes": weights, "kv_buffer_bytes": kv,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 

@@ -58,6 +58,7 @@ class Pipeline:
         self._options = options
         self.target = self._open("target")
         self._draft = None
+        self._drafts: dict = {}                     # draft backends opened so far, by precision
         tok_path = self.dir / self.manifest["tokenizer"]["dir"] / "tokenizer.json"
         if not tok_path.is_file():
             raise SpecexportError(f"{tok_path}: missing (the build output is incomplete; rebuild it)")
@@ -72,8 +73,19 @@ class Pipeline:
     @property
     def draft(self):
         if self._draft is None:
-            self._draft = self._open("draft")
+            self._draft = self._drafts[self.draft_precision] = self._open("draft")
         return self._draft
+
+    def use_draft_precision(self, precision: str) -> None:
+        """Switch the draft to another built precision, keeping the target's session. Backends opened
+        before are kept, so switching back and forth costs nothing after the first time."""
+        previous, self.draft_precision = self.draft_precision, precision
+        try:
+            self._draft = self._drafts.get(precision) or self._open("draft")
+        except SpecexportError:
+            self.draft_precision = previous
+            raise
+        self._drafts[precision] = self._draft
 
     def _open(self, role: str):
         models = self.manifest["models"]

@@ -43,6 +43,7 @@ class OrtBackend(Backend):
         for key, value in (session_options or {}).items():
             setattr(opts, key, value)
         self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self.model_path = path
         self.io = io
         self.binding = self.session.io_binding()
         self._bind_in, self._bind_out, self._run = _binding_calls(ort, self.session, self.binding)
