@@ -56,6 +56,10 @@ class OrtBackend(Backend):
         self.hidden = np.zeros((1, max_tokens, io.hidden_size), np.float32)          # [1, Tmax, H]
         aux_width = len(io.aux_hidden_layers) * io.hidden_size
         self.aux = np.zeros((1, max_tokens, aux_width), np.float32) if aux_width else None
+        # the buffers never move: their addresses are taken once (arr.ctypes builds an object per use)
+        self._kv_ptrs = [(k.ctypes.data, v.ctypes.data) for k, v in zip(self.k, self.v)]
+        self._out_ptrs = (self.logits.ctypes.data, self.hidden.ctypes.data,
+                          None if self.aux is None else self.aux.ctypes.data)
         self._causal = np.tril(np.ones((max_tokens, max_tokens), dtype=bool))
         self._arange = np.arange(max_tokens, dtype=np.int64)
         self.last_aux: np.ndarray | None = None                                     # [T, k*H] view
@@ -71,16 +75,16 @@ class OrtBackend(Backend):
         past_shape, new_shape = (1, P, self.io.num_kv_heads, self.io.head_dim), (1, T, self.io.num_kv_heads,
                                                                                   self.io.head_dim)
         offset = P * self.row_bytes
-        for k, v, (pk, pv, nk, nv) in zip(self.k, self.v, self._kv_names):
-            kp, vp = k.ctypes.data, v.ctypes.data
+        for (kp, vp), (pk, pv, nk, nv) in zip(self._kv_ptrs, self._kv_names):
             bind_in(pk, past_shape, kp)
             bind_in(pv, past_shape, vp)
             bind_out(nk, new_shape, kp + offset)
             bind_out(nv, new_shape, vp + offset)
-        bind_out("logits", (1, T, self.io.vocab_size), self.logits.ctypes.data)
-        bind_out("hidden_states", (1, T, self.io.hidden_size), self.hidden.ctypes.data)
+        logits_ptr, hidden_ptr, aux_ptr = self._out_ptrs
+        bind_out("logits", (1, T, self.io.vocab_size), logits_ptr)
+        bind_out("hidden_states", (1, T, self.io.hidden_size), hidden_ptr)
         if self.aux is not None:
-            bind_out("aux_hidden_states", (1, T, self.aux.shape[-1]), self.aux.ctypes.data)
+            bind_out("aux_hidden_states", (1, T, self.aux.shape[-1]), aux_ptr)
             self.last_aux = self.aux[0, :T]
         self._run()
         return StepOutput(self.logits[0, :T], self.hidden[0, :T])
