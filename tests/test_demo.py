@@ -46,3 +46,32 @@ def test_demo_greedy_speculative_equals_vanilla(demo_build):
             assert spec.token_ids == vanilla.token_ids
             accepted += spec.stats.accepted
     assert accepted > 0
+
+
+def test_demo_depth_expansion_keeps_the_function():
+    """train_demo.py's second stage deepens the trained model with identity blocks: same logits before
+    training resumes, every layer knows its index (for the KV cache), the config says the new depth."""
+    import copy
+    import importlib.util
+
+    import torch
+    import transformers
+
+    spec = importlib.util.spec_from_file_location("train_demo", DEMO / "demo" / "train_demo.py")
+    train_demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_demo)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    original = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 12))
+    train_demo.expand_depth(model, 5)
+    assert len(model.model.layers) == model.config.num_hidden_layers == 5
+    assert [layer.self_attn.layer_idx for layer in model.model.layers] == list(range(5))
+    torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=0, atol=1e-6)
+    # with a KV cache (where layer indices matter) greedy generation is unchanged too
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert model.generate(ids[:1], **kw).tolist() == original.generate(ids[:1], **kw).tolist()
+    with pytest.raises(SystemExit, match="already has 5 layers"):
+        train_demo.expand_depth(model, 4)
