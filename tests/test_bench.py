@@ -70,6 +70,13 @@ def test_report_rows_and_files(bench_report):
         if r["method"] == "draft":
             assert 0 <= r["acceptance_rate"] <= 1 and len(r["acceptance_per_position"]) == r["gamma"]
             assert r["efficiency"] == pytest.approx(r["speedup_vs_vanilla"] / r["ideal_speedup"])
+    # the ideal uses the costs timed inside the runs (falling back to isolated timings per size)
+    costs = report["step_costs_ms"]["fp32/fp32"]
+    assert set(report["step_costs_isolated_ms"]["fp32/fp32"]) == set(costs)
+    fixed = next(r for r in rows if r["method"] == "draft" and r["gamma"] == 2 and not r["draft_stop"])
+    c_target = {int(t): c for t, c in costs.items() if t != "draft"}
+    assert fixed["ideal_speedup"] == pytest.approx(predicted_speedup(fixed["acceptance_conditional"],
+                                                                     c_draft=costs["draft"], c_target=c_target))
     adaptive = [r for r in rows if r["draft_stop"]]
     assert [(r["gamma"], r["draft_stop"]) for r in adaptive] == [(2, 0.5)]
     assert adaptive[0]["efficiency"] == pytest.approx(adaptive[0]["speedup_vs_vanilla"] / adaptive[0]["ideal_speedup"])

@@ -366,3 +366,16 @@ def test_decode_zero_budget_emits_nothing():
     except (SpecexportError, ValueError):
         return
     assert sum(len(t) for t in toks) == 0, f"max_new_tokens=0 emitted {sum(len(t) for t in toks)} token(s)"
+
+
+def test_backend_timings_record_every_forward():
+    """`timings = {}` makes a backend record each forward's seconds by T (the bench's in-run costs)."""
+    target, draft = backends(capacity=60)
+    target.timings, draft.timings = {}, {}
+    stats = DecodeStats()
+    list(decode(target, draft, np.array([1, 2, 3]), max_new_tokens=30, params=SamplingParams(0.0), gamma=3,
+                rng=np.random.default_rng(0), stats=stats))
+    assert sum(map(len, target.timings.values())) == stats.target_passes + 1          # + the prefill
+    assert sum(map(len, draft.timings.values())) == stats.draft_passes + 1
+    assert all(s > 0 for v in target.timings.values() for s in v)
+    assert set(target.timings) <= {1, 2, 3, 4}

@@ -11,6 +11,7 @@ committed positions (a chain's rejected tail needs nothing else: the next forwar
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ class Backend:
     max_tokens: int                 # most tokens one forward takes
     vocab_size: int
     check_inputs: bool = True       # benchmarks may turn the checks off
+    timings: dict | None = None     # set to {} to record {T: [seconds of each forward of T tokens]}
 
     def __init__(self, *, capacity: int, max_tokens: int, vocab_size: int):
         self.capacity, self.max_tokens, self.vocab_size = capacity, max_tokens, vocab_size
@@ -50,7 +52,12 @@ class Backend:
             if tree_mask is not None and tree_mask.shape != (T, T):
                 raise SpecexportError(f"tree_mask: got shape {tree_mask.shape}, expected ({T}, {T})")
         self._pending = T
-        return self._forward(np.asarray(tokens, dtype=np.int64), depths, tree_mask)
+        if self.timings is None:
+            return self._forward(np.asarray(tokens, dtype=np.int64), depths, tree_mask)
+        start = time.perf_counter()
+        out = self._forward(np.asarray(tokens, dtype=np.int64), depths, tree_mask)
+        self.timings.setdefault(T, []).append(time.perf_counter() - start)
+        return out
 
     def commit(self, keep: int | np.ndarray) -> None:
         """Keep scratch rows: an int n keeps the first n (a chain), an array the given rows in order."""
