@@ -304,3 +304,6 @@ def test_bench_runs_each_mixed_row_with_the_draft_it_names(built_quant, tmp_path
         assert {("fp32", d, 2), ("fp32", d, 3), (d, "fp32", 2), (d, d, 2), (d, d, 3)} <= combos
     assert used == combos
     assert set(report["step_costs_ms"]) >= {"fp32/fp32", "fp32/int4", "int4/fp32", "fp32/-"}
+    # every row of one target precision uses the same in-run target costs, whichever draft it ran with
+    costs = report["step_costs_ms"]
+    assert costs["fp32/fp32"]["1"] == costs["fp32/int4"]["1"] == costs["fp32/-"]["1"]

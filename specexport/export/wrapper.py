@@ -12,13 +12,14 @@ and the new tokens see every committed position plus the ancestors that `tree_ma
                                                    K = cat(past_k, k), V = cat(past_v, v)
              h += o_proj(attention(q, K, V, visible)) ;  h += mlp(norm(h))
 
+               |
+          final norm -> hidden_states [B,T,H] -> lm_head -> logits [B,T,V]
+
 RoPE and attention are written with torch.onnx.ops, which export to the ONNX-23 RotaryEmbedding and
 Attention ops on sequence-major [B, S, heads*D] tensors. The same math in plain torch ops (rotate_half,
 SDPA on [B, H, S, D]) exports to ~40 kernels a layer instead of ~22 (Split/Neg/Concat/Mul per RoPE, four
 Transposes for the head-major layout); on CPU, where a small model's step is mostly per-kernel cost,
 that was a large share of every decode step.
-               |
-          final norm -> hidden_states [B,T,H] -> lm_head -> logits [B,T,V]
 
 No global monkeypatching: the HF model is only read.
 """
@@ -28,9 +29,6 @@ from specexport._optional import require
 
 torch = require("torch")
 nn = torch.nn
-F = torch.nn.functional
-
-
 onnx_ops = torch.onnx.ops
 
 

@@ -54,13 +54,17 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
     # it. Vanilla and speculative runs thus share the target's session: a second session of the same
     # model, idle with a spinning thread pool, would slow whichever session runs next.
     pipes = {tp: specexport.load(cfg.output_dir, precision=tp, threads=cfg.threads) for tp in precisions}
-    for pipe in pipes.values():
-        pipe.target.timings = {}                    # every forward inside the runs is timed
     cost_keys = sorted({(tp, dp) for _, tp, dp, _, _ in configs}, key=str)
+    for tp, dp in cost_keys:                        # open every draft before the runs; time every forward
+        pipes[tp].target.timings = {}
+        if dp is not None:
+            pipes[tp].use_draft_precision(dp)
+            pipes[tp].draft.timings = {}
     out_dir = Path(cfg.out or cfg.output_dir / "bench")
     peers, skipped = _open_peers(manifest, precisions, cfg, out_dir, log)
+    prompt_ids = {p: next(iter(pipes.values())).encode(p) for p in cfg.prompts}
     runs = {c: [] for c in configs}
-    peer_runs = {p.name + p.precision: [] for p in peers}
+    peer_runs = [[] for _ in peers]
     log(f"bench: {len(configs)} configurations + {len(peers)} peers x {len(cfg.prompts)} prompts x {cfg.rounds} "
         "rounds, interleaved")
     for r in range(cfg.rounds):
@@ -70,31 +74,28 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
                 method, tp, dp, g, stop = c
                 if dp is not None:
                     pipes[tp].use_draft_precision(dp)
-                    if pipes[tp].draft.timings is None:
-                        pipes[tp].draft.timings = {}
                 out = pipes[tp].generate(prompt, max_new_tokens=cfg.max_new_tokens, method=method,
                                          gamma=max(g, 1), draft_stop=stop)
                 runs[c].append(out.stats)
                 ours.setdefault(tp, out.token_ids)
-            ids = next(iter(pipes.values()))._prompt_ids(prompt, None).tolist()
-            for p in peers:
+            for p, peer_run in zip(peers, peer_runs):
                 start = time.perf_counter()
-                got = p.run(ids, cfg.max_new_tokens)
+                got = p.run(prompt_ids[prompt], cfg.max_new_tokens)
                 seconds = time.perf_counter() - start
                 ref = ours.get(p.precision.split()[0], [])
-                peer_runs[p.name + p.precision].append((len(got) / seconds, got[:len(ref)] == ref[:len(got)]))
+                peer_run.append((len(got) / seconds, got[:len(ref)] == ref[:len(got)]))
         log(f"  round {r + 1}/{cfg.rounds} done")
+    max_t = max(cfg.gammas) + 1
+    in_loop = {(tp, dp): _in_loop_costs(pipes[tp].target, pipes[tp].drafts.get(dp), max_t) for tp, dp in cost_keys}
+    for pipe in pipes.values():                     # the isolated timing below is not part of the runs
+        for b in (pipe.target, *pipe.drafts.values()):
+            b.timings = None
     isolated, costs = {}, {}
     for tp, dp in cost_keys:
         if dp is not None:
             pipes[tp].use_draft_precision(dp)
-        draft = pipes[tp].draft if dp is not None else None
-        in_loop = _in_loop_costs(pipes[tp].target, draft, max(cfg.gammas) + 1)
-        for b in (pipes[tp].target, draft):
-            if b is not None:
-                b.timings = None                    # the isolated timing below is not part of the runs
-        isolated[(tp, dp)] = _step_costs(pipes[tp], max(cfg.gammas) + 1, dp is not None)
-        costs[(tp, dp)] = {**isolated[(tp, dp)], **in_loop}
+        isolated[(tp, dp)] = _step_costs(pipes[tp], max_t, dp is not None)
+        costs[(tp, dp)] = {**isolated[(tp, dp)], **in_loop[(tp, dp)]}
     rows = [_row(c, runs, costs[c[1], c[2]]) for c in configs]
     choice = _gamma_choice(rows, costs)
     report = {
@@ -108,13 +109,12 @@ def run_bench(cfg: BenchConfig, *, log=print) -> dict:
         "gamma_auto": choice,
         "acceptance_drop": _acceptance_drop(rows),
         "memory": _memory(manifest, pipes),
-        "peers": [_peer_row(p, peer_runs[p.name + p.precision]) for p in peers] + skipped,
+        "peers": [_peer_row(p, r) for p, r in zip(peers, peer_runs)] + skipped,
     }
-    out = out_dir
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2))
-    (out / "report.md").write_text(render_markdown(report))
-    report["plots"] = _plots(report, out, log) if cfg.plots else []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "report.md").write_text(render_markdown(report))
+    report["plots"] = _plots(report, out_dir, log) if cfg.plots else []
     _store_gamma_choice(cfg.output_dir, choice)
     return report
 
@@ -275,7 +275,7 @@ def _memory(manifest, pipes) -> dict:
     for role, m in manifest["models"].items():
         for p, e in m["precisions"].items():
             weights[f"{role}/{p}"] = e["size_bytes"]
-    kv = {f"{tp}/{dp}": p.target.kv_bytes + d.kv_bytes for tp, p in pipes.items() for dp, d in p._drafts.items()}
+    kv = {f"{tp}/{dp}": p.target.kv_bytes + d.kv_bytes for tp, p in pipes.items() for dp, d in p.drafts.items()}
     kv.update({f"{tp}/-": p.target.kv_bytes for tp, p in pipes.items()})
     return {"weights_bytes": weights, "kv_buffer_bytes": kv,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-# precisions of ours that onnxruntime-genai's builder has a like-for-like equivalent of
-# (its int4 is weight-only MatMulNBits, as ours; its int8 is not the same scheme, so it is left out)
+# precisions of ours that onnxruntime-genai's builder has a counterpart of: its int4 is weight-only
+# MatMulNBits like ours, but its quantization choices differ, so its greedy tokens differ from ours
+# (the row says how often they match); its int8 is another scheme altogether and is left out
 ORT_GENAI_PRECISIONS = {"fp32": "fp32", "int4": "int4"}
 NGRAM = {"ngram_size": 3, "max_draft_tokens": 4}
 
@@ -53,7 +54,7 @@ def open_peers(manifest: dict, precisions, *, work_dir: Path, log=print) -> tupl
     else:
         for p in precisions:
             if p not in ORT_GENAI_PRECISIONS:
-                skipped.append({"peer": f"onnxruntime-genai {p}", "skipped": f"no like-for-like {p} in its builder"})
+                skipped.append({"peer": f"onnxruntime-genai {p}", "skipped": f"no counterpart of our {p} in its builder"})
                 continue
             try:
                 peers += _ort_genai(sources["target"], p, Path(work_dir) / f"onnxruntime-genai-{p}", log)

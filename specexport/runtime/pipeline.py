@@ -57,8 +57,7 @@ class Pipeline:
         self._threads = {"target": threads, "draft": draft_threads}
         self._options = options
         self.target = self._open("target")
-        self._draft = None
-        self._drafts: dict = {}                     # draft backends opened so far, by precision
+        self.drafts: dict = {}                      # draft backends opened so far, by precision
         tok_path = self.dir / self.manifest["tokenizer"]["dir"] / "tokenizer.json"
         if not tok_path.is_file():
             raise SpecexportError(f"{tok_path}: missing (the build output is incomplete; rebuild it)")
@@ -72,20 +71,20 @@ class Pipeline:
 
     @property
     def draft(self):
-        if self._draft is None:
-            self._draft = self._drafts[self.draft_precision] = self._open("draft")
-        return self._draft
+        """The draft backend of `draft_precision`, opened on first use."""
+        if self.draft_precision not in self.drafts:
+            self.drafts[self.draft_precision] = self._open("draft")
+        return self.drafts[self.draft_precision]
 
     def use_draft_precision(self, precision: str) -> None:
         """Switch the draft to another built precision, keeping the target's session. Backends opened
         before are kept, so switching back and forth costs nothing after the first time."""
         previous, self.draft_precision = self.draft_precision, precision
         try:
-            self._draft = self._drafts.get(precision) or self._open("draft")
+            _ = self.draft                          # opens it, or says it was not built
         except SpecexportError:
             self.draft_precision = previous
             raise
-        self._drafts[precision] = self._draft
 
     def _open(self, role: str):
         models = self.manifest["models"]
@@ -154,6 +153,10 @@ class Pipeline:
         if final.startswith(text) and len(final) > len(text):
             yield final[len(text):]          # what the detokenizer held back (an unfinished character)
 
+    def encode(self, prompt: str) -> list[int]:
+        """The prompt's token ids as generate() feeds them (special tokens included), checked."""
+        return self._prompt_ids(prompt, None).tolist()
+
     # -- checks ---------------------------------------------------------------------------
     def _prompt_ids(self, prompt, prompt_ids) -> np.ndarray:
         if (prompt is None) == (prompt_ids is None):
@@ -214,9 +217,8 @@ class Pipeline:
         return ids
 
     def close(self) -> None:
-        for b in (self.target, self._draft):
-            if b is not None:
-                b.close()
+        for b in (self.target, *self.drafts.values()):
+            b.close()
 
     def __enter__(self):
         return self

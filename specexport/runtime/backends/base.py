@@ -52,10 +52,11 @@ class Backend:
             if tree_mask is not None and tree_mask.shape != (T, T):
                 raise SpecexportError(f"tree_mask: got shape {tree_mask.shape}, expected ({T}, {T})")
         self._pending = T
+        tokens = np.asarray(tokens, dtype=np.int64)
         if self.timings is None:
-            return self._forward(np.asarray(tokens, dtype=np.int64), depths, tree_mask)
+            return self._forward(tokens, depths, tree_mask)
         start = time.perf_counter()
-        out = self._forward(np.asarray(tokens, dtype=np.int64), depths, tree_mask)
+        out = self._forward(tokens, depths, tree_mask)
         self.timings.setdefault(T, []).append(time.perf_counter() - start)
         return out
 
