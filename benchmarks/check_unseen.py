@@ -17,6 +17,7 @@ from scipy import stats as sps
 
 import specexport
 from specexport.io_spec import ModelIO
+from specexport.manifest import stage_dir
 from specexport.runtime.backends.ort import OrtBackend
 from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.sampling import SamplingParams
@@ -43,7 +44,7 @@ for p in range(5):
 print("2. draft = target")
 m = json.load(open(f"{build}/manifest.json"))
 io = ModelIO.from_dict(m["models"]["target"]["io"])
-t, d = (OrtBackend(f"{build}/target/fp32", io=io, capacity=2048, max_tokens=64) for _ in range(2))
+t, d = (OrtBackend(stage_dir(build, m, "target", "fp32"), io=io, capacity=2048, max_tokens=64) for _ in range(2))
 for params in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)):
     st = DecodeStats()
     list(decode(t, d, np.array([1, 5, 6, 7]), max_new_tokens=60, params=params, gamma=5,

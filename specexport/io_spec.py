@@ -115,8 +115,10 @@ class ModelIO:
             hidden_size=d["hidden_size"], vocab_size=d["vocab_size"],
             aux_hidden_layers=tuple(d.get("aux_hidden_layers", ())),
         )
-        if "inputs" in d and [t["name"] for t in d["inputs"]] != io.input_names:
-            raise ValueError("manifest IO table does not match this version's tensor layout")
+        if "inputs" in d and [t.get("name") if isinstance(t, dict) else t for t in d["inputs"]] != io.input_names:
+            from specexport.errors import SpecexportError
+
+            raise SpecexportError("manifest IO table does not match this version's tensor layout (rebuild it)")
         return io
 
 

@@ -1,5 +1,7 @@
-"""specexport bench: the speedup arithmetic on numbers with known answers, the report schema on a
-tiny build, and --gamma auto (including its fall-back to vanilla)."""
+"""specexport bench: the speedup arithmetic on numbers with known answers, the whole bench driven by an
+injected clock against closed-form figures, the report schema on a tiny build, and the γ choice
+(stored per target/draft precision, kept across rebuilds that reuse the graphs, never replaced by a
+shorter bench, and --gamma auto's fall-back to vanilla)."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +14,12 @@ import pytest
 import specexport
 from specexport.cli import main
 from specexport.errors import SpecexportError
+from specexport.gamma import store_gamma_choices
+from specexport.io_spec import ModelIO
+from specexport.manifest import read_manifest, stage_dir
 from specexport.report.bench import ROW_KEYS, BenchConfig, run_bench
+from specexport.runtime.backends import open_backend
+from specexport.runtime.backends.base import StepOutput
 from specexport.report.model import choose_gamma, expected_tokens, extend, predicted_speedup, speedup_from_counts
 
 
@@ -49,90 +56,286 @@ def test_choose_gamma():
     assert extend([0.5, 0.4], 4).tolist() == [0.5, 0.4, 0.4, 0.4]
 
 
+# -- the whole bench against closed-form answers (injected clock) ---------------------------------
+# Step costs in seconds: target c_t(T) = 10 ms + 1 ms per extra token, draft 1 ms (1 token) or 1.5 ms
+# (2 tokens); every backend.commit costs 0.5 ms of "loop overhead" outside the forwards.
+C_T = {T: 0.010 + 0.001 * (T - 1) for T in range(1, 65)}
+C_D = {1: 0.001, 2: 0.0015}
+OVERHEAD = 0.0005
+N = 20                                  # max_new_tokens
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _charge(backend, clock, costs, *, shift_argmax=False):
+    """Make each forward of `backend` take costs[T] on the fake clock (and each commit OVERHEAD);
+    shift_argmax turns the model into a draft that is never right (argmax + 1)."""
+    forward, commit = backend._forward, backend.commit
+
+    def timed_forward(tokens, depths, mask):
+        clock.now += costs[len(tokens)]
+        out = forward(tokens, depths, mask)
+        return StepOutput(np.roll(out.logits, 1, axis=-1), out.hidden) if shift_argmax else out
+
+    def timed_commit(keep):
+        clock.now += OVERHEAD
+        commit(keep)
+
+    backend._forward, backend.commit = timed_forward, timed_commit
+
+
+def _fake_bench(build, tmp_path, *, wrong_draft: bool):
+    """Run the real bench on the tiny build with the draft = the target model (greedy: every
+    proposal accepted) or a draft that is always wrong, every time on the fake clock."""
+    clock = FakeClock()
+    manifest = read_manifest(build)
+
+    def open_pipeline(precision, threads, spin):
+        pipe = specexport.load(build, precision=precision, threads=threads, spin=spin)
+        _charge(pipe.target, clock, C_T)
+        entry = manifest["models"]["target"]
+        draft = open_backend("onnxruntime", stage_dir(build, manifest, "target", precision),
+                             io=ModelIO.from_dict(entry["io"]), capacity=pipe.capacity,
+                             max_tokens=pipe.target.max_tokens, threads=1)
+        _charge(draft, clock, {**{t: 0.002 for t in range(3, 65)}, **C_D}, shift_argmax=wrong_draft)
+        pipe.drafts[precision] = draft
+        return pipe
+
+    cfg = BenchConfig(output_dir=build, prompts=("def f(x):", "import os"), gammas=(4,), max_new_tokens=N, rounds=2,
+                      out=tmp_path / "report", threads=1, peers=False, plots=False)
+    return run_bench(cfg, log=lambda m: None, clock=clock, open_pipeline=open_pipeline)
+
+
+@pytest.fixture(scope="module")
+def fake_build(built_llama, tmp_path_factory):
+    work = tmp_path_factory.mktemp("fakebench")
+    shutil.copytree(built_llama, work / "build")
+    return work / "build"
+
+
+def test_bench_figures_equal_the_closed_form_when_every_proposal_is_accepted(fake_build, tmp_path):
+    report = _fake_bench(fake_build, tmp_path, wrong_draft=False)
+    vanilla, spec = report["rows"]
+    assert (vanilla["method"], spec["method"], spec["gamma"]) == ("vanilla", "draft", 4)
+    assert vanilla["delivered_tokens"] == spec["delivered_tokens"] == 4 * N, "a prompt hit EOS: pick others"
+    assert spec["acceptance_rate"] == 1.0
+    # 19 decode tokens. Rounds: three of 4 proposals (5 tokens each) and one shortened to 3 (budget).
+    # Draft calls: the first round feeds 1 token then 3 x 1; later rounds feed 2 (the unseen last
+    # proposal + bonus) then 1 x 1 each.
+    assert spec["rounds_by_proposals"] == {"3": 4, "4": 12}
+    forwards = 4 * C_D[1] + C_T[5] + 2 * (C_D[2] + 3 * C_D[1] + C_T[5]) + (C_D[2] + 2 * C_D[1] + C_T[4])
+    commits = 19 * OVERHEAD                  # 4+1, 4+1, 4+1, 3+1 commits; vanilla: one per token
+    assert spec["tokens_per_s"] == pytest.approx(19 / (forwards + commits))
+    assert vanilla["tokens_per_s"] == pytest.approx(1 / (C_T[1] + OVERHEAD))
+    assert spec["tpot_ms_p50"] == pytest.approx((forwards + commits) / 19 * 1e3)
+    prompt_lengths = [len(specexport.load(fake_build).encode(p)) for p in ("def f(x):", "import os")]
+    prefill = sorted(C_T[n] + OVERHEAD for n in prompt_lengths)      # one chunk (+ its commit) per prompt
+    assert spec["prefill_ms"] == pytest.approx(np.median(prefill) * 1e3)
+    assert spec["draft_prefill_ms"] == pytest.approx(0.002e3 + OVERHEAD * 1e3)
+    speedup = 19 * (C_T[1] + OVERHEAD) / (forwards + commits)
+    ideal = 19 * C_T[1] / forwards                                     # the forwards only
+    assert spec["speedup_vs_vanilla"] == pytest.approx(speedup)
+    assert spec["ideal_speedup"] == pytest.approx(ideal)
+    assert spec["efficiency"] == pytest.approx(speedup / ideal)
+    assert spec["speedup_ci95"] == pytest.approx([speedup, speedup])  # every cell is the same here
+    assert report["step_costs_ms"]["fp32/fp32"]["target"] == pytest.approx(
+        {"1": 10.0, "4": 13.0, "5": 14.0})
+    assert report["step_costs_ms"]["fp32/fp32"]["draft"] == pytest.approx({"1": 1.0, "2": 1.5})
+
+
+def test_bench_figures_equal_the_closed_form_when_no_proposal_is_accepted(fake_build, tmp_path):
+    report = _fake_bench(fake_build, tmp_path, wrong_draft=True)
+    _, spec = report["rows"]
+    assert spec["acceptance_rate"] == 0.0
+    # one token per round: 15 rounds of 4 proposals, then the budget shortens them to 3, 2, 1 and
+    # the last token is a plain target step
+    assert spec["rounds_by_proposals"] == {"0": 4, "1": 4, "2": 4, "3": 4, "4": 60}     # 4 runs
+    forwards = 66 * C_D[1] + 15 * C_T[5] + C_T[4] + C_T[3] + C_T[2] + C_T[1]
+    commits = (66 + 19) * OVERHEAD
+    speedup = 19 * (C_T[1] + OVERHEAD) / (forwards + commits)
+    assert spec["speedup_vs_vanilla"] == pytest.approx(speedup)
+    assert spec["ideal_speedup"] == pytest.approx(19 * C_T[1] / forwards)
+    assert spec["efficiency"] == pytest.approx(speedup * forwards / (19 * C_T[1]))
+    assert report["gamma_auto"]["fp32/fp32"]["gamma"] == 0                # speculation loses: vanilla
+
+
+def test_speedup_interval_is_a_paired_bootstrap():
+    """Noise shared by a cell's two runs cancels; an interval over cells that differ has width."""
+    from types import SimpleNamespace
+
+    from specexport.report.accounting import speedup_interval
+
+    run = lambda tokens, seconds: SimpleNamespace(delivered=tokens + 1, decode_s=seconds)    # noqa: E731
+    slow = [1.0, 3.0, 1.5, 2.5]                        # the machine's speed per cell
+    spec = [run(100, 0.5 * f) for f in slow]
+    vanilla = [run(100, 1.0 * f) for f in slow]
+    assert speedup_interval(spec, vanilla) == pytest.approx([2.0, 2.0])
+    spec[1] = run(100, 3.0)                           # one cell where speculation did not help
+    lo, hi = speedup_interval(spec, vanilla)
+    assert lo < 2.0 * (8 / 9.5) + 1e-9 < hi and hi <= 2.0 + 1e-9
+
+
+# -- the report on a tiny build ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def bench_report(built_llama, tmp_path_factory):
     work = tmp_path_factory.mktemp("bench")
     shutil.copytree(built_llama, work / "build")
     cfg = BenchConfig(output_dir=work / "build", prompts=("def f(x):", "import os"), gammas=(1, 2),
-                      draft_stops=(0.5,), max_new_tokens=8, rounds=1, out=work / "report")
+                      draft_stops=(0.5,), max_new_tokens=8, rounds=2, out=work / "report")
     return work, run_bench(cfg, log=lambda m: None)
 
 
 def test_report_rows_and_files(bench_report):
     work, report = bench_report
-    rows = json.loads((work / "report" / "report.json").read_text())["rows"]
+    saved = json.loads((work / "report" / "report.json").read_text())
+    rows = saved["rows"]
     assert {(r["method"], r["gamma"]) for r in rows} == {("vanilla", 0), ("draft", 1), ("draft", 2)}
     for r in rows:
         assert set(ROW_KEYS) <= set(r)
+        assert r["efficiency"] is not None and r["speedup_ci95"] is not None
     vanilla = next(r for r in rows if r["method"] == "vanilla")
     assert vanilla["speedup_vs_vanilla"] == pytest.approx(1.0) and vanilla["acceptance_rate"] is None
     for r in rows:
         if r["method"] == "draft":
             assert 0 <= r["acceptance_rate"] <= 1 and len(r["acceptance_per_position"]) == r["gamma"]
             assert r["efficiency"] == pytest.approx(r["speedup_vs_vanilla"] / r["ideal_speedup"])
-    # the ideal uses the costs timed inside the runs (falling back to isolated timings per size)
+            lo, hi = r["speedup_ci95"]
+            assert lo <= r["speedup_vs_vanilla"] <= hi
+            assert r["runs"] == 4 and r["ttft_ms"] > 0 and r["draft_prefill_ms"] > 0
+    # the step costs of the ideal are decode-time forwards only: sizes of prefill (prompt lengths,
+    # 3 and 2 tokens here) appear only where a round verified that many tokens
     costs = report["step_costs_ms"]["fp32/fp32"]
-    assert set(report["step_costs_isolated_ms"]["fp32/fp32"]) == set(costs)
-    fixed = next(r for r in rows if r["method"] == "draft" and r["gamma"] == 2 and not r["draft_stop"])
-    c_target = {int(t): c for t, c in costs.items() if t != "draft"}
-    assert fixed["ideal_speedup"] == pytest.approx(predicted_speedup(fixed["acceptance_conditional"],
-                                                                     c_draft=costs["draft"], c_target=c_target))
+    assert set(costs["target"]) <= {"1", "2", "3"} and set(costs["draft"]) <= {"1", "2"}
     adaptive = [r for r in rows if r["draft_stop"]]
     assert [(r["gamma"], r["draft_stop"]) for r in adaptive] == [(2, 0.5)]
-    assert adaptive[0]["efficiency"] == pytest.approx(adaptive[0]["speedup_vs_vanilla"] / adaptive[0]["ideal_speedup"])
-    assert (work / "report" / "report.md").read_text().count("| fp32 |") == 4
+    md = (work / "report" / "report.md").read_text()
+    assert md.count("| fp32 |") == 4 and "95% CI" in md and "threads" in md.lower()
     assert (work / "report" / "speedup_vs_gamma.png").stat().st_size > 0
-    stored = json.loads((work / "build" / "manifest.json").read_text())["gamma_auto"]["fp32"]
-    assert stored["gamma"] == report["gamma_auto"]["fp32"]["gamma"]
+    assert saved["settings"]["target_threads"]["fp32"] and saved["settings"]["thread_probe_tokens_per_s"]["fp32"]
+    # this bench measured fewer tokens than the build's short bench (3 prompts x 32): its choice is not stored
+    measured = next(r for r in rows if r["gamma"] == 2 and not r["draft_stop"])["delivered_tokens"]
+    assert report["gamma_auto"]["fp32/fp32"]["measured_tokens"] == measured == 2 * 2 * 8
+    stored = read_manifest(work / "build")["gamma_auto"]["fp32/fp32"]
+    assert stored["measured_tokens"] == 3 * 32 and "kept the stored choice" in report["gamma_store"][0]
+
+
+def test_peers_run_apart_and_are_compared_with_our_fp32_vanilla_output(bench_report):
+    work, report = bench_report
     peers = {p["peer"]: p for p in report["peers"]}
-    assert peers["transformers greedy"]["tokens_per_s"] > 0 and peers["transformers assisted"]["tokens_per_s"] > 0
-    # greedy peers decode the same tokens as ours (fp32 on both sides; a near-tie may flip one run)
-    assert peers["transformers greedy"]["same_tokens_as_specexport"] >= 0.5
-    assert peers["transformers assisted"]["same_tokens_as_specexport"] >= 0.5
+    for name in ("transformers greedy", "transformers assisted"):
+        assert peers[name]["tokens_per_s"] > 0 and peers[name]["runs"] == 4
+        # greedy on the same fp32 weights: whole outputs equal ours (a near-tie may flip one run)
+        assert peers[name]["same_tokens_as_fp32_vanilla"] >= 0.5
+    assert "torch" not in report["memory"]["peak_rss_note"]
+    assert all(v > 0 for v in report["memory"]["peers_peak_rss_bytes"].values())
     if importlib.util.find_spec("onnxruntime_genai") is None:
         assert "skipped" in peers["onnxruntime-genai"]
     else:
         for name in ("onnxruntime-genai greedy", "onnxruntime-genai n-gram (n=3, k=4)"):
-            assert peers[name]["tokens_per_s"] > 0 and peers[name]["same_tokens_as_specexport"] >= 0.5
+            assert peers[name]["tokens_per_s"] > 0 and peers[name]["same_tokens_as_fp32_vanilla"] >= 0.5
         assert (work / "report" / "peers" / "onnxruntime-genai-fp32" / "greedy" / "model.onnx").is_file()
-    assert "onnxruntime-genai greedy (fp32)" in (work / "report" / "report.md").read_text() or \
-        importlib.util.find_spec("onnxruntime_genai") is None
+
+
+def test_same_output_is_whole_and_never_empty():
+    from specexport.report.bench import _same_output
+
+    assert _same_output([5, 6, 2], [5, 6, 2], {2}) and _same_output([5, 6], [5, 6, 2], {2})
+    assert not _same_output([], [5, 6], {2}) and not _same_output([5], [5, 6], {2})
+    assert not _same_output([5, 6, 7], [5, 6], {2})
 
 
 def test_build_ends_with_a_short_report(built_llama):
     """`specexport build` (conftest's built_llama) ran the quick bench: report and γ choice are there."""
     report = json.loads((built_llama / "bench" / "report.json").read_text())
     assert {r["method"] for r in report["rows"]} == {"vanilla", "draft"}
-    assert "fp32" in json.loads((built_llama / "manifest.json").read_text())["gamma_auto"]
+    assert "fp32/fp32" in read_manifest(built_llama)["gamma_auto"]
+
+
+# -- the stored γ choice -----------------------------------------------------------------------------
+def test_gamma_choice_is_kept_by_a_rebuild_that_reuses_the_graphs_and_not_replaced_by_a_shorter_bench(
+        built_llama, tiny_checkpoints, tmp_path, write_yaml, run_build):
+    out = tmp_path / "b"
+    shutil.copytree(built_llama, out)
+    m = read_manifest(out)
+    fields = dict(name="tiny-llama", target={"path": tiny_checkpoints["llama"]},
+                  draft={"path": tiny_checkpoints["llama-draft"]}, max_seq_len=m["max_seq_len"], output=out)
+    path = write_yaml(tmp_path / "model.yaml", **fields)
+    full = {("fp32", "fp32"): {"gamma": 5, "predicted_speedup": 1.9, "measured_tokens": 10_000}}
+    assert store_gamma_choices(out, full, build_id=m["build_id"], command="test") == []
+    assert run_build(path) == 0                      # reuses both graphs, runs the short bench at its end
+    stored = read_manifest(out)["gamma_auto"]["fp32/fp32"]
+    assert (stored["gamma"], stored["measured_tokens"]) == (5, 10_000)
+    report = json.loads((out / "bench" / "report.json").read_text())
+    assert any("kept the stored choice" in line for line in report["gamma_store"])
+    stale = read_manifest(out)["build_id"]
+    assert run_build(path, "--force", "--no-bench") == 0     # new graphs: the old choice no longer applies
+    assert "gamma_auto" not in read_manifest(out)
+    lines = store_gamma_choices(out, full, build_id=stale, command="test")
+    assert lines and "replaced" in lines[0] and "gamma_auto" not in read_manifest(out)
 
 
 def test_gamma_auto_uses_the_stored_choice_and_falls_back_to_vanilla(bench_report, tmp_path):
     work, _ = bench_report
     shutil.copytree(work / "build", tmp_path / "b")
-    path = tmp_path / "b" / "manifest.json"
-    m = json.loads(path.read_text())
-    m["gamma_auto"] = {"fp32": {"gamma": 0, "predicted_speedup": 0.6}}
-    path.write_text(json.dumps(m))
-    pipe = specexport.load(tmp_path / "b")
-    out = pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=10, gamma="auto")
-    assert out.stats.proposed == 0 and "decoding vanilla" in pipe.auto_note
-    m["gamma_auto"] = {"fp32": {"gamma": 3, "predicted_speedup": 1.7}}
-    path.write_text(json.dumps(m))
-    pipe = specexport.load(tmp_path / "b")
-    out = pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=10, gamma="auto")
-    assert out.stats.gamma == 3 and out.stats.proposed > 0
+    out = tmp_path / "b"
+    path = out / "manifest.json"
+
+    def store(gamma, speedup):
+        m = read_manifest(out)
+        m.pop("gamma_auto", None)
+        path.write_text(json.dumps(m))
+        store_gamma_choices(out, {("fp32", "fp32"): {"gamma": gamma, "predicted_speedup": speedup,
+                                                     "measured_tokens": 1}}, build_id=m["build_id"], command="t")
+
+    store(0, 0.6)
+    pipe = specexport.load(out)
+    out_ = pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=10, gamma="auto")
+    assert out_.stats.proposed == 0 and "decoding vanilla" in pipe.auto_note
+    store(3, 1.7)
+    pipe = specexport.load(out)
+    out_ = pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=10, gamma="auto")
+    assert out_.stats.gamma == 3 and out_.stats.proposed > 0
+    m = read_manifest(out)
     del m["gamma_auto"]
     path.write_text(json.dumps(m))
     with pytest.raises(SpecexportError, match="run `specexport bench"):
-        specexport.load(tmp_path / "b").generate(prompt_ids=[1, 5], gamma="auto")
+        specexport.load(out).generate(prompt_ids=[1, 5], gamma="auto")
 
 
 def test_bench_cli(built_llama, tmp_path, capsys):
     shutil.copytree(built_llama, tmp_path / "b")
-    assert main(["bench", str(tmp_path / "b"), "--gammas", "1", "--rounds", "1", "--max-new-tokens", "4",
-                 "--no-peers"]) == 0
+    b = str(tmp_path / "b")
+    assert main(["bench", b, "--gammas", "1", "--rounds", "1", "--max-new-tokens", "4", "--no-peers",
+                 "--threads", "1"]) == 0
     assert "| fp32 |" in capsys.readouterr().out
-    assert main(["bench", str(tmp_path / "b"), "--gammas", "0"]) == 1
-    assert main(["bench", str(tmp_path / "b"), "--draft-stops", "1.5"]) == 1
-    assert main(["generate", str(tmp_path / "b"), "x", "--gamma", "auto", "--max-new-tokens", "3"]) == 0
+    assert main(["generate", b, "x", "--gamma", "auto", "--max-new-tokens", "3"]) == 0
     assert "--gamma auto" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gammas", "0"], "--gammas: expected integers >= 1"),
+    (["--draft-stops", "1.5"], "--draft-stops: expected probabilities"),
+    (["--methods", "vanilla,medusa"], "--methods: 'medusa' is not a method"),
+    (["--precisions", "int4"], "--precisions: 'int4' was not built"),
+    (["--prompts", "MISSING"], "--prompts: .*missing.jsonl: no such file"),
+    (["--prompts", "BAD"], "--prompts: .*bad.jsonl line 2: not JSON"),
+    (["--prompts", "NUMBER"], "--prompts: .*number.jsonl line 1: expected a non-empty JSON string"),
+])
+def test_bench_cli_errors_are_one_line(built_llama, tmp_path, capsys, args, message):
+    import re
+
+    (tmp_path / "bad.jsonl").write_text('"ok"\n{not json\n')
+    (tmp_path / "number.jsonl").write_text("42\n")
+    files = {"MISSING": str(tmp_path / "missing.jsonl"), "BAD": str(tmp_path / "bad.jsonl"),
+             "NUMBER": str(tmp_path / "number.jsonl")}
+    args = [files.get(a, a) for a in args]
+    capsys.readouterr()
+    assert main(["bench", str(built_llama), "--no-peers", *args]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and re.search(message, err), err

@@ -208,11 +208,14 @@ def test_output_that_cannot_be_written(good, tmp_path, write_yaml, check_error):
 
 # -- the build command ---------------------------------------------------------------------------
 
-def test_parity_failure_exits_2_and_leaves_no_manifest(built_draft_only, tmp_path, write_yaml, capsys):
+def test_parity_failure_exits_2_and_keeps_the_previous_build(built_draft_only, tmp_path, write_yaml, capsys):
+    import specexport
+
     yaml_path, finished = built_draft_only
     out = tmp_path / "out"
-    shutil.copytree(finished, out)           # a finished build is there: the failed rebuild must retract it
-    assert (out / "manifest.json").is_file()
+    shutil.copytree(finished, out)           # a finished build is there: the failed rebuild must not touch it
+    before = (out / "manifest.json").read_text()
+    expected = specexport.load(out).generate(prompt_ids=[1, 5, 9], max_new_tokens=8, method="vanilla").token_ids
     cfg = load_config(yaml_path)
     path = write_yaml(tmp_path / "model.yaml", name="demo", target={"path": cfg.target.path},
                       max_seq_len=cfg.max_seq_len, output=out, parity_tolerance=1.0e-30)
@@ -221,9 +224,13 @@ def test_parity_failure_exits_2_and_leaves_no_manifest(built_draft_only, tmp_pat
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "parity" in lines[0] and "target fp32" in lines[0], err
-    assert not (out / "manifest.json").exists()
-    assert not (out / "target" / ".fp32.partial").exists()
+    assert (out / "manifest.json").read_text() == before
     assert not list(out.rglob("*.partial"))
+    manifest = json.loads(before)
+    assert sorted(p.name for p in (out / "target").iterdir()) == [manifest["models"]["target"]["precisions"]
+                                                                  ["fp32"]["dir"].split("/")[1]]
+    got = specexport.load(out).generate(prompt_ids=[1, 5, 9], max_new_tokens=8, method="vanilla").token_ids
+    assert got == expected
 
 
 def test_dry_run_builds_nothing(good, tmp_path, write_yaml, capsys):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from importlib.metadata import version
 from pathlib import Path
@@ -28,7 +29,7 @@ from specexport.export.registry import adapters
 from specexport.export.tiny import TINY_CONFIGS, make_tiny_checkpoint
 from specexport.export.validate import ancestor_mask, random_tree
 from specexport.io_spec import ModelIO
-from specexport.manifest import SCHEMA_VERSION, read_manifest, sha256_file
+from specexport.manifest import SCHEMA_VERSION, read_manifest, sha256_file, stage_dir
 
 TOL = 1e-4
 # (architecture, role) of every exported graph: the llama build also has a draft.
@@ -57,10 +58,11 @@ class Graph:
     """An exported model in ONNX Runtime with the committed K/V it produced so far (batch 1 unless told)."""
 
     def __init__(self, out: Path, role: str):
-        entry = read_manifest(out)["models"][role]
+        manifest = read_manifest(out)
+        entry = manifest["models"][role]
         self.io = ModelIO.from_dict(entry["io"])
-        self.path = out / role / "fp32" / "model.onnx"
-        assert f"{role}/fp32/model.onnx" in entry["precisions"]["fp32"]["files"]
+        self.path = stage_dir(out, manifest, role, "fp32") / "model.onnx"
+        assert str(self.path.relative_to(out)) in entry["precisions"]["fp32"]["files"]
         self.session = _session(self.path)
         self.reset()
 
@@ -252,7 +254,8 @@ def test_aux_hidden_states_are_the_inputs_of_the_chosen_layers(aux_builds, hf_mo
     io = ModelIO.from_dict(io_dict)
     H = io.hidden_size
     assert io.spec("aux_hidden_states").axes == ("batch", "tokens", len(layers) * H)
-    graph_outputs = [o.name for o in onnx.load(str(out / "target/fp32/model.onnx"), load_external_data=False).graph.output]
+    graph_path = stage_dir(out, manifest, "target", "fp32") / "model.onnx"
+    graph_outputs = [o.name for o in onnx.load(str(graph_path), load_external_data=False).graph.output]
     assert graph_outputs == io.output_names and "aux_hidden_states" in graph_outputs
 
     model = hf_model(ckpt)
@@ -293,7 +296,7 @@ def test_graph_without_aux_layers_has_no_aux_output(built_llama):
 def test_manifest_contents(built_llama, tiny_checkpoints, tokenizer):
     out = built_llama
     manifest = read_manifest(out)
-    assert manifest["schema_version"] == SCHEMA_VERSION == 1
+    assert manifest["schema_version"] == SCHEMA_VERSION == 2
     assert manifest["name"] == "tiny-llama" and manifest["max_seq_len"] == 128
     for pkg in ("torch", "transformers", "onnx", "onnxruntime"):
         assert manifest["versions"][pkg] == version(pkg)
@@ -305,7 +308,8 @@ def test_manifest_contents(built_llama, tiny_checkpoints, tokenizer):
         assert model["source"] == str(ckpt.resolve())
         assert model["vocab_size"] == len(tokenizer)
         entry = model["precisions"]["fp32"]
-        assert set(entry["files"]) == {f"{role}/fp32/model.onnx", f"{role}/fp32/model.onnx.data"}
+        assert re.fullmatch(rf"{role}/fp32-[0-9a-f]{{8}}", entry["dir"])
+        assert set(entry["files"]) == {f"{entry['dir']}/model.onnx", f"{entry['dir']}/model.onnx.data"}
         for rel, meta in entry["files"].items():
             assert sha256_file(out / rel) == meta["sha256"], rel
             assert (out / rel).stat().st_size == meta["size"], rel
@@ -314,7 +318,7 @@ def test_manifest_contents(built_llama, tiny_checkpoints, tokenizer):
         io = ModelIO.from_dict(model["io"])
         assert (io.num_layers, io.vocab_size, io.hidden_size, io.num_kv_heads, io.head_dim) == \
             (num_layers, len(tokenizer), 64, 2, 16)
-        graph = onnx.load(str(out / role / "fp32" / "model.onnx"), load_external_data=False).graph
+        graph = onnx.load(str(out / entry["dir"] / "model.onnx"), load_external_data=False).graph
         assert [v.name for v in graph.input] == io.input_names
         assert [v.name for v in graph.output] == io.output_names
         assert [t["name"] for t in model["io"]["inputs"]][:3] == ["input_ids", "position_ids", "tree_mask"]
@@ -327,7 +331,9 @@ def test_manifest_contents(built_llama, tiny_checkpoints, tokenizer):
 
     tok_dir = out / manifest["tokenizer"]["dir"]
     assert (tok_dir / "tokenizer.json").is_file()
-    assert manifest["tokenizer"]["files"] == sorted(os.listdir(tok_dir))
+    assert sorted(manifest["tokenizer"]["files"]) == sorted(os.listdir(tok_dir))
+    for name, meta in manifest["tokenizer"]["files"].items():
+        assert sha256_file(tok_dir / name) == meta["sha256"]
     from tokenizers import Tokenizer
 
     text = "def dumps(obj, *, indent=None):\n    return obj"
@@ -335,6 +341,8 @@ def test_manifest_contents(built_llama, tiny_checkpoints, tokenizer):
 
     leftovers = [p.name for p in out.rglob("*") if ".partial" in p.name or p.name.startswith(".manifest")]
     assert leftovers == []
+    assert sorted(p.name for p in (out / "target").iterdir()) == [Path(manifest["models"]["target"]["precisions"]
+                                                                        ["fp32"]["dir"]).name]
 
 
 # -- (7) reruns -----------------------------------------------------------------------------------
@@ -346,24 +354,31 @@ def test_rerun_skips_unchanged_stages_and_force_rebuilds(built_draft_only, tmp_p
     cfg = load_config(yaml_path)
     fields = dict(name="rerun", target={"path": cfg.target.path}, max_seq_len=cfg.max_seq_len, output=out)
     path = write_yaml(tmp_path / "model.yaml", **fields)
-    onnx_path = out / "target" / "fp32" / "model.onnx"
-    before = onnx_path.stat().st_mtime_ns
+    def graph():
+        manifest = read_manifest(out)
+        path = stage_dir(out, manifest, "target", "fp32") / "model.onnx"
+        return path, path.stat().st_mtime_ns, manifest
 
+    first, before, _ = graph()
+    tokenizer_dir = read_manifest(out)["tokenizer"]["dir"]
+    tokenizer_mtime = (out / tokenizer_dir / "tokenizer.json").stat().st_mtime_ns
     assert run_build(path) == 0
-    assert onnx_path.stat().st_mtime_ns == before, "an unchanged stage was rebuilt"
+    assert graph()[:2] == (first, before), "an unchanged stage was rebuilt"
     assert read_manifest(out)["name"] == "rerun"
 
     assert run_build(path, "--force") == 0
-    forced = onnx_path.stat().st_mtime_ns
-    assert forced > before, "--force did not rebuild"
-    manifest = read_manifest(out)
-    assert sha256_file(onnx_path) == manifest["models"]["target"]["precisions"]["fp32"]["files"][
-        "target/fp32/model.onnx"]["sha256"]
+    forced_path, forced, manifest = graph()
+    assert forced_path != first and not first.parent.exists(), "--force did not rebuild (or left the old stage)"
+    assert sha256_file(forced_path) == manifest["models"]["target"]["precisions"]["fp32"]["files"][
+        str(forced_path.relative_to(out))]["sha256"]
+    # the tokenizer is rewritten only when its source files changed
+    assert manifest["tokenizer"]["dir"] == tokenizer_dir
+    assert (out / tokenizer_dir / "tokenizer.json").stat().st_mtime_ns == tokenizer_mtime
 
     # A changed option that the export depends on is not reused.
     path = write_yaml(tmp_path / "model.yaml", **fields, max_verify_tokens=8)
     assert run_build(path) == 0
-    assert onnx_path.stat().st_mtime_ns > forced
+    assert graph()[0] not in (first, forced_path)
     assert read_manifest(out)["max_verify_tokens"] == 8
 
 

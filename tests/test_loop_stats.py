@@ -368,14 +368,71 @@ def test_decode_zero_budget_emits_nothing():
     assert sum(len(t) for t in toks) == 0, f"max_new_tokens=0 emitted {sum(len(t) for t in toks)} token(s)"
 
 
-def test_backend_timings_record_every_forward():
-    """`timings = {}` makes a backend record each forward's seconds by T (the bench's in-run costs)."""
+def test_backend_timings_record_every_forward_tagged_by_phase():
+    """`timings = {}` makes a backend record each forward's seconds by (phase, T): the bench's in-run
+    costs. Prefill forwards are tagged apart, so they never enter c_target(T)."""
     target, draft = backends(capacity=60)
     target.timings, draft.timings = {}, {}
     stats = DecodeStats()
     list(decode(target, draft, np.array([1, 2, 3]), max_new_tokens=30, params=SamplingParams(0.0), gamma=3,
                 rng=np.random.default_rng(0), stats=stats))
-    assert sum(map(len, target.timings.values())) == stats.target_passes + 1          # + the prefill
-    assert sum(map(len, draft.timings.values())) == stats.draft_passes + 1
-    assert all(s > 0 for v in target.timings.values() for s in v)
-    assert set(target.timings) <= {1, 2, 3, 4}
+    for backend, role in ((target, "target"), (draft, "draft")):
+        assert [len(v) for k, v in backend.timings.items() if k[0] == "prefill"] == [1]      # 3 tokens, one chunk
+        assert (("prefill", 3) in backend.timings) and all(s > 0 for v in backend.timings.values() for s in v)
+        decode_calls = {k[1]: len(v) for k, v in backend.timings.items() if k[0] == "decode"}
+        assert decode_calls == {t: n for (r, t), n in stats.forwards.items() if r == role}
+    assert sum(n for (r, _), n in stats.forwards.items() if r == "target") == stats.target_passes
+    assert sum(n for (r, _), n in stats.forwards.items() if r == "draft") == stats.draft_passes
+
+
+def test_rounds_record_every_target_pass_and_sum_to_the_output():
+    """stats.rounds: (proposals, accepted) per target pass, the shortened last rounds and plain steps
+    included; together they account for every emitted token."""
+    for gamma in (1, 3, 5):
+        target, draft = backends(capacity=40)
+        stats = DecodeStats()
+        toks = np.concatenate(list(decode(target, draft, np.array([1, 2]), max_new_tokens=25,
+                                          params=SamplingParams(0.0), gamma=gamma, rng=np.random.default_rng(1),
+                                          stats=stats)))
+        assert len(stats.rounds) == stats.target_passes
+        assert 1 + sum(k + 1 for _, k in stats.rounds) == len(toks) == stats.emitted == stats.delivered == 25
+        assert sum(j for j, _ in stats.rounds) == stats.proposed and sum(k for _, k in stats.rounds) == stats.accepted
+        assert all(0 <= k <= j <= gamma for j, k in stats.rounds)
+        assert stats.rounds[-1][0] < gamma or gamma == 1       # the budget shortens the last round(s)
+
+
+def test_decode_time_excludes_prefill_with_an_injected_clock():
+    """ttft = both prefills + the first choice; tokens/s and TPOT are on decode time only."""
+    now = [0.0]
+    target, draft = backends(capacity=40)
+
+    def tick(backend, cost):
+        inner = backend._forward
+
+        def timed(tokens, depths, mask):
+            now[0] += cost(len(tokens))
+            return inner(tokens, depths, mask)
+        backend._forward = timed
+
+    tick(target, lambda t: 1.0 + 0.1 * t)
+    tick(draft, lambda t: 0.25)
+    stats = DecodeStats()
+    list(decode(target, draft, np.array([1, 2, 3, 4]), max_new_tokens=11, params=SamplingParams(0.0), gamma=2,
+                rng=np.random.default_rng(0), stats=stats, clock=lambda: now[0]))
+    assert stats.prefill_s == pytest.approx(1.4) and stats.draft_prefill_s == pytest.approx(0.25)
+    assert stats.ttft_s == pytest.approx(1.65)
+    cost = sum(n * (1.0 + 0.1 * t if r == "target" else 0.25) for (r, t), n in stats.forwards.items())
+    assert stats.decode_s == pytest.approx(cost)
+    assert stats.tokens_per_second == pytest.approx(10 / cost) and stats.tpot_s == pytest.approx(cost / 10)
+
+
+def test_capacity_checks_hold_with_check_inputs_off():
+    """Backends write through raw pointers: the capacity and call-size checks are never optional."""
+    target, _ = backends(capacity=8)
+    target.check_inputs = False
+    target.forward(np.arange(6) % 5)
+    target.commit(6)
+    with pytest.raises(SpecexportError, match="KV capacity exceeded"):
+        target.forward(np.arange(3) % 5)
+    with pytest.raises(SpecexportError, match="tokens: got 0 tokens"):
+        target.forward(np.zeros(0, np.int64))

@@ -24,7 +24,7 @@ from specexport.export.plan import plan_build
 from specexport.export.quality import QualityReport, text_sequences
 from specexport.export.to_onnx import check_graph_io
 from specexport.io_spec import ModelIO
-from specexport.manifest import read_manifest, sha256_file
+from specexport.manifest import file_problems, listed_files, read_manifest, sha256_file
 
 GATES = {"int8": {"min_top1": 0.8, "max_kl": 0.01}, "int4": {"min_top1": 0.4, "max_kl": 0.1}}
 PROMPTS = ["def fib(n):", "import os\nclass A:"]
@@ -58,7 +58,10 @@ def rebuild(built_quant, quant_fields, write_yaml, run_build, tmp_path):
 
 
 def mtimes(out: Path) -> dict:
-    return {p.relative_to(out).as_posix(): p.stat().st_mtime_ns for p in out.glob("*/*/model.onnx")}
+    """{"role/precision": (stage folder, mtime of its model.onnx)} of the current build."""
+    models = read_manifest(out)["models"]
+    return {f"{role}/{p}": (e["dir"], (out / e["dir"] / "model.onnx").stat().st_mtime_ns)
+            for role, m in models.items() for p, e in m["precisions"].items()}
 
 
 # -- building ------------------------------------------------------------------------------------
@@ -81,10 +84,11 @@ def test_quantized_builds_pass_their_gates_and_record_the_figures(built_quant):
             assert 0 < e["parity_max_rel_error"] < 1 and set(e["parity_per_phase"]) == {"prefill", "decode", "tree"}
             assert e["quantization"]["bits"] == bits and e["quantization"]["accuracy_level"] == 4
             assert e["quantization"]["block_size"] == 32
-            assert set(e["files"]) == {f"{role}/{precision}/model.onnx", f"{role}/{precision}/model.onnx.data"}
+            assert e["dir"].startswith(f"{role}/{precision}-")
+            assert set(e["files"]) == {f"{e['dir']}/model.onnx", f"{e['dir']}/model.onnx.data"}
             for rel, meta in e["files"].items():
                 assert sha256_file(built_quant / rel) == meta["sha256"]
-            graph_path = built_quant / role / precision / "model.onnx"
+            graph_path = built_quant / e["dir"] / "model.onnx"
             check_graph_io(graph_path, io)                         # the IO table is unchanged
             ops = [n for n in onnx.load(str(graph_path), load_external_data=False).graph.node]
             nbits = [n for n in ops if n.op_type == "MatMulNBits"]
@@ -96,7 +100,7 @@ def test_quantized_builds_pass_their_gates_and_record_the_figures(built_quant):
     assert [p.name for p in built_quant.rglob("*") if ".partial" in p.name] == []
 
 
-def test_impossible_gate_fails_with_exit_2_the_figures_and_no_manifest(rebuild, capsys):
+def test_impossible_gate_fails_with_exit_2_the_figures_and_keeps_the_previous_build(rebuild, capsys):
     capsys.readouterr()
     code, out = rebuild(quality_gates={**GATES, "int4": {"min_top1": 1.0, "max_kl": 0.0}})
     assert code == 2
@@ -106,7 +110,11 @@ def test_impossible_gate_fails_with_exit_2_the_figures_and_no_manifest(rebuild, 
     assert re.search(r"top-1 agreement 0\.\d{3} < min_top1 1\.000", line), line
     assert re.search(r"mean KL \d\.\d{4} > max_kl 0\.0000", line), line
     assert "quality_gates.int4" in line and "Traceback" not in err
-    assert not (out / "manifest.json").exists()
+    manifest = json.loads((out / "manifest.json").read_text())     # the previous build, untouched and whole
+    assert manifest["models"]["target"]["precisions"]["int4"]["quality_gate"] == GATES["int4"]
+    assert not file_problems(out, listed_files(manifest), hashes=True)
+    on_disk = {f"{role}/{p.name}" for role in ("target", "draft") for p in (out / role).iterdir()}
+    assert on_disk == {e["dir"] for m in manifest["models"].values() for e in m["precisions"].values()}
     assert [p.name for p in out.rglob("*") if ".partial" in p.name] == []
 
 
@@ -119,7 +127,7 @@ def test_rerun_reuses_each_role_and_precision_and_a_new_gate_redoes_only_that_on
     code, _ = rebuild(quality_gates={**GATES, "int4": {"min_top1": 0.3, "max_kl": 0.1}})
     assert code == 0
     changed = {k for k, v in mtimes(out).items() if v != before[k]}
-    assert changed == {"target/int4/model.onnx", "draft/int4/model.onnx"}
+    assert changed == {"target/int4", "draft/int4"}
     manifest = read_manifest(out)
     assert manifest["models"]["draft"]["precisions"]["int4"]["quality_gate"] == {"min_top1": 0.3, "max_kl": 0.1}
 
@@ -169,7 +177,7 @@ def test_quantized_graph_computes_each_row_independently(built_quant):
     io = ModelIO.from_dict(manifest["models"]["target"]["io"])
     ids = np.arange(3, 13)
     for precision in ("int8", "int4"):
-        session = runtime_session(built_quant / "target" / precision / "model.onnx")
+        session = runtime_session(built_quant / manifest["models"]["target"]["precisions"][precision]["dir"] / "model.onnx")
         full = prefill_logits(session, io, ids)                          # [10, V]
         alone = prefill_logits(session, io, ids[:4])                     # [4, V]: same prefix, fewer rows
         assert np.abs(full[:4] - alone).max() <= 1e-4 * np.abs(full).max(), precision
@@ -273,7 +281,7 @@ def test_use_draft_precision_switches_the_draft_and_keeps_the_target(built_quant
         target, fp32_draft = pipe.target, pipe.draft
         pipe.use_draft_precision("int4")
         assert pipe.draft is not fp32_draft and pipe.target is target and pipe.draft_precision == "int4"
-        assert pipe.draft.model_path.parent.name == "int4"
+        assert pipe.draft.model_path.parent.name.startswith("int4-")
         pipe.use_draft_precision("fp32")
         assert pipe.draft is fp32_draft
         with pytest.raises(SpecexportError, match="draft_precision: 'fp8' was not built"):
@@ -292,7 +300,7 @@ def test_bench_runs_each_mixed_row_with_the_draft_it_names(built_quant, tmp_path
     def spy(self, prompt=None, **kwargs):
         out = real(self, prompt, **kwargs)
         if kwargs.get("method") == "draft":
-            used.add((self.precision, self.draft.model_path.parent.name, kwargs["gamma"]))
+            used.add((self.precision, self.draft.model_path.parent.name.split("-")[0], kwargs["gamma"]))
         return out
 
     monkeypatch.setattr(Pipeline, "generate", spy)
@@ -306,4 +314,5 @@ def test_bench_runs_each_mixed_row_with_the_draft_it_names(built_quant, tmp_path
     assert set(report["step_costs_ms"]) >= {"fp32/fp32", "fp32/int4", "int4/fp32", "fp32/-"}
     # every row of one target precision uses the same in-run target costs, whichever draft it ran with
     costs = report["step_costs_ms"]
-    assert costs["fp32/fp32"]["1"] == costs["fp32/int4"]["1"] == costs["fp32/-"]["1"]
+    assert costs["fp32/fp32"]["target"] == costs["fp32/int4"]["target"] == costs["fp32/-"]["target"]
+    assert set(report["gamma_auto"]) >= {"fp32/fp32", "fp32/int4", "int4/int4", "int4/fp32"}

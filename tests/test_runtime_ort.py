@@ -82,7 +82,8 @@ def test_greedy_equals_hf_for_every_gamma(pipe, hf_target):
 def _backend(build, role, capacity=CAPACITY, max_tokens=64):
     m = json.loads((build / "manifest.json").read_text())
     io = ModelIO.from_dict(m["models"][role]["io"])
-    return OrtBackend(build / role / "fp32", io=io, capacity=capacity, max_tokens=max_tokens, threads=1)
+    return OrtBackend(build / m["models"][role]["precisions"]["fp32"]["dir"], io=io, capacity=capacity,
+                      max_tokens=max_tokens, threads=1)
 
 
 def test_draft_equal_to_target_accepts_everything(built_long):

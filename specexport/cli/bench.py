@@ -23,7 +23,8 @@ def _csv(value, cast=str):
               help="JSON-lines file of prompt strings (default: a few built-in code prompts).")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--rounds", default=3, show_default=True, help="Repetitions of every configuration, interleaved.")
-@click.option("--threads", default=None, type=int)
+@click.option("--threads", default=None, type=int,
+              help="The target's intra-op threads (default: the setting fastest for vanilla, measured first).")
 @click.option("--peers/--no-peers", default=True, show_default=True,
               help="Also time peers on the same checkpoints and prompt tokens: transformers greedy and "
                    "assisted generation, onnxruntime-genai greedy and n-gram (each where installed).")
@@ -36,7 +37,7 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, prompts_file, ma
     from specexport.report.bench import BenchConfig, run_bench
 
     if prompts_file:
-        prompts = tuple(json.loads(line) for line in Path(prompts_file).read_text().splitlines() if line.strip())
+        prompts = read_prompts(Path(prompts_file))
     else:
         from specexport.report.bench import DEFAULT_PROMPTS
 
@@ -57,6 +58,36 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, prompts_file, ma
                       methods=_csv(methods) or ("vanilla",), gammas=gamma_list, max_new_tokens=max_new_tokens,
                       rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
-    from specexport.report.bench import render_markdown
+    from specexport.report.render import render_markdown
 
     click.echo(render_markdown(report))
+
+
+def read_prompts(path: Path) -> tuple[str, ...]:
+    """A JSON-lines file of prompt strings (or objects with a "prompt" string); errors name the line."""
+    from specexport.errors import SpecexportError
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecexportError(f"--prompts: {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecexportError(f"--prompts: {path}: cannot be read as UTF-8 text ({err})") from None
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SpecexportError(f"--prompts: {path} line {number}: not JSON ({err.msg}); expected one JSON "
+                                  f"string per line, e.g. \"def f(x):\"") from None
+        if isinstance(value, dict) and isinstance(value.get("prompt"), str):
+            value = value["prompt"]
+        if not isinstance(value, str) or not value:
+            raise SpecexportError(f"--prompts: {path} line {number}: expected a non-empty JSON string (or "
+                                  f"{{\"prompt\": ...}}), got {type(value).__name__}")
+        prompts.append(value)
+    if not prompts:
+        raise SpecexportError(f"--prompts: {path} holds no prompts")
+    return tuple(prompts)

@@ -9,8 +9,10 @@ from specexport.cli import cli
 @cli.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the raw manifest.")
+@click.option("--verify", is_flag=True,
+              help="Recompute every file's sha256 against the manifest; exit 1 naming each file that differs.")
 @click.option("-v", "--verbose", is_flag=True, help="Also list every tensor of the IO table.")
-def inspect(output_dir, as_json, verbose):
+def inspect(output_dir, as_json, verify, verbose):
     """Describe the build in OUTPUT_DIR."""
     import json
 
@@ -22,6 +24,9 @@ def inspect(output_dir, as_json, verbose):
 
     m = read_manifest(output_dir)
     console = Console()
+    if verify:
+        _verify(output_dir, m)
+        return
     if as_json:
         click.echo(json.dumps(m, indent=2))
         return
@@ -46,3 +51,17 @@ def inspect(output_dir, as_json, verbose):
             for kind in ("inputs", "outputs"):
                 for t in mm["io"][kind]:
                     console.print(f"  {kind[:-1]:6} {t['name']:22} {t['dtype']:8} {t['axes']}")
+
+
+def _verify(output_dir, manifest) -> None:
+    from specexport.errors import SpecexportError
+    from specexport.manifest import file_problems, listed_files
+
+    files = listed_files(manifest)
+    problems = file_problems(output_dir, files, hashes=True)
+    for line in problems:
+        click.secho(line, fg="red", err=True)
+    if problems:
+        raise SpecexportError(f"{len(problems)} of {len(files)} files differ from the manifest of {output_dir}; "
+                              f"rebuild with `specexport build --force`")
+    click.echo(f"verified: {len(files)} files match the manifest's sha256 and sizes")

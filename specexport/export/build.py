@@ -1,17 +1,22 @@
 """Run a planned build per model: fp32 export -> parity check against PyTorch, then each quantized
-precision made from that fp32 graph -> quality gate against it; then the manifest.
+precision made from that fp32 graph -> quality gate against it; then the tokenizer and the manifest.
 
-Atomicity: the old manifest is removed before any stage rewrites files; each stage writes into a
-hidden `.partial` folder that is renamed into place only after its gate passes; the manifest is
-written last (atomically). An interrupted or failed build therefore never leaves a manifest that
-points at partial or missing files. Stages whose fingerprint is unchanged are reused (`force` redoes
-them); a model whose fp32 graph was rebuilt has its quantized graphs rebuilt too.
+A build never loses a working output. It holds the output folder's lock throughout. Each stage
+writes into a hidden `.partial` folder, renamed to a fresh `<role>/<precision>-<id>` folder once its
+gate passes, beside the folders the current manifest points at; the manifest is replaced (atomically)
+only when every stage passed. A rebuild that fails its gate, is interrupted or is killed therefore
+leaves the previous build loadable and decoding as before. Folders no manifest points at (a failed
+or killed build's, a replaced build's) are removed after the manifest is written and when the next
+build starts. Stages whose fingerprint is unchanged are reused (`force` redoes them); a model whose
+fp32 graph was rebuilt has its quantized graphs rebuilt too.
 """
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 import platform
+import secrets
 import shutil
 import time
 from contextlib import contextmanager
@@ -20,10 +25,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specexport import __version__
-from specexport.errors import ParityError
+from specexport.config import MODEL_ROLES
+from specexport.errors import ParityError, SpecexportError
 from specexport.export.plan import ModelPlan, Plan, tool_versions
-from specexport.manifest import (MANIFEST_NAME, SCHEMA_VERSION, describe_files, files_intact,
-                                 read_manifest, write_json_atomic)
+from specexport.locking import output_lock
+from specexport.export.outdir import StageFolders, remove_unreferenced, reusable_tokenizer, tokenizer_digest
+from specexport.gamma import carried_gamma_choices
+from specexport.manifest import (MANIFEST_NAME, SCHEMA_VERSION, describe_files, files_intact, read_manifest,
+                                 sha256_file, write_json_atomic)
 
 
 @dataclass
@@ -63,34 +72,46 @@ def run_build(plan: Plan, *, force: bool = False, reporter: Reporter | None = No
     """Build everything in `plan`; returns the manifest that was written."""
     reporter = reporter or Reporter(quiet=True)
     out = plan.config.output
-    out.mkdir(parents=True, exist_ok=True)
-    previous = _previous_manifest(out)
-    manifest_path = out / MANIFEST_NAME
+    with output_lock(out, purpose="specexport build"):
+        previous = _previous_manifest(out, reporter)
+        remove_unreferenced(out, previous)                 # what failed or killed builds left behind
+        folders = StageFolders(out)
+        try:
+            results = _run_stages(plan, previous, force, folders, reporter)
+            with reporter.stage("copy tokenizer"):
+                tokenizer = _tokenizer_stage(plan, out, previous, folders)
+            manifest = _manifest(plan, results, tokenizer, previous)
+            write_json_atomic(out / MANIFEST_NAME, manifest)  # the one step that switches builds
+        except BaseException:
+            folders.discard()                              # this build's stages: no manifest points at them
+            raise
+        remove_unreferenced(out, manifest)                 # the replaced build's folders
+    return manifest
+
+
+def _run_stages(plan: Plan, previous: dict, force: bool, folders: StageFolders, reporter: Reporter) -> list:
+    out = plan.config.output
     results = []
     for mp in plan.models:
         old = previous.get("models", {}).get(mp.role, {})
-        fp32_rebuilt, samples = False, {}
+        fp32_rebuilt, samples, fp32_dir = False, {}, None
         for precision in mp.config.precisions:              # fp32 first: the others are made from it
             entry = old.get("precisions", {}).get(precision)
             stage_fp = plan.stage_fingerprint(mp, precision)
             if (not force and not fp32_rebuilt and entry and old.get("fingerprint") == mp.fingerprint
-                    and entry.get("stage_fingerprint", mp.fingerprint) == stage_fp
-                    and files_intact(out, entry["files"])):
-                reporter.note(f"[dim]- {mp.role} {precision}: unchanged, reused[/]")
-                results.append(StageResult(mp.role, precision, entry, skipped=True))
-                continue
-            manifest_path.unlink(missing_ok=True)       # from here on the old manifest may lie
-            if precision == "fp32":
-                results.append(_export_stage(plan, mp, precision, reporter))
+                    and entry.get("stage_fingerprint") == stage_fp and files_intact(out, entry["files"])):
+                reporter.note(f"[dim]- {mp.role} {precision}: unchanged, reused ({entry['dir']})[/]")
+                result = StageResult(mp.role, precision, entry, skipped=True)
+            elif precision == "fp32":
+                result = _export_stage(plan, mp, precision, reporter, folders)
                 fp32_rebuilt = True
             else:
-                results.append(_quantize_stage(plan, mp, precision, reporter, samples))
-            results[-1].entry["stage_fingerprint"] = stage_fp
-    with reporter.stage("copy tokenizer"):
-        _copy_tokenizer(plan, out)
-    manifest = _manifest(plan, results)
-    write_json_atomic(manifest_path, manifest)
-    return manifest
+                result = _quantize_stage(plan, mp, precision, reporter, samples, folders, out / fp32_dir)
+            result.entry["stage_fingerprint"] = stage_fp
+            if precision == "fp32":
+                fp32_dir = result.entry["dir"]
+            results.append(result)
+    return results
 
 
 # Checkpoints above this size export in a child process: torch.onnx.export keeps about one extra copy
@@ -99,15 +120,13 @@ def run_build(plan: Plan, *, force: bool = False, reporter: Reporter | None = No
 SUBPROCESS_EXPORT_BYTES = 64 * 2**20
 
 
-def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter) -> StageResult:
+def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter,
+                  folders: StageFolders) -> StageResult:
     from specexport.export.to_onnx import load_hf_model
     from specexport.export.validate import compare, onnx_logits, parity_case, reference_logits
 
     out = plan.config.output
-    final = out / mp.role / precision
-    partial = out / mp.role / f".{precision}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial, final = folders.new(mp.role, precision)
     start = time.perf_counter()
     try:
         with reporter.stage(f"export {mp.role} {precision} ({mp.config.path.name}, {mp.arch.model_type}) to ONNX"):
@@ -122,7 +141,7 @@ def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter)
         if not report.max_rel_error <= tolerance:
             raise ParityError(f"{mp.role} {precision}: parity check failed: {report.describe()} "
                               f"> tolerance {tolerance:.1e}")
-        _publish(partial, final)
+        folders.publish(partial, final)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     entry = {
@@ -136,19 +155,14 @@ def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter)
     return StageResult(mp.role, precision, entry, skipped=False)
 
 
-def _publish(partial: Path, final: Path) -> None:
-    """Move a stage's checked output into place (the old folder goes first)."""
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(partial, final)
-
-
 def _files_entry(out: Path, final: Path, names: list[str]) -> dict:
     files = [final / name for name in names]
-    return {"backend": "onnxruntime", "files": describe_files(out, files),
+    return {"dir": str(final.relative_to(out)), "backend": "onnxruntime", "files": describe_files(out, files),
             "size_bytes": sum(f.stat().st_size for f in files)}
 
 
-def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter, samples: dict) -> StageResult:
+def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter, samples: dict,
+                    folders: StageFolders, fp32_dir: Path) -> StageResult:
     """Quantize the model's fp32 graph, check it against that graph (quality gate), rename into place.
 
     `samples` caches this model's eval sequences between its quantized precisions."""
@@ -158,11 +172,8 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
     from specexport.export.validate import compare, onnx_logits, parity_case
 
     out = plan.config.output
-    source = out / mp.role / "fp32" / "model.onnx"
-    final = out / mp.role / precision
-    partial = out / mp.role / f".{precision}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    source = fp32_dir / "model.onnx"
+    partial, final = folders.new(mp.role, precision)
     start = time.perf_counter()
     gate, settings = plan.config.quality_gates[precision], QUANTIZERS[precision]
     try:
@@ -185,7 +196,7 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
                               f"Measured {quality.describe()}, on {text['description']}. The gate is "
                               f"quality_gates.{precision} in the model.yaml")
         reporter.note(f"  {mp.role} {precision}: {quality.describe()}")
-        _publish(partial, final)
+        folders.publish(partial, final)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     entry = {
@@ -247,30 +258,45 @@ def export_model(mp: ModelPlan, onnx_path: Path) -> list[str]:
     return [f.name for f in onnx_from_module(module, mp.io, onnx_path)]
 
 
-def _copy_tokenizer(plan: Plan, out: Path) -> None:
-    dest = out / "tokenizer"
-    partial = out / ".tokenizer.partial"
+def _tokenizer_stage(plan: Plan, out: Path, previous: dict, folders: StageFolders) -> dict:
+    """The manifest's tokenizer record: the previous copy when the source files are unchanged, else a
+    new folder named by their content (written beside the old one, renamed into place when complete)."""
+    digest = tokenizer_digest(plan.tokenizer_files)
+    reused = reusable_tokenizer(out, previous, digest)
+    if reused is not None:
+        return reused
+    dest = out / f"tokenizer-{digest[:8]}"
+    if dest.exists():                       # the same content, damaged: a name of its own
+        dest = out / f"tokenizer-{digest[:8]}-{secrets.token_hex(2)}"
+    partial = out / f".{dest.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    for f in plan.tokenizer_files:
-        shutil.copy2(f, partial / f.name)
-    if not (partial / "tokenizer.json").is_file():
-        # The runtime reads tokenizer.json with the `tokenizers` library; slow tokenizers are converted.
-        from specexport._optional import require
+    try:
+        for f in plan.tokenizer_files:
+            shutil.copy2(f, partial / f.name)
+        if not (partial / "tokenizer.json").is_file():
+            # The runtime reads tokenizer.json with the `tokenizers` library; slow tokenizers are converted.
+            from specexport._optional import require
 
-        require("transformers").AutoTokenizer.from_pretrained(plan.target.config.path).save_pretrained(partial)
-    shutil.rmtree(dest, ignore_errors=True)
-    os.replace(partial, dest)
+            require("transformers").AutoTokenizer.from_pretrained(plan.target.config.path).save_pretrained(partial)
+        folders.publish(partial, dest)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    files = {f.name: {"sha256": sha256_file(f), "size": f.stat().st_size} for f in sorted(dest.iterdir())}
+    return {"dir": dest.name, "source_sha256": digest, "files": files}
 
 
-def _previous_manifest(out: Path) -> dict:
+def _previous_manifest(out: Path, reporter: Reporter) -> dict:
+    if not (out / MANIFEST_NAME).exists():
+        return {}
     try:
         return read_manifest(out)
-    except Exception:       # no manifest or an unreadable one: nothing can be reused
+    except SpecexportError as err:          # unreadable, or from another schema: nothing can be reused
+        reporter.note(f"[yellow]the previous build in {out} cannot be reused ({err}); building anew[/]")
         return {}
 
 
-def _manifest(plan: Plan, results: list[StageResult]) -> dict:
+def _manifest(plan: Plan, results: list[StageResult], tokenizer: dict, previous: dict) -> dict:
     cfg = plan.config
     models = {}
     for mp in plan.models:
@@ -286,16 +312,21 @@ def _manifest(plan: Plan, results: list[StageResult]) -> dict:
             "io": mp.io.to_dict(),
             "precisions": {r.precision: r.entry for r in results if r.role == mp.role},
         }
-    return {
+    manifest = {
         "schema_version": SCHEMA_VERSION,
         "specexport_version": __version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "build_id": secrets.token_hex(8),
         "name": cfg.name,
         "config": cfg.to_dict(),
         "max_seq_len": cfg.max_seq_len,
         "max_verify_tokens": cfg.max_verify_tokens,
-        "tokenizer": {"dir": "tokenizer", "files": sorted(p.name for p in (cfg.output / "tokenizer").iterdir())},
+        "tokenizer": tokenizer,
         "special_tokens": plan.special_tokens,
         "models": models,
         "versions": {**tool_versions(), "python": platform.python_version(), "specexport": __version__},
     }
+    carried = carried_gamma_choices(previous, manifest)      # measured on stages this build reused
+    if carried:
+        manifest["gamma_auto"] = carried
+    return manifest

@@ -55,6 +55,7 @@ class Plan:
 
         options = {"model": mp.fingerprint, "precision": precision, "quantizer": QUANTIZERS[precision],
                    "gate": self.config.quality_gates[precision], "quality": SETTINGS,
+                   "quantizer_code": source_hash(QUANTIZER_SOURCES),
                    "eval": hashlib.sha256(json.dumps(self.eval_ids).encode()).hexdigest()}
         return hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -118,7 +119,8 @@ def _plan_model(mc: ModelConfig, cfg: BuildConfig) -> ModelPlan:
         if gen_eos is not None:
             eos = tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,)
     fingerprint = _fingerprint(mc.path, {
-        "specexport": __version__, "adapter": type(adapter).__name__, "aux": list(aux),
+        "specexport": __version__, "graph_code": source_hash(GRAPH_SOURCES),
+        "adapter": type(adapter).__name__, "aux": list(aux),
         "max_seq_len": cfg.max_seq_len, "max_verify_tokens": cfg.max_verify_tokens,
         "parity_tolerance": cfg.parity_tolerance, "versions": tool_versions(),
     })
@@ -173,6 +175,23 @@ def _fingerprint(path: Path, options: dict) -> str:
         stat = (path / name).stat()
         # size + mtime, not content: hashing multi-GB weights on every rerun costs more than it saves.
         digest.update(f"{name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+# The code that decides what an exported graph contains: a change to any of these files changes every
+# fingerprint, so a graph made by older exporter code is never reused (hashing the sources, rather than a
+# constant bumped by hand, cannot be forgotten; the price is that a comment edit also rebuilds).
+GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/to_onnx.py", "export/registry.py",
+                 "export/adapters/*.py")
+QUANTIZER_SOURCES = ("export/quantize.py", "export/quality.py")
+
+
+def source_hash(patterns) -> str:
+    """sha256 of the named specexport source files (globs relative to the package), in name order."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted({p for pat in patterns for p in root.glob(pat)}):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -1,12 +1,14 @@
-"""`specexport bench`: configurations interleaved and repeated, medians, report.json / report.md / plots.
+"""`specexport bench`: configurations interleaved and repeated; report.json / report.md / plots.
 
-A configuration is (method, target precision, draft precision, γ, draft_stop). Every round runs every
-configuration once per prompt, so machine noise hits all of them alike; figures are medians over
-(prompt, round) runs, and speedups are ratios of medians measured in the same run.
+A configuration is (method, target precision, draft precision, γ, draft_stop). Before measuring,
+the target's thread settings are chosen (the fastest for vanilla, `threads.py`) and every
+configuration runs once untimed (warm-up). Then every round runs every configuration once per
+prompt, followed by the peers (each in its own process), so machine noise hits all of them alike.
+The arithmetic of the rows (decode-time throughput, ideal from the rounds that ran, efficiency,
+bootstrap intervals) is in `accounting.py`; the markdown and the plot in `render.py`.
 """
 from __future__ import annotations
 
-import json
 import resource
 import statistics
 import sys
@@ -16,13 +18,18 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport.manifest import MANIFEST_NAME, read_manifest, write_json_atomic
-from specexport.report.model import choose_gamma, extend, predicted_speedup, speedup_from_counts
+from specexport.errors import SpecexportError
+from specexport.gamma import store_gamma_choices
+from specexport.manifest import read_manifest, write_json_atomic, write_text_atomic
+from specexport.report import accounting as acc
+from specexport.report.model import choose_gamma, extend, predicted_speedup
+from specexport.report.threads import ThreadSetting, fastest_for_vanilla
 
 DEFAULT_PROMPTS = ("def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):")
+METHODS = ("vanilla", "draft")
 ROW_KEYS = ("precision", "draft_precision", "method", "gamma", "tokens_per_s", "ttft_ms", "tpot_ms_p50", "tpot_ms_p90",
             "acceptance_rate", "acceptance_per_position", "mean_accepted_tokens", "speedup_vs_vanilla",
-            "ideal_speedup", "efficiency")
+            "speedup_ci95", "ideal_speedup", "efficiency")
 
 
 @dataclass(frozen=True)
@@ -30,106 +37,140 @@ class BenchConfig:
     output_dir: Path
     prompts: tuple[str, ...]
     precisions: tuple[str, ...] | None = None      # default: every precision built for the target
-    methods: tuple[str, ...] = ("vanilla", "draft")
+    methods: tuple[str, ...] = METHODS
     gammas: tuple[int, ...] = (2, 3, 4, 5, 6)
     draft_stops: tuple[float, ...] = ()             # adaptive-γ rows, at the largest γ, per value
     max_new_tokens: int = 128
     rounds: int = 3
     out: Path | None = None                         # default: <output_dir>/bench
-    threads: int | None = None
+    threads: int | None = None                      # the target's intra-op threads; None: the fastest for vanilla
     peers: bool = True
     plots: bool = True
 
 
-def run_bench(cfg: BenchConfig, *, log=print) -> dict:
+def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipeline=None) -> dict:
+    """Run the bench and write its report. `clock` and `open_pipeline(precision=, threads=, spin=)` are
+    for tests: every time the report uses comes from `clock`."""
     import specexport
 
     manifest = read_manifest(cfg.output_dir)
-    models = manifest["models"]
-    built = list(models["target"]["precisions"])
-    precisions = list(cfg.precisions or built)
-    has_draft = "draft" in models and "draft" in cfg.methods
-    configs = _configs(precisions, models, cfg, has_draft)
-    # One pipeline (one target session) per target precision; every draft precision is switched in on
-    # it. Vanilla and speculative runs thus share the target's session: a second session of the same
-    # model, idle with a spinning thread pool, would slow whichever session runs next.
-    pipes = {tp: specexport.load(cfg.output_dir, precision=tp, threads=cfg.threads) for tp in precisions}
-    cost_keys = sorted({(tp, dp) for _, tp, dp, _, _ in configs}, key=str)
-    for tp, dp in cost_keys:                        # open every draft before the runs; time every forward
-        pipes[tp].target.timings = {}
-        if dp is not None:
-            pipes[tp].use_draft_precision(dp)
-            pipes[tp].draft.timings = {}
-    out_dir = Path(cfg.out or cfg.output_dir / "bench")
-    peers, skipped = _open_peers(manifest, precisions, cfg, out_dir, log)
+    precisions, has_draft = _check_request(cfg, manifest)
+    configs = _configs(precisions, manifest["models"], cfg, has_draft)
+    if open_pipeline is None:
+        def open_pipeline(**kw):
+            return specexport.load(cfg.output_dir, **kw)
+    first_prompt = cfg.prompts[0]
+    settings, probes = {}, {}
+    for tp in precisions:
+        if cfg.threads is None:
+            settings[tp], probes[tp] = fastest_for_vanilla(open_pipeline, tp, first_prompt, log=log)
+        else:
+            settings[tp] = ThreadSetting(cfg.threads, True)
+    pipes = {tp: _clocked(open_pipeline(precision=tp, **settings[tp].options()), clock) for tp in precisions}
+    try:
+        return _measure(cfg, manifest, configs, pipes, settings, probes, clock, log)
+    finally:
+        for pipe in pipes.values():
+            pipe.close()
+
+
+def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dict:
+    drafts = sorted({(tp, dp) for _, tp, dp, _, _ in configs if dp is not None})
+    for tp, dp in drafts:                           # open every draft before the runs
+        pipes[tp].use_draft_precision(dp)
+        pipes[tp].draft.clock = clock
+    log(f"bench: warm-up, {len(configs)} configurations")
+    for c in configs:
+        _run(pipes, c, cfg.prompts[0], cfg.max_new_tokens)
+    reference = _reference_outputs(cfg, pipes) if cfg.peers else []
+    for pipe in pipes.values():                     # time every forward from here on
+        for b in (pipe.target, *pipe.drafts.values()):
+            b.timings = {}
+    peers, peer_skips = _open_peers(manifest, list(pipes), cfg, log)
     prompt_ids = {p: next(iter(pipes.values())).encode(p) for p in cfg.prompts}
     runs = {c: [] for c in configs}
-    peer_runs = [[] for _ in peers]
-    log(f"bench: {len(configs)} configurations + {len(peers)} peers x {len(cfg.prompts)} prompts x {cfg.rounds} "
+    peer_runs = {name: [] for peer in peers for name in peer.names}
+    log(f"bench: {len(configs)} configurations + {len(peer_runs)} peers x {len(cfg.prompts)} prompts x {cfg.rounds} "
         "rounds, interleaved")
-    for r in range(cfg.rounds):
-        for prompt in cfg.prompts:
-            ours = {}
-            for c in configs:
-                method, tp, dp, g, stop = c
-                if dp is not None:
-                    pipes[tp].use_draft_precision(dp)
-                out = pipes[tp].generate(prompt, max_new_tokens=cfg.max_new_tokens, method=method,
-                                         gamma=max(g, 1), draft_stop=stop)
-                runs[c].append(out.stats)
-                ours.setdefault(tp, out.token_ids)
-            for p, peer_run in zip(peers, peer_runs):
-                start = time.perf_counter()
-                got = p.run(prompt_ids[prompt], cfg.max_new_tokens)
-                seconds = time.perf_counter() - start
-                ref = ours.get(p.precision.split()[0], [])
-                peer_run.append((len(got) / seconds, got[:len(ref)] == ref[:len(got)]))
-        log(f"  round {r + 1}/{cfg.rounds} done")
-    max_t = max(cfg.gammas) + 1
-    in_loop = {(tp, dp): _in_loop_costs(pipes[tp].target, pipes[tp].drafts.get(dp), max_t) for tp, dp in cost_keys}
+    try:
+        for r in range(cfg.rounds):
+            for i, prompt in enumerate(cfg.prompts):
+                for c in configs:
+                    runs[c].append(_run(pipes, c, prompt, cfg.max_new_tokens))
+                for peer in peers:
+                    for name in peer.names:
+                        peer_runs[name].append((i, peer.run(name, prompt_ids[prompt], cfg.max_new_tokens)))
+            log(f"  round {r + 1}/{cfg.rounds} done")
+    finally:
+        for peer in peers:
+            peer.close()
+    costs = {(tp, dp): {"target": acc.decode_costs(pipes[tp].target.timings),
+                        "draft": acc.decode_costs(pipes[tp].drafts[dp].timings) if dp else {}}
+             for tp, dp in {(c[1], c[2]) for c in configs}}
     for pipe in pipes.values():                     # the isolated timing below is not part of the runs
         for b in (pipe.target, *pipe.drafts.values()):
             b.timings = None
-    isolated, costs = {}, {}
-    for tp, dp in cost_keys:
-        if dp is not None:
-            pipes[tp].use_draft_precision(dp)
-        isolated[(tp, dp)] = _step_costs(pipes[tp], max_t, dp is not None)
-        costs[(tp, dp)] = {**isolated[(tp, dp)], **in_loop[(tp, dp)]}
-    rows = [_row(c, runs, costs[c[1], c[2]]) for c in configs]
-    choice = _gamma_choice(rows, costs)
+    max_t = max(cfg.gammas) + 1
+    isolated = {(tp, dp): _isolated_costs(pipes[tp], dp, max_t, clock) for tp, dp in costs}
+    rows = [_row(c, runs, costs) for c in configs]
+    choice = _gamma_choice(rows, costs, isolated, max(cfg.gammas))
     report = {
         "command": " ".join(sys.argv),
         "output_dir": str(cfg.output_dir),
+        "build_id": manifest["build_id"],
         "settings": {"prompts": len(cfg.prompts), "rounds": cfg.rounds, "max_new_tokens": cfg.max_new_tokens,
-                     "greedy": True, "threads": cfg.threads},
+                     "greedy": True, "bootstrap_resamples": acc.BOOTSTRAP_RESAMPLES,
+                     "target_threads": {tp: s.label for tp, s in settings.items()},
+                     "thread_probe_tokens_per_s": probes,
+                     "draft_threads": 1},
         "rows": rows,
-        "step_costs_ms": {f"{tp}/{dp or '-'}": v for (tp, dp), v in costs.items()},
-        "step_costs_isolated_ms": {f"{tp}/{dp or '-'}": v for (tp, dp), v in isolated.items()},
-        "gamma_auto": choice,
+        "step_costs_ms": {f"{tp}/{dp or '-'}": _ms(v) for (tp, dp), v in costs.items()},
+        "step_costs_isolated_ms": {f"{tp}/{dp or '-'}": _ms(v) for (tp, dp), v in isolated.items()},
+        "gamma_auto": {f"{tp}/{dp}": c for (tp, dp), c in choice.items()},
         "acceptance_drop": _acceptance_drop(rows),
-        "memory": _memory(manifest, pipes),
-        "peers": [_peer_row(p, r) for p, r in zip(peers, peer_runs)] + skipped,
+        "memory": _memory(manifest, pipes, peers),
+        "peers": [_peer_row(p, name, peer_runs[name], reference, manifest) for p in peers for name in p.names]
+                 + peer_skips,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "report.md").write_text(render_markdown(report))
-    report["plots"] = _plots(report, out_dir, log) if cfg.plots else []
-    _store_gamma_choice(cfg.output_dir, choice)
+    stored = {k: {"gamma": c["gamma"], "predicted_speedup": c["predicted_speedup"],
+                  "measured_tokens": c["measured_tokens"]} for k, c in choice.items()}
+    report["gamma_store"] = store_gamma_choices(cfg.output_dir, stored, build_id=manifest["build_id"],
+                                                command=report["command"])
+    for line in report["gamma_store"]:
+        log(f"bench: {line}")
+    _write_report(report, Path(cfg.out or cfg.output_dir / "bench"), cfg.plots, log)
     return report
 
 
-def _open_peers(manifest, precisions, cfg, out_dir: Path, log):
-    if not cfg.peers:
-        return [], [{"peer": "all", "skipped": "peers not requested"}]
-    from specexport.report.peers import open_peers
+def _check_request(cfg: BenchConfig, manifest: dict) -> tuple[list[str], bool]:
+    models = manifest["models"]
+    built = list(models["target"]["precisions"])
+    for m in cfg.methods:
+        if m not in METHODS:
+            raise SpecexportError(f"--methods: {m!r} is not a method; methods: {', '.join(METHODS)}")
+    precisions = list(cfg.precisions or built)
+    for p in precisions:
+        if p not in built:
+            raise SpecexportError(f"--precisions: {p!r} was not built for the target of {cfg.output_dir}; "
+                                  f"built: {', '.join(built)}")
+    if not cfg.prompts:
+        raise SpecexportError("--prompts: no prompts")
+    if "draft" not in models and "vanilla" not in cfg.methods:
+        raise SpecexportError(f"--methods: {cfg.output_dir} has no draft model; only 'vanilla' can run")
+    return precisions, "draft" in models and "draft" in cfg.methods
 
-    return open_peers(manifest, precisions, work_dir=out_dir / "peers", log=log)
+
+def _clocked(pipe, clock):
+    pipe.clock = pipe.target.clock = clock
+    return pipe
 
 
-def _peer_row(peer, runs) -> dict:
-    return {"peer": peer.name, "precision": peer.precision, "tokens_per_s": statistics.median(s for s, _ in runs),
-            "same_tokens_as_specexport": sum(same for _, same in runs) / len(runs), "runs": len(runs)}
+def _run(pipes, config, prompt: str, max_new_tokens: int):
+    method, tp, dp, g, stop = config
+    if dp is not None:
+        pipes[tp].use_draft_precision(dp)
+    return pipes[tp].generate(prompt, max_new_tokens=max_new_tokens, method=method, gamma=max(g, 1),
+                              draft_stop=stop).stats
 
 
 def _configs(precisions, models, cfg, has_draft):
@@ -155,104 +196,103 @@ def _configs(precisions, models, cfg, has_draft):
     return configs
 
 
-def _step_costs(pipe, max_t: int, with_draft: bool, reps: int = 30) -> dict:
-    """Median seconds of one target forward for T = 1..max_t and one draft step, at a context of 64
-    tokens (fewer when max_seq_len is small)."""
-    ctx = np.arange(3, 3 + max(1, min(64, pipe.capacity - max_t))) % pipe.target.vocab_size
-    samples = {t: [] for t in range(1, max_t + 1)}
+def _reference_outputs(cfg, pipes) -> list[list[int]]:
+    """Our fp32 vanilla output per prompt: what every peer row's "same tokens" is checked against."""
+    import specexport
+
+    pipe = pipes.get("fp32") or specexport.load(cfg.output_dir, precision="fp32")
+    try:
+        return [pipe.generate(p, max_new_tokens=cfg.max_new_tokens, method="vanilla").token_ids for p in cfg.prompts]
+    finally:
+        if pipe is not pipes.get("fp32"):
+            pipe.close()
+
+
+def _open_peers(manifest, precisions, cfg, log):
+    if not cfg.peers:
+        return [], [{"peer": "all", "skipped": "peers not requested"}]
+    from specexport.report.peers import PeerProcess, peer_specs
+
+    specs, skipped = peer_specs(manifest, precisions, work_dir=Path(cfg.out or cfg.output_dir / "bench") / "peers",
+                                log=log)
+    peers = []
+    for spec in specs:
+        try:
+            peers.append(PeerProcess(spec))
+        except RuntimeError as err:
+            skipped.append({"peer": f"{spec.family} {spec.precision}", "skipped": str(err)})
+    log(f"peers: {', '.join(n for p in peers for n in p.names) or 'none'} (each family in its own process)")
+    return peers, skipped
+
+
+def _isolated_costs(pipe, dp, max_t: int, clock, reps: int = 20) -> dict:
+    """Median seconds of one forward at a context of 64 tokens (fewer when max_seq_len is small),
+    target for T = 1..max_t, draft T = 1: for the γ prediction beyond the sizes the runs made."""
+    if dp is not None:
+        pipe.use_draft_precision(dp)
+    ctx = (3 + np.arange(max(1, min(64, pipe.capacity - max_t)))) % pipe.target.vocab_size
+    target = {t: [] for t in range(1, max_t + 1)}
     draft = []
     for _ in range(reps):
-        for t in samples:
-            samples[t].append(_time_forward(pipe.target, ctx, t))
-        if with_draft:
-            draft.append(_time_forward(pipe.draft, ctx, 1))
-    out = {str(t): statistics.median(v) * 1e3 for t, v in samples.items()}
-    out["draft"] = statistics.median(draft) * 1e3 if draft else None
-    return out
+        for t in target:
+            target[t].append(_time_forward(pipe.target, ctx, t, clock))
+        if dp is not None:
+            draft.append(_time_forward(pipe.draft, ctx, 1, clock))
+    return {"target": {t: statistics.median(v) for t, v in target.items()},
+            "draft": {1: statistics.median(draft)} if draft else {}}
 
 
-def _in_loop_costs(target, draft, max_t: int, min_samples: int = 5) -> dict:
-    """Median ms of the forwards timed inside the runs: target per T, the draft's T = 1 step.
-    These are the costs the runs actually paid (real contexts, caches and thread pools as they
-    were between calls); sizes with fewer than `min_samples` calls are left to the isolated timing."""
-    out = {str(t): statistics.median(v) * 1e3 for t, v in sorted((target.timings or {}).items())
-           if t <= max_t and len(v) >= min_samples}
-    one = (draft.timings or {}).get(1, []) if draft is not None else []
-    if len(one) >= min_samples:
-        out["draft"] = statistics.median(one) * 1e3
-    return out
-
-
-def _time_forward(backend, ctx, t: int) -> float:
+def _time_forward(backend, ctx, t: int, clock) -> float:
     backend.reset()
-    backend.forward(ctx)
+    backend.forward(ctx, phase="prefill")
     backend.commit(len(ctx))
-    start = time.perf_counter()
+    start = clock()
     backend.forward(ctx[:t])
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def _row(c, runs, cost) -> dict:
+def _row(c, runs, costs) -> dict:
     method, tp, dp, g, stop = c
     st = runs[c]
-    tps = statistics.median(s.tokens_per_second for s in st)
-    tpot = [s.tpot_s * 1e3 for s in st if s.emitted > 1]
-    proposed = sum(s.proposed for s in st)
-    accepted_at = np.sum([s.accepted_at for s in st], axis=0) if g else np.zeros(0)
-    proposed_at = np.sum([s.proposed_at for s in st], axis=0) if g else np.zeros(0)
-    per_pos = (accepted_at / np.maximum(proposed_at, 1)).tolist() if g else []
-    # conditional acceptance: P(pos i accepted | pos i-1 accepted); only meaningful when every round
-    # proposed γ tokens (an adaptive round that stopped early has no position i to accept)
-    cond = [per_pos[0]] + [per_pos[i] / per_pos[i - 1] if per_pos[i - 1] else 0.0 for i in range(1, len(per_pos))] \
-        if per_pos and not stop else []
     vanilla = runs.get(("vanilla", tp, None, 0, 0.0))
-    base = statistics.median(s.tokens_per_second for s in vanilla) if vanilla else None
-    passes = sum(s.target_passes for s in st)
-    if g and cost.get("draft") and stop:
-        by_length = {j + 1: int(proposed_at[j] - (proposed_at[j + 1] if j + 1 < g else 0)) for j in range(g)}
-        by_length[0] = passes - int(proposed_at[0])
-        ideal = speedup_from_counts(sum(s.emitted - 1 for s in st), by_length, c_draft=cost["draft"],
-                                    c_target=_target_costs(cost))
-    elif g and cost.get("draft"):
-        ideal = predicted_speedup(cond, c_draft=cost["draft"], c_target=_target_costs(cost))
+    cost = costs[(tp, dp)]
+    c1 = cost["target"].get(1)          # one target session per precision: vanilla's T = 1 forwards are these
+    tps = acc.throughput(st)
+    base = acc.throughput(vanilla) if vanilla else None
+    speedup = tps / base if tps and base else None
+    if method == "vanilla":
+        ideal, interval = 1.0, [1.0, 1.0]
     else:
-        ideal = 1.0
-    speedup = tps / base if base else None
+        ideal = acc.ideal_speedup(st, c_vanilla1=c1, c_target=cost["target"], c_draft=cost["draft"]) if c1 else None
+        interval = acc.speedup_interval(st, vanilla) if vanilla else None
     return {
         "precision": tp, "draft_precision": dp, "method": method, "gamma": g, "draft_stop": stop,
-        "tokens_per_s": tps, "ttft_ms": statistics.median(s.ttft_s * 1e3 for s in st),
-        "tpot_ms_p50": float(np.percentile(tpot, 50)) if tpot else None,
-        "tpot_ms_p90": float(np.percentile(tpot, 90)) if tpot else None,
-        "acceptance_rate": sum(s.accepted for s in st) / proposed if proposed else None,
-        "acceptance_per_position": per_pos, "acceptance_conditional": cond,
-        "mean_accepted_tokens": sum(s.emitted - 1 for s in st) / passes if passes else None,
-        "speedup_vs_vanilla": speedup, "ideal_speedup": ideal,
+        "tokens_per_s": tps, **acc.timing_figures(st), **acc.acceptance_figures(st, g, bool(stop)),
+        "speedup_vs_vanilla": speedup, "speedup_ci95": interval, "ideal_speedup": ideal,
         "efficiency": speedup / ideal if speedup and ideal else None,
     }
 
 
-def _target_costs(cost: dict) -> dict[int, float]:
-    """{T: ms} of one target forward, from a step-cost record (which also holds the draft's cost)."""
-    return {int(k): v for k, v in cost.items() if k != "draft"}
-
-
-def _gamma_choice(rows, costs) -> dict:
-    """Per precision: the γ the measured acceptance (at the largest γ run) and step costs predict best."""
+def _gamma_choice(rows, costs, isolated, max_gamma: int) -> dict:
+    """Per (target, draft) precision: the γ the measured acceptance (at the largest fixed γ run) and
+    step costs predict best; step costs from the runs, sizes they did not make from the isolated timing."""
     choice = {}
     for r in rows:
-        if r["method"] != "draft" or r["precision"] != r["draft_precision"] or r["draft_stop"]:
+        if r["method"] != "draft" or r["draft_stop"] or not r["acceptance_conditional"]:
             continue
-        best_so_far = choice.get(r["precision"])
-        if best_so_far and best_so_far["measured_at_gamma"] >= r["gamma"]:
+        key = (r["precision"], r["draft_precision"])
+        if key in choice and choice[key]["measured_at_gamma"] >= r["gamma"]:
             continue
-        cost = costs[(r["precision"], r["draft_precision"])]
-        c_target = _target_costs(cost)
-        g, s = choose_gamma(r["acceptance_conditional"], c_draft=cost["draft"], c_target=c_target,
-                            max_gamma=max(c_target) - 1)
-        choice[r["precision"]] = {"gamma": g, "predicted_speedup": s, "measured_at_gamma": r["gamma"],
-                                  "predicted_by_gamma": {str(k): predicted_speedup(
-                                      extend(r["acceptance_conditional"], k), c_draft=cost["draft"], c_target=c_target)
-                                      for k in range(1, max(c_target))}}
+        cost, iso = costs[key], isolated[key]
+        c_target = {**iso["target"], **cost["target"]}
+        c_draft = cost["draft"].get(1, iso["draft"].get(1))
+        top = min(max_gamma, max(c_target) - 1)
+        g, s = choose_gamma(r["acceptance_conditional"], c_draft=c_draft, c_target=c_target, max_gamma=top)
+        choice[key] = {"gamma": g, "predicted_speedup": s, "measured_at_gamma": r["gamma"],
+                       "measured_tokens": r["delivered_tokens"],
+                       "predicted_by_gamma": {str(k): predicted_speedup(extend(r["acceptance_conditional"], k),
+                                                                         c_draft=c_draft, c_target=c_target)
+                                              for k in range(1, top + 1)}}
     return choice
 
 
@@ -270,27 +310,57 @@ def _acceptance_drop(rows) -> list:
     return out
 
 
-def _memory(manifest, pipes) -> dict:
-    weights = {}
-    for role, m in manifest["models"].items():
-        for p, e in m["precisions"].items():
-            weights[f"{role}/{p}"] = e["size_bytes"]
+def _peer_row(peer, name: str, runs, reference: list, manifest: dict) -> dict:
+    """A peer's decode-time tokens/s, and how often its whole output equals our fp32 vanilla output."""
+    eos = set(manifest["special_tokens"]["eos_token_ids"] or [])
+    same = [_same_output(g.tokens, reference[i], eos) for i, g in runs]
+    gens = [g for _, g in runs]
+    tokens = sum(max(len(g.tokens) - 1, 0) for g in gens)
+    seconds = sum(g.total_s - g.ttft_s for g in gens)
+    return {"peer": name, "precision": peer.spec.precision, "tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "ttft_ms": statistics.median(g.ttft_s * 1e3 for g in gens) if gens else None,
+            "same_tokens_as_fp32_vanilla": sum(same) / len(same) if same else None, "runs": len(gens)}
+
+
+def _same_output(got: list[int], ref: list[int] | None, eos: set) -> bool:
+    """Whole outputs equal (a trailing EOS aside, which some peers drop); an empty output never is."""
+    if not got or ref is None:
+        return False
+    strip = lambda ids: ids[:-1] if ids and ids[-1] in eos else ids      # noqa: E731
+    return strip(list(got)) == strip(list(ref))
+
+
+def _memory(manifest, pipes, peers) -> dict:
+    weights = {f"{role}/{p}": e["size_bytes"] for role, m in manifest["models"].items()
+               for p, e in m["precisions"].items()}
     kv = {f"{tp}/{dp}": p.target.kv_bytes + d.kv_bytes for tp, p in pipes.items() for dp, d in p.drafts.items()}
     kv.update({f"{tp}/-": p.target.kv_bytes for tp, p in pipes.items()})
     return {"weights_bytes": weights, "kv_buffer_bytes": kv,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_note": "the bench process: every configuration's sessions; peers are apart",
+            "peers_peak_rss_bytes": {f"{p.spec.family} {p.spec.precision}": p.peak_rss_bytes for p in peers}}
 
 
-def _store_gamma_choice(output_dir: Path, choice: dict) -> None:
-    manifest = read_manifest(output_dir)
-    manifest["gamma_auto"] = {p: {"gamma": c["gamma"], "predicted_speedup": c["predicted_speedup"]}
-                              for p, c in choice.items()}
-    write_json_atomic(Path(output_dir) / MANIFEST_NAME, manifest)
+def _ms(costs: dict) -> dict:
+    return {role: {str(t): v * 1e3 for t, v in table.items()} for role, table in costs.items()}
+
+
+def _write_report(report: dict, out_dir: Path, plots: bool, log) -> None:
+    import json
+
+    from specexport.report.render import plot_speedups, render_markdown
+
+    write_json_atomic(out_dir / "report.json", report)
+    write_text_atomic(out_dir / "report.md", render_markdown(report))
+    report["plots"] = plot_speedups(report, out_dir, log) if plots else []
+    if report["plots"]:
+        write_text_atomic(out_dir / "report.json", json.dumps(report, indent=2))
 
 
 def quick_bench(output_dir: Path, *, max_verify_tokens: int, log=print) -> dict:
     """The short report `specexport build` ends with: every built precision, vanilla and γ = 1..6,
-    one round of the default prompts, 32 tokens; no peers, no plots. Also stores the γ choice."""
+    one round of the default prompts, 32 tokens; no peers, no plots. Stores the γ choice unless a
+    fuller bench stored one for the same graphs."""
     gammas = tuple(range(1, min(6, max_verify_tokens - 1) + 1))
     cfg = BenchConfig(output_dir=Path(output_dir), prompts=DEFAULT_PROMPTS, gammas=gammas, max_new_tokens=32,
                       rounds=1, peers=False, plots=False)
@@ -306,78 +376,3 @@ def short_table(report: dict) -> list[tuple]:
             best[key] = r
     return [(r["precision"], r["draft_precision"] or "-", r["method"], r["gamma"] or "-", r["tokens_per_s"],
              r["acceptance_rate"], r["speedup_vs_vanilla"]) for r in best.values()]
-
-
-def render_markdown(report: dict) -> str:
-    lines = [f"# specexport bench: {report['output_dir']}", "",
-             f"`{report['command']}`, {report['settings']['prompts']} prompts x {report['settings']['rounds']} rounds, "
-             f"{report['settings']['max_new_tokens']} new tokens, greedy; medians of interleaved runs.", "",
-             "| target | draft | method | γ | tok/s | TTFT ms | TPOT p50 | TPOT p90 | acceptance | tokens/pass "
-             "| speedup | ideal | efficiency |", "|" + "---|" * 13]
-    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-    for r in report["rows"]:
-        g = f"≤{r['gamma']}, stop {r['draft_stop']:g}" if r["draft_stop"] else (r["gamma"] or "-")
-        lines.append(f"| {r['precision']} | {r['draft_precision'] or '-'} | {r['method']} | {g} | "
-                     f"{f(r['tokens_per_s'], '.1f')} | {f(r['ttft_ms'], '.2f')} | {f(r['tpot_ms_p50'], '.3f')} | "
-                     f"{f(r['tpot_ms_p90'], '.3f')} | {f(r['acceptance_rate'], '.3f')} | "
-                     f"{f(r['mean_accepted_tokens'], '.2f')} | {f(r['speedup_vs_vanilla'], '.2f')}x | "
-                     f"{f(r['ideal_speedup'], '.2f')}x | {f(r['efficiency'], '.2f')} |")
-    lines += ["", "## γ chosen for `--gamma auto`", ""]
-    for p, c in report["gamma_auto"].items():
-        verdict = "vanilla (speculation predicted to lose)" if c["gamma"] == 0 else f"γ = {c['gamma']}"
-        lines.append(f"- {p}: {verdict}, predicted speedup {c['predicted_speedup']:.2f}x")
-    if report["acceptance_drop"]:
-        lines += ["", "## Acceptance cost of quantization (vs fp32 target and draft)", ""]
-        for d in report["acceptance_drop"]:
-            lines.append(f"- target {d['target']}, draft {d['draft']}, γ {d['gamma']}: {d['acceptance']:.3f} "
-                         f"(fp32 {d['fp32_acceptance']:.3f}, drop {d['drop']:+.3f})")
-    lines += ["", "## Step costs (ms per forward: median of the forwards timed inside the runs; sizes the runs "
-              "did not make often enough: one isolated forward at a 64-token context)", ""]
-    for title, table in (("used for the ideal", report["step_costs_ms"]),
-                         ("isolated", report.get("step_costs_isolated_ms", {}))):
-        for k, v in table.items():
-            lines.append(f"- {k} ({title}): " + ", ".join(f"T={t}: {c:.3f}" if t != "draft" else f"draft: {c:.3f}"
-                                                          for t, c in v.items() if c is not None))
-    lines += ["", "## Peers (same weights and prompt tokens, interleaved in the same run)", ""]
-    for p in report["peers"]:
-        if "skipped" in p:
-            lines.append(f"- {p['peer']}: skipped ({p['skipped']})")
-            continue
-        prec = p["precision"].split()[0]
-        mine = [r for r in report["rows"] if r["precision"] == prec and r["draft_precision"] in (None, prec)]
-        best = max(mine, key=lambda r: r["tokens_per_s"], default=None)
-        vanilla = next((r for r in mine if r["method"] == "vanilla"), None)
-        ratio = (f"; specexport {prec} best ({best['method']} γ {best['gamma'] or '-'}) is "
-                 f"{best['tokens_per_s'] / p['tokens_per_s']:.2f}x" if best else "")
-        ratio += f", specexport {prec} vanilla {vanilla['tokens_per_s'] / p['tokens_per_s']:.2f}x" if vanilla else ""
-        lines.append(f"- {p['peer']} ({p['precision']}): {p['tokens_per_s']:.1f} tok/s{ratio}; greedy tokens equal to "
-                     f"ours in {p['same_tokens_as_specexport']:.0%} of {p['runs']} runs")
-    lines.append("")
-    return "\n".join(lines)
-
-
-def _plots(report: dict, out: Path, log) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plots (pip install 'specexport[bench]')")
-        return []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for p, c in report["gamma_auto"].items():
-        rows = [r for r in report["rows"] if r["method"] == "draft" and r["precision"] == p == r["draft_precision"]
-                and not r["draft_stop"]]
-        ax.plot([r["gamma"] for r in rows], [r["speedup_vs_vanilla"] for r in rows], "o-", label=f"{p} measured")
-        pred = c["predicted_by_gamma"]
-        ax.plot([int(k) for k in pred], list(pred.values()), "x--", label=f"{p} predicted")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("γ (draft tokens per round)")
-    ax.set_ylabel("speedup vs vanilla")
-    ax.legend()
-    fig.tight_layout()
-    path = out / "speedup_vs_gamma.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return [str(path)]

@@ -32,17 +32,32 @@ from specexport.runtime.tree import Tree
 
 @dataclass
 class DecodeStats:
+    """What one generation did and how long it took. Times come from the loop's clock.
+
+    Accounting (what `specexport bench` reads):
+      ttft_s     prompt in -> first token out: the target's prefill, the draft's prefill, the first choice
+      decode_s   first token -> the chunk holding the last delivered token (total_s - ttft_s)
+      delivered  tokens handed to the user: the emitted ones, cut after EOS or a stop string by the caller
+      tokens_per_second, tpot_s   on decode time and delivered tokens: (delivered - 1) / decode_s
+      rounds     one (proposals, accepted) pair per decode-time target pass; (0, 0) is a plain step
+      forwards   decode-time forwards by (role, T); prefill forwards are not in it
+    """
     gamma: int = 0
     prompt_tokens: int = 0
-    emitted: int = 0                        # tokens emitted, the first (from prefill) included
+    emitted: int = 0                        # tokens the loop emitted, the first (from prefill) included
+    delivered: int = 0                      # tokens the caller kept (see above); the loop sets it to emitted
     target_passes: int = 0                  # decode-time target calls (prefill excluded)
     draft_passes: int = 0
     proposed: int = 0
     accepted: int = 0
     proposed_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # [γ] per position
     accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # [γ]
-    ttft_s: float = 0.0                     # prefill + first token
-    total_s: float = 0.0
+    rounds: list = field(default_factory=list)          # [(proposals, accepted)] per target pass
+    forwards: dict = field(default_factory=dict)        # {(role, T): calls} at decode time
+    prefill_s: float = 0.0                  # the target's prefill
+    draft_prefill_s: float = 0.0            # the draft's prefill
+    ttft_s: float = 0.0                     # both prefills + the first token
+    total_s: float = 0.0                    # until the last emitted chunk
 
     @property
     def acceptance_rate(self) -> float:
@@ -60,23 +75,33 @@ class DecodeStats:
         return self.accepted_at / np.maximum(self.proposed_at, 1)
 
     @property
+    def decode_s(self) -> float:
+        return self.total_s - self.ttft_s
+
+    @property
     def tokens_per_second(self) -> float:
-        return self.emitted / self.total_s if self.total_s > 0 else float("nan")
+        """Decode throughput: delivered tokens after the first, per second of decode time."""
+        return (self.delivered - 1) / self.decode_s if self.delivered > 1 and self.decode_s > 0 else float("nan")
 
     @property
     def tpot_s(self) -> float:
-        """Mean time per output token after the first."""
-        return (self.total_s - self.ttft_s) / (self.emitted - 1) if self.emitted > 1 else float("nan")
+        """Mean time per delivered output token after the first."""
+        return self.decode_s / (self.delivered - 1) if self.delivered > 1 else float("nan")
+
+    def count_forward(self, role: str, tokens: int) -> None:
+        key = (role, tokens)
+        self.forwards[key] = self.forwards.get(key, 0) + 1
 
 
 def decode(target: Backend, draft: Backend | None, prompt: np.ndarray, *, max_new_tokens: int,
            params: SamplingParams, gamma: int, rng: np.random.Generator, stats: DecodeStats,
-           prefill_chunk: int = 64, draft_stop: float = 0.0):
+           prefill_chunk: int = 64, draft_stop: float = 0.0, clock=time.perf_counter):
     """Yield chunks of emitted tokens ([k] int64 arrays). draft None or gamma 0 = vanilla decoding.
-    draft_stop: end a round's drafting early once the draft's probability of its proposal is below it."""
+    draft_stop: end a round's drafting early once the draft's probability of its proposal is below it.
+    clock: seconds, for the stats (the bench injects one in its tests)."""
     if not 0.0 <= draft_stop < 1.0:
         raise SpecexportError(f"draft_stop: expected a probability in [0, 1), got {draft_stop!r}")
-    start = time.perf_counter()
+    start = clock()
     capacity = target.capacity if draft is None else min(target.capacity, draft.capacity)
     if not 1 <= len(prompt) < capacity:
         raise SpecexportError(f"prompt: {len(prompt)} tokens; expected 1..{capacity - 1} (max_seq_len {capacity} "
@@ -91,13 +116,15 @@ def decode(target: Backend, draft: Backend | None, prompt: np.ndarray, *, max_ne
     stats.proposed_at, stats.accepted_at = np.zeros(gamma, np.int64), np.zeros(gamma, np.int64)
     target.reset()
     logits = _prefill(target, prompt, prefill_chunk)
+    stats.prefill_s = clock() - start
     if draft is not None and gamma > 0:
         draft.reset()
         _prefill(draft, prompt, prefill_chunk)
+        stats.draft_prefill_s = clock() - start - stats.prefill_s
     seq[n] = _choose(logits, params, rng)
     n += 1
-    stats.emitted, stats.ttft_s = 1, time.perf_counter() - start
-    stats.total_s = stats.ttft_s
+    stats.emitted = stats.delivered = 1
+    stats.ttft_s = stats.total_s = clock() - start
     yield seq[n - 1:n].copy()
     while stats.emitted < max_new_tokens and n < capacity:
         g = min(gamma, capacity - n - 1, max_new_tokens - stats.emitted - 1)
@@ -105,13 +132,16 @@ def decode(target: Backend, draft: Backend | None, prompt: np.ndarray, *, max_ne
             out = target.forward(seq[n - 1:n])
             target.commit(1)
             new = np.array([_choose(out.logits[0], params, rng)])
+            stats.count_forward("target", 1)
+            stats.rounds.append((0, 0))
         else:
             new = _speculate(target, draft, seq, n, g, params, rng, stats, draft_stop)
         stats.target_passes += 1
         seq[n:n + len(new)] = new
         n += len(new)
         stats.emitted += len(new)
-        stats.total_s = time.perf_counter() - start
+        stats.delivered = stats.emitted
+        stats.total_s = clock() - start
         yield new
 
 
@@ -122,6 +152,7 @@ def _speculate(target, draft, seq, n, g, params, rng, stats, draft_stop=0.0) -> 
     for i in range(g):
         out = draft.forward(feed)
         draft.commit(len(feed))
+        stats.count_forward("draft", len(feed))
         logits = out.logits[-1]
         if params.greedy:
             proposal[i] = x = int(logits.argmax())
@@ -138,6 +169,7 @@ def _speculate(target, draft, seq, n, g, params, rng, stats, draft_stop=0.0) -> 
     stats.draft_passes += g
     verify = np.concatenate([seq[n - 1:n], proposal])            # [γ+1] root, x_1..x_γ
     out = target.forward(verify)
+    stats.count_forward("target", g + 1)
     if params.greedy:
         verdict = accept_greedy(Tree.chain(g), verify, out.logits[:g + 1].argmax(-1))
     else:
@@ -149,6 +181,7 @@ def _speculate(target, draft, seq, n, g, params, rng, stats, draft_stop=0.0) -> 
     stats.accepted += k
     stats.proposed_at[:g] += 1
     stats.accepted_at[:k] += 1
+    stats.rounds.append((g, k))
     return verdict.tokens
 
 
@@ -162,7 +195,7 @@ def _prefill(backend: Backend, prompt: np.ndarray, chunk: int) -> np.ndarray:
     chunk = min(chunk, backend.max_tokens)
     for s in range(0, len(prompt), chunk):
         part = prompt[s:s + chunk]
-        out = backend.forward(part)
+        out = backend.forward(part, phase="prefill")
         backend.commit(len(part))
     return np.array(out.logits[-1])
 

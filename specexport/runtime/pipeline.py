@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,8 @@ import numpy as np
 from specexport._optional import require
 from specexport.errors import SpecexportError
 from specexport.io_spec import ModelIO
-from specexport.manifest import read_manifest
+from specexport.gamma import lookup as lookup_gamma
+from specexport.manifest import check_files, file_problems, listed_files, read_manifest
 from specexport.runtime.backends import open_backend
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
@@ -34,18 +36,25 @@ class GenerationOutput:
 
 
 def load(output_dir, *, precision: str = "fp32", draft_precision: str | None = None, backend: str = "onnxruntime",
-         threads: int | None = None, draft_threads: int | None = 1, **options) -> "Pipeline":
+         threads: int | None = None, draft_threads: int | None = 1, verify: bool = False, **options) -> "Pipeline":
     """precision: the target's; draft_precision: the draft's (default: the same as the target's).
-    threads: the target's intra-op threads (default: all cores); draft_threads: the draft's (default 1)."""
+    threads: the target's intra-op threads (default: all cores); draft_threads: the draft's (default 1).
+    Every file is checked for its recorded size when its model is opened; verify=True also checks every
+    file's sha256 against the manifest first (reads all the weights once)."""
     return Pipeline(output_dir, precision=precision, draft_precision=draft_precision, backend=backend,
-                    threads=threads, draft_threads=draft_threads, **options)
+                    threads=threads, draft_threads=draft_threads, verify=verify, **options)
 
 
 class Pipeline:
     def __init__(self, output_dir, *, precision="fp32", draft_precision=None, backend="onnxruntime", threads=None,
-                 draft_threads=1, **options):
+                 draft_threads=1, verify=False, **options):
         self.dir = Path(output_dir)
         self.manifest = read_manifest(self.dir)
+        if verify:
+            problems = file_problems(self.dir, listed_files(self.manifest), hashes=True)
+            if problems:
+                raise SpecexportError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1
+                                                          else "") + ": the build is damaged; rebuild it")
         self.precision, self.backend_kind = precision, backend
         self.draft_precision = precision if draft_precision is None else draft_precision
         self.capacity = self.manifest["max_seq_len"]
@@ -58,12 +67,19 @@ class Pipeline:
         self._options = options
         self.target = self._open("target")
         self.drafts: dict = {}                      # draft backends opened so far, by precision
-        tok_path = self.dir / self.manifest["tokenizer"]["dir"] / "tokenizer.json"
+        tok = self.manifest["tokenizer"]
+        check_files(self.dir, {f"{tok['dir']}/{name}": meta for name, meta in tok["files"].items()})
+        tok_path = self.dir / tok["dir"] / "tokenizer.json"
         if not tok_path.is_file():
             raise SpecexportError(f"{tok_path}: missing (the build output is incomplete; rebuild it)")
-        self.tokenizer = require("tokenizers").Tokenizer.from_file(str(tok_path))
+        try:
+            self.tokenizer = require("tokenizers").Tokenizer.from_file(str(tok_path))
+        except Exception as err:            # the tokenizers library raises a bare Exception for a bad file
+            raise SpecexportError(f"{tok_path}: the tokenizers library could not read it "
+                                  f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
         self.last_output: GenerationOutput | None = None
         self.auto_note: str | None = None          # what gamma="auto" decided, for the CLI to show
+        self.clock = time.perf_counter             # the stats' clock (the bench's tests inject one)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -97,10 +113,11 @@ class Pipeline:
             hint = "" if role == "target" else " (draft_precision defaults to precision; pass it to choose another)"
             raise SpecexportError(f"{key}: {precision!r} was not built for the {role}; built: "
                                   f"{', '.join(entry['precisions'])}{hint}")
-        built = entry["precisions"][precision]["backend"]
-        if built != self.backend_kind:
-            raise SpecexportError(f"backend: {self.backend_kind!r} was not built; built: {built}")
-        return open_backend(self.backend_kind, self.dir / role / precision, io=ModelIO.from_dict(entry["io"]),
+        stage = entry["precisions"][precision]
+        if stage["backend"] != self.backend_kind:
+            raise SpecexportError(f"backend: {self.backend_kind!r} was not built; built: {stage['backend']}")
+        check_files(self.dir, stage["files"])      # cheap: sizes; a truncated or missing file names itself
+        return open_backend(self.backend_kind, self.dir / stage["dir"], io=ModelIO.from_dict(entry["io"]),
                             capacity=self.capacity, max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
                             threads=self._threads[role], **self._options)
 
@@ -126,7 +143,7 @@ class Pipeline:
         out_ids, text, reason = [], "", "length"
         rounds = decode(self.target, draft, ids, max_new_tokens=max_new_tokens, params=params,
                         gamma=gamma if draft else 0, rng=np.random.default_rng(seed), stats=stats,
-                        prefill_chunk=PREFILL_CHUNK, draft_stop=draft_stop)
+                        prefill_chunk=PREFILL_CHUNK, draft_stop=draft_stop, clock=self.clock)
         try:
             for chunk in rounds:
                 chunk = chunk.tolist()
@@ -146,6 +163,7 @@ class Pipeline:
                     break
         finally:
             rounds.close()
+        stats.delivered = len(out_ids)          # nothing after EOS or a stop string counts
         final = self.tokenizer.decode(out_ids, skip_special_tokens=True)
         hit = _find_stop(final, stop)
         final = final[:hit] if hit is not None else final
@@ -194,10 +212,10 @@ class Pipeline:
             raise SpecexportError(f"method: {method!r} was not built (no draft model in this build); "
                                   f"available: {', '.join(self.methods)}")
         if gamma == "auto":
-            choice = self.manifest.get("gamma_auto", {}).get(self.precision)
+            choice = lookup_gamma(self.manifest, self.precision, self.draft_precision)
             if choice is None:
-                raise SpecexportError(f"gamma: 'auto' needs a measured choice for precision {self.precision!r}: "
-                                      f"run `specexport bench {self.dir}` first")
+                raise SpecexportError(f"gamma: 'auto' needs a measured choice for target {self.precision!r} with "
+                                      f"draft {self.draft_precision!r}: run `specexport bench {self.dir}` first")
             self.auto_note = (f"γ = {choice['gamma']} (predicted speedup {choice['predicted_speedup']:.2f}x)"
                               if choice["gamma"] else
                               f"speculation predicted to lose here (best predicted speedup "

@@ -31,8 +31,9 @@ class Backend:
     capacity: int                   # KV buffer rows (max_seq_len)
     max_tokens: int                 # most tokens one forward takes
     vocab_size: int
-    check_inputs: bool = True       # benchmarks may turn the checks off
-    timings: dict | None = None     # set to {} to record {T: [seconds of each forward of T tokens]}
+    check_inputs: bool = True       # benchmarks may turn these checks off; never the capacity checks
+    timings: dict | None = None     # set to {} to record {(phase, T): [seconds of each such forward]}
+    clock = staticmethod(time.perf_counter)      # what `timings` are measured with (tests inject one)
 
     def __init__(self, *, capacity: int, max_tokens: int, vocab_size: int):
         self.capacity, self.max_tokens, self.vocab_size = capacity, max_tokens, vocab_size
@@ -40,24 +41,26 @@ class Backend:
         self._pending = 0           # scratch rows written by the last forward
 
     def forward(self, tokens: np.ndarray, *, depths: np.ndarray | None = None,
-                tree_mask: np.ndarray | None = None) -> StepOutput:
-        """tokens [T]; depths [T] (default 0..T-1, a chain); tree_mask [T, T] (default causal)."""
+                tree_mask: np.ndarray | None = None, phase: str = "decode") -> StepOutput:
+        """tokens [T]; depths [T] (default 0..T-1, a chain); tree_mask [T, T] (default causal).
+        phase: "prefill" or "decode", the tag under which `timings` files this forward."""
         T = len(tokens)
-        if self.check_inputs:
-            if not 1 <= T <= self.max_tokens:
-                raise SpecexportError(f"tokens: got {T} tokens in one call, this model takes 1..{self.max_tokens}")
-            if self.length + T > self.capacity:
-                raise SpecexportError(f"KV capacity exceeded: {self.length} committed + {T} new > "
-                                      f"max_seq_len {self.capacity}")
-            if tree_mask is not None and tree_mask.shape != (T, T):
-                raise SpecexportError(f"tree_mask: got shape {tree_mask.shape}, expected ({T}, {T})")
+        # Always checked, whatever check_inputs says: backends write K/V and logits through raw
+        # pointers into fixed buffers, so an overflow would corrupt memory instead of raising.
+        if not 1 <= T <= self.max_tokens:
+            raise SpecexportError(f"tokens: got {T} tokens in one call, this model takes 1..{self.max_tokens}")
+        if self.length + T > self.capacity:
+            raise SpecexportError(f"KV capacity exceeded: {self.length} committed + {T} new > "
+                                  f"max_seq_len {self.capacity}")
+        if self.check_inputs and tree_mask is not None and tree_mask.shape != (T, T):
+            raise SpecexportError(f"tree_mask: got shape {tree_mask.shape}, expected ({T}, {T})")
         self._pending = T
         tokens = np.asarray(tokens, dtype=np.int64)
         if self.timings is None:
             return self._forward(tokens, depths, tree_mask)
-        start = time.perf_counter()
+        start = self.clock()
         out = self._forward(tokens, depths, tree_mask)
-        self.timings.setdefault(T, []).append(time.perf_counter() - start)
+        self.timings.setdefault((phase, T), []).append(self.clock() - start)
         return out
 
     def commit(self, keep: int | np.ndarray) -> None:

@@ -42,7 +42,12 @@ class OrtBackend(Backend):
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         for key, value in (session_options or {}).items():
             setattr(opts, key, value)
-        self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        except Exception as err:        # onnxruntime raises its own Fail/InvalidProtobuf/... types
+            first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+            raise SpecexportError(f"{path}: ONNX Runtime could not load it ({first.strip()[:300]}); the build "
+                                  f"may be damaged: `specexport inspect {path.parent.parent.parent} --verify`") from None
         self.model_path = path
         self.io = io
         self.binding = self.session.io_binding()

@@ -1,0 +1,122 @@
+"""A bench report as markdown (report.md) and as a plot of speedup against γ."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _f(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _speedup(r: dict) -> str:
+    s, ci = r["speedup_vs_vanilla"], r.get("speedup_ci95")
+    if s is None:
+        return "-"
+    return f"{s:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci and r["method"] != "vanilla" else "")
+
+
+def render_markdown(report: dict) -> str:
+    st = report["settings"]
+    threads = "; ".join(f"{tp} target: {label}" for tp, label in st["target_threads"].items())
+    lines = [f"# specexport bench: {report['output_dir']}", "",
+             f"`{report['command']}`: {st['prompts']} prompts x {st['rounds']} rounds, {st['max_new_tokens']} new "
+             f"tokens, greedy, every configuration interleaved per prompt after an untimed warm-up.", "",
+             "tok/s, TPOT and speedup are on decode time (first token to last delivered token; prefill is in "
+             "TTFT) and count delivered tokens only. Speedup: tok/s over vanilla's on the same target session, "
+             f"with a 95% paired-bootstrap interval over (prompt, round) cells ({st['bootstrap_resamples']} "
+             "resamples). Ideal: the speedup if only the forwards cost time, from the forwards the rounds "
+             "actually made and the median in-run cost of each; efficiency = speedup / ideal.", "",
+             f"Threads: {threads} (the fastest for vanilla of those tried; speculative rows use the same "
+             f"session); draft {st['draft_threads']} thread.", "",
+             "| target | draft | method | γ | tok/s | TTFT ms | TPOT p50 | TPOT p90 | acceptance | tokens/pass "
+             "| speedup [95% CI] | ideal | efficiency |", "|" + "---|" * 13]
+    for r in report["rows"]:
+        g = f"≤{r['gamma']}, stop {r['draft_stop']:g}" if r["draft_stop"] else (r["gamma"] or "-")
+        lines.append(f"| {r['precision']} | {r['draft_precision'] or '-'} | {r['method']} | {g} | "
+                     f"{_f(r['tokens_per_s'], '.1f')} | {_f(r['ttft_ms'], '.2f')} | {_f(r['tpot_ms_p50'], '.3f')} | "
+                     f"{_f(r['tpot_ms_p90'], '.3f')} | {_f(r['acceptance_rate'], '.3f')} | "
+                     f"{_f(r['mean_accepted_tokens'], '.2f')} | {_speedup(r)} | "
+                     f"{_f(r['ideal_speedup'], '.2f')}x | {_f(r['efficiency'], '.2f')} |")
+    lines += ["", "## γ chosen for `--gamma auto`", ""]
+    for key, c in report["gamma_auto"].items():
+        verdict = "vanilla (speculation predicted to lose)" if c["gamma"] == 0 else f"γ = {c['gamma']}"
+        lines.append(f"- target/draft {key}: {verdict}, predicted speedup {c['predicted_speedup']:.2f}x "
+                     f"(acceptance measured at γ {c['measured_at_gamma']} on {c['measured_tokens']} tokens)")
+    lines += [f"- {line}" for line in report.get("gamma_store", [])]
+    if report["acceptance_drop"]:
+        lines += ["", "## Acceptance cost of quantization (vs fp32 target and draft)", ""]
+        for d in report["acceptance_drop"]:
+            lines.append(f"- target {d['target']}, draft {d['draft']}, γ {d['gamma']}: {d['acceptance']:.3f} "
+                         f"(fp32 {d['fp32_acceptance']:.3f}, drop {d['drop']:+.3f})")
+    lines += ["", "## Step costs (ms per forward; in-run: median of the decode-time forwards of the runs, "
+              "used for the ideal; isolated: one forward at a 64-token context, used to predict γ beyond "
+              "the sizes the runs made)", ""]
+    for title, table in (("in-run", report["step_costs_ms"]), ("isolated", report["step_costs_isolated_ms"])):
+        for key, roles in table.items():
+            parts = [f"{role} T={t}: {c:.3f}" for role, costs in roles.items() for t, c in costs.items()]
+            lines.append(f"- {key} ({title}): " + ", ".join(parts))
+    lines += _peer_lines(report)
+    mem = report["memory"]
+    lines += ["", "## Memory", "", f"- bench process peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB "
+              f"({mem['peak_rss_note']})"]
+    for name, rss in mem["peers_peak_rss_bytes"].items():
+        lines.append(f"- {name} (own process): peak RSS {_f(rss and rss / 2**20, '.0f')} MiB")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _peer_lines(report: dict) -> list[str]:
+    lines = ["", "## Peers (same weights and prompt tokens, interleaved in the same run, each in its own process; "
+             "tok/s on decode time)", ""]
+    for p in report["peers"]:
+        if "skipped" in p:
+            lines.append(f"- {p['peer']}: skipped ({p['skipped']})")
+            continue
+        prec = p["precision"].split()[0]
+        mine = [r for r in report["rows"] if r["precision"] == prec and r["draft_precision"] in (None, prec)
+                and r["tokens_per_s"]]
+        best = max(mine, key=lambda r: r["tokens_per_s"], default=None)
+        vanilla = next((r for r in mine if r["method"] == "vanilla"), None)
+        ratio = ""
+        if best and p["tokens_per_s"]:
+            ratio = (f"; specexport {prec} best ({best['method']} γ {best['gamma'] or '-'}) is "
+                     f"{best['tokens_per_s'] / p['tokens_per_s']:.2f}x")
+            if vanilla:
+                ratio += f", specexport {prec} vanilla {vanilla['tokens_per_s'] / p['tokens_per_s']:.2f}x"
+        same = p["same_tokens_as_fp32_vanilla"]
+        lines.append(f"- {p['peer']} ({p['precision']}): {_f(p['tokens_per_s'], '.1f')} tok/s{ratio}; whole output "
+                     f"equal to our fp32 vanilla output in {_f(same, '.0%')} of {p['runs']} runs")
+    return lines
+
+
+def plot_speedups(report: dict, out: Path, log) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plots (pip install 'specexport[bench]')")
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, c in report["gamma_auto"].items():
+        tp, dp = key.split("/")
+        rows = [r for r in report["rows"] if r["method"] == "draft" and r["precision"] == tp
+                and r["draft_precision"] == dp and not r["draft_stop"] and r["speedup_vs_vanilla"]]
+        if not rows:
+            continue
+        lo = [r["speedup_vs_vanilla"] - (r["speedup_ci95"] or [r["speedup_vs_vanilla"]] * 2)[0] for r in rows]
+        hi = [(r["speedup_ci95"] or [r["speedup_vs_vanilla"]] * 2)[1] - r["speedup_vs_vanilla"] for r in rows]
+        ax.errorbar([r["gamma"] for r in rows], [r["speedup_vs_vanilla"] for r in rows], yerr=[lo, hi], fmt="o-",
+                    capsize=3, label=f"{key} measured (95% CI)")
+        pred = c["predicted_by_gamma"]
+        ax.plot([int(k) for k in pred], list(pred.values()), "x--", label=f"{key} predicted")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("γ (draft tokens per round)")
+    ax.set_ylabel("speedup vs vanilla (decode time)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(out) / "speedup_vs_gamma.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [str(path)]
