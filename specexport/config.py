@@ -131,10 +131,16 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
 def _check_keys(raw: dict, allowed: set, required, *, prefix: str) -> None:
     for key in raw:
         if key not in allowed:
-            raise SpecexportError(f"{prefix}{key}: unknown key; allowed: {', '.join(sorted(allowed))}")
+            raise SpecexportError(f"{prefix}{_show(key)}: unknown key; allowed: {', '.join(sorted(allowed))}")
     for key in required:
         if key not in raw or raw[key] is None:
             raise SpecexportError(f"{prefix}{key}: missing required key")
+
+
+def _show(value) -> str:
+    """A key or path as the user wrote it, quoted when printing it plainly would break the one-line error."""
+    text = str(value)
+    return text if text.isprintable() and text.strip() == text and text else repr(value)
 
 
 def _positive_int(value, key: str) -> int:
@@ -166,7 +172,7 @@ def _eval_text(value, base: Path) -> Path | None:
         raise SpecexportError(f"eval_text: expected a text file path (a string), got {value!r}")
     path = Path(value) if Path(value).is_absolute() else base / value
     if not path.is_file():
-        raise SpecexportError(f"eval_text: {value} does not exist or is not a file")
+        raise SpecexportError(f"eval_text: {_show(value)} does not exist or is not a file")
     return path.resolve()
 
 
@@ -181,12 +187,12 @@ def _quality_gates(raw) -> dict:
     for precision, gate in raw.items():
         if precision not in QUANTIZED:
             why = " (fp32 is gated against PyTorch by parity_tolerance)" if precision == "fp32" else ""
-            raise SpecexportError(f"quality_gates.{precision}: unknown key; allowed: {', '.join(QUANTIZED)}{why}")
+            raise SpecexportError(f"quality_gates.{_show(precision)}: unknown key; allowed: {', '.join(QUANTIZED)}{why}")
         if not isinstance(gate, dict):
             raise SpecexportError(f"quality_gates.{precision}: expected a mapping like {{min_top1: 0.9, "
                                   f"max_kl: 0.05}}, got {gate!r}")
         for key, value in gate.items():
-            where = f"quality_gates.{precision}.{key}"
+            where = f"quality_gates.{precision}.{_show(key)}"
             if key not in GATE_KEYS:
                 raise SpecexportError(f"{where}: unknown key; allowed: {', '.join(GATE_KEYS)}")
             number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -208,7 +214,7 @@ def _model(raw, role: str, base: Path, precisions: tuple[str, ...]) -> ModelConf
         raise SpecexportError(f"{role}.path: expected a folder path (a string), got {raw['path']!r}")
     path = Path(raw["path"])
     path = path if path.is_absolute() else base / path
-    shown = raw["path"]
+    shown = _show(raw["path"])
     if not path.is_dir():
         raise SpecexportError(f"{role}.path: {shown} does not exist or is not a folder")
     if not (path / "config.json").is_file():

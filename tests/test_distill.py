@@ -55,7 +55,8 @@ def test_resumed_run_equals_uninterrupted(tiny_checkpoints, corpus, tmp_path):
                  hidden_size=32, intermediate_size=64)
     with pytest.raises(KeyboardInterrupt):
         distill_draft(cfg_b, on_step=interrupt)
-    assert not (tmp_path / "b" / "model.safetensors").exists()
+    assert not (tmp_path / "b").exists()                      # nothing that looks like a checkpoint
+    assert (tmp_path / ".b.distill" / "state.pt").is_file()
     distill_draft(cfg_b)                                      # resumes from the step-4 checkpoint
     a, b = _weights(tmp_path / "a"), _weights(tmp_path / "b")
     assert a.keys() == b.keys()

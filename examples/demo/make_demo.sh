@@ -20,5 +20,5 @@ path = sys.argv[1]
 model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 model.to(torch.float16).save_pretrained(path)          # ship fp16, like the target
 PY
-rm -rf "$out/draft/.distill" "$out/train_files.txt"
+rm -rf "$out/.draft.distill" "$out/train_files.txt"
 echo "make_demo.sh: $(( $(date +%s) - start )) s on $(nproc) cores, $(date -u +%F)" > "$out/RUNTIME.txt"

@@ -3,10 +3,12 @@
     target ──generate (sampled)──► sequences ──► train draft on KL(p_target ‖ q_draft) per position
                                                   (Medusa-2 / EAGLE self-distillation)
 
-State lives in <out>/.distill/: data.pt (prompts and target sequences, made once) and state.pt (the
-draft, optimizer and step, saved every `checkpoint_every` steps, atomically). A rerun with the same
-options resumes from state.pt; the batch order is a function of (seed, step), so a resumed run ends
-with the same weights as an uninterrupted one. The output is an ordinary HF checkpoint folder.
+State lives beside the output, in .<out name>.distill/: data.pt (prompts and target sequences, made
+once) and state.pt (the draft, optimizer and step, saved every `checkpoint_every` steps, atomically).
+A rerun with the same options resumes from state.pt; the batch order is a function of (seed, step),
+so a resumed run ends with the same weights as an uninterrupted one. The output is an ordinary HF
+checkpoint folder, written whole into a temporary folder and renamed into place: an interrupted run
+never leaves a checkpoint that looks complete.
 """
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import hashlib
 import json
 import math
 import os
+import secrets
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -57,7 +61,7 @@ def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
     _check(cfg)
     transformers.utils.logging.disable_progress_bar()
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    state_dir = cfg.out / ".distill"
+    state_dir = _state_dir(cfg.out)
     state_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.target)
     target = transformers.AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
@@ -267,19 +271,39 @@ def _atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _state_dir(out: Path) -> Path:
+    """The resumable state, beside the output folder (which only ever appears complete). State that
+    an older version kept inside the output folder is moved here."""
+    state = out.parent / f".{out.name}.distill"
+    legacy = out / ".distill"
+    if legacy.is_dir() and not state.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(legacy, state)
+    return state
+
+
 def _write_outputs(cfg, draft, tokenizer, before, after, history) -> dict:
-    draft.eval().save_pretrained(cfg.out)
-    tokenizer.save_pretrained(cfg.out)
+    partial = cfg.out.parent / f".{cfg.out.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    draft.eval().save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
     gen = cfg.target / "generation_config.json"
     if gen.is_file():
-        (cfg.out / "generation_config.json").write_text(gen.read_text())
+        (partial / "generation_config.json").write_text(gen.read_text())
     report = {"agreement_before": before["agreement"], "agreement_after": after["agreement"],
               "kl_before": before["kl"], "kl_after": after["kl"], "steps": cfg.steps,
               "final_loss": history[-1] if history else None, "loss_first": history[:1],
               "draft": {"layers": cfg.layers, "hidden_size": draft.config.hidden_size,
                         "parameters": sum(p.numel() for p in draft.parameters())},
               "config": {k: str(v) for k, v in asdict(cfg).items()}}
-    (cfg.out / "distill_report.json").write_text(json.dumps(report, indent=2))
+    (partial / "distill_report.json").write_text(json.dumps(report, indent=2))
+    # Swap the complete checkpoint in. A directory cannot be replaced atomically: for the moment
+    # between the two renames there is no `out` at all, never a partial one.
+    old = cfg.out.parent / f".{cfg.out.name}.old-{secrets.token_hex(3)}"
+    if cfg.out.exists():
+        os.replace(cfg.out, old)
+    os.replace(partial, cfg.out)
+    shutil.rmtree(old, ignore_errors=True)
     return report
 
 

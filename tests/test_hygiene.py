@@ -1,0 +1,34 @@
+"""Promises the code makes to users that nothing else checks: every `pip install 'specexport[X]'`
+an error message names is an extra that exists, and the runtime imports stay light."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = {"torch", "transformers", "onnx", "tensorrt", "modelopt"}
+
+
+def test_every_extra_the_code_names_exists():
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = set()
+    for path in [*ROOT.joinpath("specexport").rglob("*.py"), ROOT / "README.md"]:
+        for group in re.findall(r"specexport\[([A-Za-z0-9_,{} -]+)\]", path.read_text()):
+            named |= {g.strip() for g in group.split(",") if g.strip() and "{" not in g}
+    from specexport._optional import _EXTRA
+
+    named |= set(_EXTRA.values())
+    assert named, "found no extras named in the code"
+    assert named <= extras, f"named in messages but not in pyproject.toml: {sorted(named - extras)}"
+
+
+@pytest.mark.parametrize("module", ["specexport", "specexport.runtime.pipeline", "specexport.runtime.backends.ort",
+                                    "specexport.cli", "specexport.report.bench", "specexport.manifest"])
+def test_runtime_imports_stay_light(module):
+    code = f"import sys, {module}; bad = {HEAVY!r} & set(sys.modules); assert not bad, bad"
+    subprocess.run([sys.executable, "-c", code], check=True)
