@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 
 import numpy as np
@@ -316,6 +317,9 @@ def test_bench_cli(built_llama, tmp_path, capsys):
     assert "| fp32 |" in capsys.readouterr().out
     assert main(["generate", b, "x", "--gamma", "auto", "--max-new-tokens", "3"]) == 0
     assert "--gamma auto" in capsys.readouterr().err
+    assert main(["generate", b, "def f(x):", "--max-new-tokens", "6", "--gamma", "2", "--compare"]) == 0
+    assert re.search(r"speedup: draft .* = \d\.\d\dx \[95% interval \d\.\d\d-\d\.\d\d\] \(decode time",
+                     capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -328,7 +332,6 @@ def test_bench_cli(built_llama, tmp_path, capsys):
     (["--prompts", "NUMBER"], "--prompts: .*number.jsonl line 1: expected a non-empty JSON string"),
 ])
 def test_bench_cli_errors_are_one_line(built_llama, tmp_path, capsys, args, message):
-    import re
 
     (tmp_path / "bad.jsonl").write_text('"ok"\n{not json\n')
     (tmp_path / "number.jsonl").write_text("42\n")

@@ -67,14 +67,22 @@ def _int_gamma(text: str) -> int:
         raise SpecexportError(f"--gamma: expected an integer or 'auto', got {text!r}") from None
 
 
-def _compare(pipe, prompt, kwargs, method, repeats: int = 5) -> None:
-    """Interleave vanilla and speculative runs of the same request; print median tokens/s and the ratio."""
-    import statistics
+def _compare(pipe, prompt, kwargs, method, repeats: int = 10) -> None:
+    """Interleave vanilla and speculative runs of the same request (after one untimed run of each);
+    print decode-time tokens/s, the ratio and its 95% paired-bootstrap interval."""
+    from specexport.report.accounting import speedup_interval, throughput
 
-    speeds = {"vanilla": [], method: []}
-    for _ in range(repeats):
-        for m in speeds:
-            speeds[m].append(pipe.generate(prompt, method=m, **kwargs).stats.tokens_per_second)
-    v, s = statistics.median(speeds["vanilla"]), statistics.median(speeds[method])
+    runs = {"vanilla": [], method: []}
+    for i in range(repeats + 1):
+        for m in runs:
+            stats = pipe.generate(prompt, method=m, **kwargs).stats
+            if i:                                   # the first pair warms the sessions up
+                runs[m].append(stats)
+    v, s = throughput(runs["vanilla"]), throughput(runs[method])
+    if not v or not s:
+        click.secho("speedup: not measurable (the output has a single token)", fg="yellow", err=True)
+        return
+    lo, hi = speedup_interval(runs[method], runs["vanilla"]) or (float("nan"), float("nan"))
     click.secho(f"speedup: {method} {s:.1f} tok/s vs vanilla {v:.1f} tok/s on the same build = {s / v:.2f}x "
-                f"(medians of {repeats} interleaved runs)", fg="green", bold=True, err=True)
+                f"[95% interval {lo:.2f}-{hi:.2f}] (decode time, {repeats} interleaved runs each)",
+                fg="green", bold=True, err=True)

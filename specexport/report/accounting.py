@@ -26,8 +26,7 @@ BOOTSTRAP_RESAMPLES = 2000
 
 def decode_costs(timings: dict | None) -> dict[int, float]:
     """{T: median seconds} of the decode-time forwards a backend timed ({(phase, T): [s]})."""
-    return {T: statistics.median(v) for (phase, T), v in sorted((timings or {}).items(), key=str)
-            if phase == "decode" and v}
+    return {T: statistics.median(v) for (phase, T), v in sorted((timings or {}).items()) if phase == "decode" and v}
 
 
 def ideal_cost(stats, c_target: dict[int, float], c_draft: dict[int, float]) -> float:
@@ -107,4 +106,7 @@ def timing_figures(runs) -> dict:
             else None,
             "tpot_ms_p50": float(np.percentile(tpot, 50)) if tpot else None,
             "tpot_ms_p90": float(np.percentile(tpot, 90)) if tpot else None,
-            "delivered_tokens": sum(s.delivered for s in runs), "runs": len(runs)}
+            "delivered_tokens": sum(s.delivered for s in runs), "runs": len(runs),
+            # for comparison with figures that include prefill (the first token and TTFT counted in)
+            "tokens_per_s_end_to_end": (sum(s.delivered for s in runs) / total if (total := sum(
+                s.total_s for s in runs)) > 0 else None)}
