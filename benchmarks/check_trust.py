@@ -53,7 +53,10 @@ def greedy() -> list[int]:
 assert cli("build", str(config), "--no-bench").returncode == 0, "the initial build failed"
 expected = greedy()
 manifest_text = (out / "manifest.json").read_text()
-files = listed_files(read_manifest(out))
+manifest = read_manifest(out)
+files = listed_files(manifest)
+owner = {rel: (role, precision) for role, m in manifest["models"].items() for precision, e in m["precisions"].items()
+         for rel in e["files"]}          # which graph a file belongs to: generate must open that one
 print(f"build {out}: {len(files)} files, greedy output {len(expected)} tokens")
 
 with tempfile.TemporaryDirectory() as tmp:
@@ -70,7 +73,9 @@ with tempfile.TemporaryDirectory() as tmp:
         if rel.endswith((".onnx", ".data")):
             with open(path, "r+b") as f:
                 f.truncate(len(data) // 2)
-            res = cli("generate", str(out), args.prompt, "--max-new-tokens", "4")
+            role, precision = owner[rel]
+            flag = "--precision" if role == "target" else "--draft-precision"
+            res = cli("generate", str(out), args.prompt, "--max-new-tokens", "4", flag, precision)
             lines = [line for line in res.stderr.splitlines() if line.startswith("error:")]
             check(res.returncode == 1 and len(lines) == 1 and f"{path}: truncated" in lines[0]
                   and "Traceback" not in res.stderr, f"truncated file named in one line by generate: {rel}")

@@ -332,7 +332,6 @@ def test_bench_cli(built_llama, tmp_path, capsys):
     (["--prompts", "NUMBER"], "--prompts: .*number.jsonl line 1: expected a non-empty JSON string"),
 ])
 def test_bench_cli_errors_are_one_line(built_llama, tmp_path, capsys, args, message):
-
     (tmp_path / "bad.jsonl").write_text('"ok"\n{not json\n')
     (tmp_path / "number.jsonl").write_text("42\n")
     files = {"MISSING": str(tmp_path / "missing.jsonl"), "BAD": str(tmp_path / "bad.jsonl"),
@@ -342,3 +341,23 @@ def test_bench_cli_errors_are_one_line(built_llama, tmp_path, capsys, args, mess
     assert main(["bench", str(built_llama), "--no-peers", *args]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def _child_peak(queue):
+    from specexport.report.peers import _peak_rss_bytes
+
+    queue.put(_peak_rss_bytes())
+
+
+def test_a_peer_process_reports_its_own_peak_memory_not_ours():
+    """ru_maxrss survives fork + exec on Linux: a spawned peer would report the bench's peak."""
+    import multiprocessing
+
+    ballast = np.ones(400 * 2**20 // 8)                  # 400 MiB resident in this process
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_peak, args=(queue,))
+    child.start()
+    peak = queue.get(timeout=60)
+    child.join()
+    assert 0 < peak < 300 * 2**20 and ballast.sum() > 0

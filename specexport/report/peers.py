@@ -100,7 +100,6 @@ class PeerProcess:
 
 def _serve(conn, spec: PeerSpec) -> None:
     """The child's loop: open the family's runners, then answer (name, ids, n) until None."""
-    import resource
     import traceback
 
     try:
@@ -117,7 +116,21 @@ def _serve(conn, spec: PeerSpec) -> None:
             conn.send(("done", runners[name](ids, n)))
         except Exception as err:
             conn.send(("error", f"{type(err).__name__}: {err}"))
-    conn.send(("rss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+    conn.send(("rss", _peak_rss_bytes()))
+
+
+def _peak_rss_bytes() -> int:
+    """This process's own peak RSS. Not ru_maxrss: on Linux it survives fork + exec, so a child would
+    report the bench's peak whenever that was larger (it did: every peer "used" 1506 MiB)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 # -- opening the peers that can run here (in the bench's process: no heavy imports) ----------------

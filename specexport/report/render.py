@@ -25,7 +25,7 @@ def render_markdown(report: dict) -> str:
              "TTFT) and count delivered tokens only. Speedup: tok/s over vanilla's on the same target session, "
              f"with a 95% paired-bootstrap interval over (prompt, round) cells ({st['bootstrap_resamples']} "
              "resamples). Ideal: the speedup if only the forwards cost time, from the forwards the rounds "
-             "actually made and the median in-run cost of each; efficiency = speedup / ideal.", "",
+             "actually made and the mean in-run cost of each size; efficiency = speedup / ideal.", "",
              f"Threads: {threads} (the fastest for vanilla of those tried; speculative rows use the same "
              f"session); draft {st['draft_threads']} thread.", "",
              "| target | draft | method | γ | tok/s | TTFT ms | TPOT p50 | TPOT p90 | acceptance | tokens/pass "
@@ -48,9 +48,9 @@ def render_markdown(report: dict) -> str:
         for d in report["acceptance_drop"]:
             lines.append(f"- target {d['target']}, draft {d['draft']}, γ {d['gamma']}: {d['acceptance']:.3f} "
                          f"(fp32 {d['fp32_acceptance']:.3f}, drop {d['drop']:+.3f})")
-    lines += ["", "## Step costs (ms per forward; in-run: median of the decode-time forwards of the runs, "
-              "used for the ideal; isolated: one forward at a 64-token context, used to predict γ beyond "
-              "the sizes the runs made)", ""]
+    lines += ["", "## Step costs (ms per forward; in-run: mean of the decode-time forwards of the runs, "
+              "used for the ideal and the γ choice; isolated: median of one forward at a 64-token context, "
+              "used to predict γ beyond the sizes the runs made)", ""]
     for title, table in (("in-run", report["step_costs_ms"]), ("isolated", report["step_costs_isolated_ms"])):
         for key, roles in table.items():
             parts = [f"{role} T={t}: {c:.3f}" for role, costs in roles.items() for t, c in costs.items()]
