@@ -13,8 +13,6 @@ fp32 graph was rebuilt has its quantized graphs rebuilt too.
 from __future__ import annotations
 
 import gc
-import hashlib
-import os
 import platform
 import secrets
 import shutil
@@ -25,7 +23,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specexport import __version__
-from specexport.config import MODEL_ROLES
 from specexport.errors import ParityError, SpecexportError
 from specexport.export.plan import ModelPlan, Plan, tool_versions
 from specexport.locking import output_lock
