@@ -253,7 +253,7 @@ def test_same_output_is_whole_and_never_empty():
 
 def test_build_ends_with_a_short_report(built_llama):
     """`specexport build` (conftest's built_llama) ran the quick bench: report and γ choice are there."""
-    report = json.loads((built_llama / "bench" / "report.json").read_text())
+    report = json.loads((built_llama / "bench" / "quick" / "report.json").read_text())
     assert {r["method"] for r in report["rows"]} == {"vanilla", "draft"}
     assert "fp32/fp32" in read_manifest(built_llama)["gamma_auto"]
 
@@ -272,7 +272,7 @@ def test_gamma_choice_is_kept_by_a_rebuild_that_reuses_the_graphs_and_not_replac
     assert run_build(path) == 0                      # reuses both graphs, runs the short bench at its end
     stored = read_manifest(out)["gamma_auto"]["fp32/fp32"]
     assert (stored["gamma"], stored["measured_tokens"]) == (5, 10_000)
-    report = json.loads((out / "bench" / "report.json").read_text())
+    report = json.loads((out / "bench" / "quick" / "report.json").read_text())
     assert any("kept the stored choice" in line for line in report["gamma_store"])
     stale = read_manifest(out)["build_id"]
     assert run_build(path, "--force", "--no-bench") == 0     # new graphs: the old choice no longer applies
