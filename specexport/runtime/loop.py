@@ -1,20 +1,21 @@
-"""The decode loop: prefill, then rounds of draft -> verify -> commit. Knows only the Backend interface.
+"""The decode loop: prefill, then rounds of propose -> verify -> commit. Knows only the Backend and
+Proposer interfaces (runtime/proposers) and the verifiers (accept.py).
 
 `decode` is a generator of emitted-token chunks; the caller decides when to stop early (EOS, stop
 strings) by closing it. It never writes past the KV buffers: it stops when prompt + emitted tokens
-reach `capacity`, and shortens the last rounds' proposals so they fit.
+reach `capacity`, and limits the last rounds' trees (depth and node count) so they fit.
 
 Invariant at the start of each round, with N tokens so far (prompt + emitted):
     target.length == N - 1            the last token (the root) is not yet in the target's cache
-    draft.length  <= N - 1            the draft catches up on seq[draft.length:N] in its first call
-One round with γ proposals (chain):
-    draft:   feed seq[draft.length:N] -> q_1, x_1; feed x_1 -> q_2, x_2; ... x_γ   (γ calls)
-             with draft_stop > 0 the round proposes fewer: drafting stops after the first x_i the
-             draft itself gives probability < draft_stop (its own confidence; the target is not
-             consulted, so the output distribution is unchanged, greedy or sampled)
-    target:  feed [root, x_1..x_γ] at positions N-1..N-1+γ -> p_0..p_γ            (1 call)
-    verdict: n accepted + 1 bonus/recovered token; target commits root + n accepted rows,
-             the draft rolls back to N + min(n, γ - 1) (it never saw x_γ).
+One round:
+    proposer: a tree of T nodes, node 0 the root seq[N-1] (a chain of γ for a draft model, a trie of
+              n-gram continuations for prompt lookup); None when it has nothing: a plain target step
+    target:   feed the T tokens at positions N-1 + depth with the tree's ancestor mask -> p per node
+    verdict:  greedy (longest matching path), the chain rejection rule (children sampled from q), or
+              the q-free tree rule (children chosen deterministically); the target commits the root and
+              the accepted path's rows, compacted; the proposer is told the verdict.
+Per-depth statistics: proposed_at[d] counts rounds whose tree reached depth d + 1, accepted_at[d]
+rounds that accepted d + 1 tokens or more (for a chain: proposal positions).
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specexport.errors import SpecexportError
-from specexport.runtime.accept import accept_chain, accept_greedy
+from specexport.runtime.accept import accept_chain, accept_greedy, accept_tree
 from specexport.runtime.backends.base import Backend
+from specexport.runtime.proposers import DraftChain, Limits
 from specexport.runtime.sampling import SamplingParams, sample, warp
-from specexport.runtime.tree import Tree
 
 
 @dataclass
@@ -93,16 +94,20 @@ class DecodeStats:
         self.forwards[key] = self.forwards.get(key, 0) + 1
 
 
-def decode(target: Backend, draft: Backend | None, prompt: np.ndarray, *, max_new_tokens: int,
-           params: SamplingParams, gamma: int, rng: np.random.Generator, stats: DecodeStats,
-           prefill_chunk: int = 64, draft_stop: float = 0.0, clock=time.perf_counter):
-    """Yield chunks of emitted tokens ([k] int64 arrays). draft None or gamma 0 = vanilla decoding.
-    draft_stop: end a round's drafting early once the draft's probability of its proposal is below it.
+def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int, params: SamplingParams,
+           rng: np.random.Generator, stats: DecodeStats, gamma: int = 0, prefill_chunk: int = 64,
+           draft_stop: float = 0.0, clock=time.perf_counter):
+    """Yield chunks of emitted tokens ([k] int64 arrays).
+
+    proposer: a Proposer (runtime/proposers), or a draft model's Backend, which is run as
+    DraftChain(draft, gamma, draft_stop=draft_stop); None, or a Backend with gamma 0, is vanilla decoding.
     clock: seconds, for the stats (the bench injects one in its tests)."""
-    if not 0.0 <= draft_stop < 1.0:
+    if isinstance(proposer, Backend):
+        proposer = DraftChain(proposer, gamma, draft_stop=draft_stop) if gamma > 0 else None
+    elif not 0.0 <= draft_stop < 1.0:
         raise SpecexportError(f"draft_stop: expected a probability in [0, 1), got {draft_stop!r}")
     start = clock()
-    capacity = target.capacity if draft is None else min(target.capacity, draft.capacity)
+    capacity = min(target.capacity, proposer.capacity or target.capacity) if proposer else target.capacity
     if not 1 <= len(prompt) < capacity:
         raise SpecexportError(f"prompt: {len(prompt)} tokens; expected 1..{capacity - 1} (max_seq_len {capacity} "
                               f"holds the prompt and at least one generated token)")
@@ -111,15 +116,14 @@ def decode(target: Backend, draft: Backend | None, prompt: np.ndarray, *, max_ne
     seq = np.zeros(capacity, dtype=np.int64)                   # prompt + emitted; fixed size
     n = len(prompt)
     seq[:n] = prompt
-    gamma = min(gamma, target.max_tokens - 1) if draft is not None else 0     # verify takes γ+1 tokens
-    stats.gamma, stats.prompt_tokens = gamma, n
-    stats.proposed_at, stats.accepted_at = np.zeros(gamma, np.int64), np.zeros(gamma, np.int64)
+    depth = min(proposer.max_depth, target.max_tokens - 1) if proposer else 0   # verify takes depth + 1 rows
+    stats.gamma, stats.prompt_tokens = depth, n
+    stats.proposed_at, stats.accepted_at = np.zeros(depth, np.int64), np.zeros(depth, np.int64)
     target.reset()
-    logits = _prefill(target, prompt, prefill_chunk)
+    logits = prefill(target, prompt, prefill_chunk)
     stats.prefill_s = clock() - start
-    if draft is not None and gamma > 0:
-        draft.reset()
-        _prefill(draft, prompt, prefill_chunk)
+    if depth:
+        proposer.begin(prompt, prefill_chunk)
         stats.draft_prefill_s = clock() - start - stats.prefill_s
     seq[n] = _choose(logits, params, rng)
     n += 1
@@ -127,15 +131,17 @@ def decode(target: Backend, draft: Backend | None, prompt: np.ndarray, *, max_ne
     stats.ttft_s = stats.total_s = clock() - start
     yield seq[n - 1:n].copy()
     while stats.emitted < max_new_tokens and n < capacity:
-        g = min(gamma, capacity - n - 1, max_new_tokens - stats.emitted - 1)
-        if g <= 0:
+        limits = Limits(max_depth=min(depth, capacity - n - 1, max_new_tokens - stats.emitted - 1),
+                        max_nodes=min(target.max_tokens - 1, capacity - n))
+        proposal = proposer.propose(seq, n, limits, params, rng, stats) if limits.max_depth > 0 else None
+        if proposal is None or proposal.tree.size < 2:
             out = target.forward(seq[n - 1:n])
             target.commit(1)
             new = np.array([_choose(out.logits[0], params, rng)])
             stats.count_forward("target", 1)
             stats.rounds.append((0, 0))
         else:
-            new = _speculate(target, draft, seq, n, g, params, rng, stats, draft_stop)
+            new = _verify(target, proposer, proposal, seq, n, params, rng, stats)
         stats.target_passes += 1
         seq[n:n + len(new)] = new
         n += len(new)
@@ -145,52 +151,31 @@ def decode(target: Backend, draft: Backend | None, prompt: np.ndarray, *, max_ne
         yield new
 
 
-def _speculate(target, draft, seq, n, g, params, rng, stats, draft_stop=0.0) -> np.ndarray:
-    proposal = np.empty(g, dtype=np.int64)                     # [γ]
-    q = None if params.greedy else np.empty((g, target.vocab_size))   # [γ, V]
-    feed = seq[draft.length:n]
-    for i in range(g):
-        out = draft.forward(feed)
-        draft.commit(len(feed))
-        stats.count_forward("draft", len(feed))
-        logits = out.logits[-1]
-        if params.greedy:
-            proposal[i] = x = int(logits.argmax())
-            confident = not draft_stop or _top_probability(logits, x) >= draft_stop
-        else:
-            q[i] = warp(logits, params)
-            proposal[i] = x = sample(q[i], rng.random())
-            confident = q[i][x] >= draft_stop
-        feed = proposal[i:i + 1]
-        if not confident and i + 1 < g:
-            g = i + 1
-            proposal, q = proposal[:g], None if q is None else q[:g]
-            break
-    stats.draft_passes += g
-    verify = np.concatenate([seq[n - 1:n], proposal])            # [γ+1] root, x_1..x_γ
-    out = target.forward(verify)
-    stats.count_forward("target", g + 1)
+def _verify(target, proposer, proposal, seq, n, params, rng, stats) -> np.ndarray:
+    """One target pass over the proposed tree, the verdict, the commit of the accepted path."""
+    tree, tokens = proposal.tree, proposal.tokens
+    T = tree.size
+    chain = proposal.is_chain
+    out = target.forward(tokens, depths=None if chain else tree.depths, tree_mask=None if chain else tree.mask)
+    stats.count_forward("target", T)
     if params.greedy:
-        verdict = accept_greedy(Tree.chain(g), verify, out.logits[:g + 1].argmax(-1))
-    else:
-        verdict = accept_chain(proposal, q, warp(out.logits[:g + 1], params), rng.random(g + 1))
+        verdict = accept_greedy(tree, tokens, out.logits[:T].argmax(-1))
+    elif proposal.q is not None:                # children sampled from the draft: the chain rejection rule
+        verdict = accept_chain(tokens[1:], proposal.q, warp(out.logits[:T], params), rng.random(T))
+    else:                                       # children chosen deterministically: the q-free rule
+        verdict = accept_tree(tree, tokens, warp(out.logits[:T], params), rng.random(T))
     k = verdict.n_accepted
-    target.commit(k + 1)
-    draft.rollback(n + min(k, g - 1))
-    stats.proposed += g
+    target.commit(k + 1 if chain else verdict.path)     # only the accepted rows, compacted
+    proposer.accepted(seq, n, proposal, verdict)
+    stats.proposed += T - 1
     stats.accepted += k
-    stats.proposed_at[:g] += 1
+    stats.proposed_at[:int(tree.depths.max())] += 1
     stats.accepted_at[:k] += 1
-    stats.rounds.append((g, k))
+    stats.rounds.append((T - 1, k))
     return verdict.tokens
 
 
-def _top_probability(logits: np.ndarray, top: int) -> float:
-    """softmax(logits)[top] where `top` is the argmax."""
-    return 1.0 / float(np.exp(logits - logits[top], dtype=np.float64).sum())
-
-
-def _prefill(backend: Backend, prompt: np.ndarray, chunk: int) -> np.ndarray:
+def prefill(backend: Backend, prompt: np.ndarray, chunk: int) -> np.ndarray:
     """Run the prompt in chunks and commit it; returns the last position's logits [V] (a copy)."""
     chunk = min(chunk, backend.max_tokens)
     for s in range(0, len(prompt), chunk):

@@ -1,0 +1,67 @@
+"""Proposers: what the decode loop asks for a token tree each round (STYLE.md: the loop knows only
+Proposer, Backend and the verifier).
+
+A round, as the loop drives it (N tokens so far, the last one, the root, not yet in the target's cache):
+
+    proposal = proposer.propose(seq, N, limits, params, rng, stats)   # None: nothing to propose, plain step
+    target.forward(proposal.tokens, depths, tree_mask)                 # one pass over the whole tree
+    verdict = accept_*(...)                                            # greedy / chain / q-free tree rule
+    target.commit(verdict.path)                                        # compacts only the accepted rows
+    proposer.accepted(seq, N, proposal, verdict)                       # the proposer updates its own state
+
+`Proposal.tokens[0]` is the root (seq[N-1]); `tree` gives the other nodes' parents. `q` is present when
+the children were *sampled* from a draft distribution (q[i - 1] is the distribution node i was drawn
+from); without it the children were chosen deterministically (top-k, n-gram matches, argmax), and the
+q-free rule verifies them losslessly whatever chose them. A proposer that owns a model owns its
+backend and its KV bookkeeping; the target's KV is the loop's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specexport.runtime.tree import Tree
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What this round may propose: the tree's depth (tokens it could emit, minus the bonus) and
+    its node count (rows the target's verify pass writes, root excluded)."""
+    max_depth: int
+    max_nodes: int
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tree: Tree                      # node 0 = root
+    tokens: np.ndarray              # [T] int64: tokens[0] = root token (seq[N-1]), then each node's token
+    q: np.ndarray | None = None     # [T-1, V]: the draft distribution each node was sampled from, or None
+
+    @property
+    def is_chain(self) -> bool:
+        return bool(np.all(self.tree.parents == np.arange(-1, self.tree.size - 1)))
+
+
+class Proposer:
+    """Base class. `max_depth`: the deepest tree it proposes; `capacity`: KV rows of a model it owns
+    (None when it owns none); `role`: the name its forwards are counted under in DecodeStats."""
+
+    max_depth: int = 0
+    capacity: int | None = None
+    role: str = "draft"
+
+    def begin(self, prompt: np.ndarray, prefill_chunk: int) -> None:
+        """A new generation starts with `prompt` (prefill a model here)."""
+
+    def propose(self, seq: np.ndarray, n: int, limits: Limits, params, rng, stats) -> Proposal | None:
+        raise NotImplementedError
+
+    def accepted(self, seq: np.ndarray, n: int, proposal: Proposal, verdict) -> None:
+        """The verdict of the round that `propose(seq, n, ...)` started (seq is not yet extended)."""
+
+
+from specexport.runtime.proposers.draft import DraftChain       # noqa: E402  (the proposers, by name)
+from specexport.runtime.proposers.lookup import PromptLookup    # noqa: E402
+
+__all__ = ["DraftChain", "Limits", "PromptLookup", "Proposal", "Proposer"]
