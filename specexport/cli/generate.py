@@ -9,7 +9,8 @@ from specexport.cli import cli
 @cli.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.argument("prompt")
-@click.option("--method", default="draft", show_default=True, help="vanilla | draft")
+@click.option("--method", default="draft", show_default=True,
+              help="vanilla | draft (a draft model) | lookup (prompt lookup: copies from earlier text, target only)")
 @click.option("--gamma", default="4", show_default=True,
               help="Draft tokens proposed per round, or 'auto' (the γ `specexport bench` measured best).")
 @click.option("--draft-stop", default=0.0, show_default=True, type=float,

@@ -26,7 +26,7 @@ from specexport.report.model import choose_gamma, extend, predicted_speedup
 from specexport.report.threads import ThreadSetting, fastest_for_vanilla
 
 DEFAULT_PROMPTS = ("def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):")
-METHODS = ("vanilla", "draft")
+METHODS = ("vanilla", "draft", "lookup")
 # A peer's thread pools (torch's OpenMP, ONNX Runtime's) spin for a while after it answers, in its own
 # process but on our cores: measured on the demo, the run right after the peers had its prefill 38%
 # slower (20.3 vs 14.7 ms) until this pause was added. Rotating the order spreads whatever remains.
@@ -41,7 +41,7 @@ class BenchConfig:
     output_dir: Path
     prompts: tuple[str, ...]
     precisions: tuple[str, ...] | None = None      # default: every precision built for the target
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = ("vanilla", "draft")
     gammas: tuple[int, ...] = (2, 3, 4, 5, 6)
     draft_stops: tuple[float, ...] = ()             # adaptive-γ rows, at the largest γ, per value
     max_new_tokens: int = 128
@@ -163,8 +163,8 @@ def _check_request(cfg: BenchConfig, manifest: dict) -> tuple[list[str], bool]:
                                   f"built: {', '.join(built)}")
     if not cfg.prompts:
         raise SpecexportError("--prompts: no prompts")
-    if "draft" not in models and "vanilla" not in cfg.methods:
-        raise SpecexportError(f"--methods: {cfg.output_dir} has no draft model; only 'vanilla' can run")
+    if "draft" not in models and set(cfg.methods) <= {"draft"}:
+        raise SpecexportError(f"--methods: {cfg.output_dir} has no draft model; 'vanilla' and 'lookup' can run")
     return precisions, "draft" in models and "draft" in cfg.methods
 
 
@@ -190,6 +190,8 @@ def _configs(precisions, models, cfg, has_draft):
     for p in precisions:
         if "vanilla" in cfg.methods:
             configs.append(("vanilla", p, None, 0, 0.0))
+        if "lookup" in cfg.methods:                 # prompt lookup: the target alone, up to γ tokens per round
+            configs += [("lookup", p, None, g, 0.0) for g in cfg.gammas]
         if p in draft_built:
             configs += [("draft", p, p, g, 0.0) for g in cfg.gammas]
             configs += [("draft", p, p, max(cfg.gammas), stop) for stop in cfg.draft_stops if stop > 0]
@@ -275,7 +277,9 @@ def _row(c, runs, costs) -> dict:
         interval = acc.speedup_interval(st, vanilla) if vanilla else None
     return {
         "precision": tp, "draft_precision": dp, "method": method, "gamma": g, "draft_stop": stop,
-        "tokens_per_s": tps, **acc.timing_figures(st), **acc.acceptance_figures(st, g, bool(stop)),
+        "tokens_per_s": tps, **acc.timing_figures(st),
+        # conditional acceptance per position needs rounds of a fixed length: not adaptive or lookup rows
+        **acc.acceptance_figures(st, g, bool(stop) or method == "lookup"),
         "speedup_vs_vanilla": speedup, "speedup_ci95": interval, "ideal_speedup": ideal,
         "efficiency": speedup / ideal if speedup and ideal else None,
     }

@@ -99,18 +99,24 @@ def plot_speedups(report: dict, out: Path, log) -> list[str]:
         log("matplotlib is not installed: no plots (pip install 'specexport[bench]')")
         return []
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, c in report["gamma_auto"].items():
-        tp, dp = key.split("/")
-        rows = [r for r in report["rows"] if r["method"] == "draft" and r["precision"] == tp
+    lines = [(key, "draft", *key.split("/")) for key in report["gamma_auto"]]
+    lines += [(f"{tp} lookup", "lookup", tp, None) for tp in dict.fromkeys(
+        r["precision"] for r in report["rows"] if r["method"] == "lookup")]
+    for label, method, tp, dp in lines:
+        rows = [r for r in report["rows"] if r["method"] == method and r["precision"] == tp
                 and r["draft_precision"] == dp and not r["draft_stop"] and r["speedup_vs_vanilla"]]
         if not rows:
             continue
         lo = [r["speedup_vs_vanilla"] - (r["speedup_ci95"] or [r["speedup_vs_vanilla"]] * 2)[0] for r in rows]
         hi = [(r["speedup_ci95"] or [r["speedup_vs_vanilla"]] * 2)[1] - r["speedup_vs_vanilla"] for r in rows]
         ax.errorbar([r["gamma"] for r in rows], [r["speedup_vs_vanilla"] for r in rows], yerr=[lo, hi], fmt="o-",
-                    capsize=3, label=f"{key} measured (95% CI)")
-        pred = c["predicted_by_gamma"]
-        ax.plot([int(k) for k in pred], list(pred.values()), "x--", label=f"{key} predicted")
+                    capsize=3, label=f"{label} measured (95% CI)")
+        if method == "draft":
+            pred = report["gamma_auto"][label]["predicted_by_gamma"]
+            ax.plot([int(k) for k in pred], list(pred.values()), "x--", label=f"{label} predicted")
+    if not ax.get_legend_handles_labels()[0]:
+        plt.close(fig)
+        return []
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("γ (draft tokens per round)")
     ax.set_ylabel("speedup vs vanilla (decode time)")

@@ -132,7 +132,7 @@ def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int
     yield seq[n - 1:n].copy()
     while stats.emitted < max_new_tokens and n < capacity:
         limits = Limits(max_depth=min(depth, capacity - n - 1, max_new_tokens - stats.emitted - 1),
-                        max_nodes=min(target.max_tokens - 1, capacity - n))
+                        max_nodes=min(target.max_tokens - 1, capacity - n, (proposer and proposer.max_nodes) or capacity))
         proposal = proposer.propose(seq, n, limits, params, rng, stats) if limits.max_depth > 0 else None
         if proposal is None or proposal.tree.size < 2:
             out = target.forward(seq[n - 1:n])

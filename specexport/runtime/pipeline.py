@@ -21,9 +21,10 @@ from specexport.manifest import check_files, file_problems, listed_files, read_m
 from specexport.runtime.backends import open_backend
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
+from specexport.runtime.proposers import DraftChain, PromptLookup
 from specexport.runtime.sampling import SamplingParams
 
-METHODS = ("vanilla", "draft")          # medusa and eagle come with the heads issue
+METHODS = ("vanilla", "draft", "lookup")   # medusa and eagle come with the heads issues
 PREFILL_CHUNK = 64
 
 
@@ -83,7 +84,8 @@ class Pipeline:
 
     @property
     def methods(self) -> tuple[str, ...]:
-        return ("vanilla", "draft") if "draft" in self.manifest["models"] else ("vanilla",)
+        """What this build can decode with: prompt lookup needs only the target."""
+        return METHODS if "draft" in self.manifest["models"] else ("vanilla", "lookup")
 
     @property
     def draft(self):
@@ -130,20 +132,22 @@ class Pipeline:
     def stream(self, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int = 128,
                method: str = "draft", gamma: int = 4, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = 0, stop: list[str] | tuple = (),
-               draft_stop: float = 0.0):
+               draft_stop: float = 0.0, lookup_branches: int = 1):
         """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards.
+        method: vanilla | draft (a draft model proposes γ tokens) | lookup (prompt lookup: up to γ tokens
+        copied from what followed an earlier occurrence of the last tokens; lookup_branches > 1 verifies
+        the continuations of that many occurrences as one tree).
         draft_stop: end a round's drafting once the draft gives its proposal a probability below this
         (adaptive γ up to `gamma`; 0 = always γ proposals). Output is unchanged either way."""
         ids = self._prompt_ids(prompt, prompt_ids)
         params = self._params(temperature, top_k, top_p)
-        draft, gamma = self._draft_for(method, gamma)
+        proposer = self._proposer_for(method, gamma, draft_stop, lookup_branches)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpecexportError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
         stats, detok = DecodeStats(), IncrementalDetokenizer(self.tokenizer, ids.tolist())
         out_ids, text, reason = [], "", "length"
-        rounds = decode(self.target, draft, ids, max_new_tokens=max_new_tokens, params=params,
-                        gamma=gamma if draft else 0, rng=np.random.default_rng(seed), stats=stats,
-                        prefill_chunk=PREFILL_CHUNK, draft_stop=draft_stop, clock=self.clock)
+        rounds = decode(self.target, proposer, ids, max_new_tokens=max_new_tokens, params=params,
+                        rng=np.random.default_rng(seed), stats=stats, prefill_chunk=PREFILL_CHUNK, clock=self.clock)
         try:
             for chunk in rounds:
                 chunk = chunk.tolist()
@@ -201,16 +205,21 @@ class Pipeline:
         except ValueError as err:
             raise SpecexportError(str(err)) from None
 
-    def _draft_for(self, method: str, gamma) -> tuple:
-        """(draft backend or None for vanilla, γ). gamma="auto" takes the γ `specexport bench` stored
-        for this precision, and decodes vanilla when it predicted that speculation would lose."""
+    def _proposer_for(self, method: str, gamma, draft_stop: float, lookup_branches: int):
+        """The round's proposer (None for vanilla). gamma="auto" (draft only) takes the γ `specexport
+        bench` stored for these precisions, and decodes vanilla when it predicted speculation would lose."""
         if method not in METHODS:
             raise SpecexportError(f"method: {method!r} is not supported; supported: {', '.join(METHODS)}")
         if method == "vanilla":
-            return None, 0
+            return None
         if method not in self.methods:
             raise SpecexportError(f"method: {method!r} was not built (no draft model in this build); "
                                   f"available: {', '.join(self.methods)}")
+        if method == "lookup":
+            gamma = self._check_gamma(gamma, auto=False)
+            if not isinstance(lookup_branches, int) or lookup_branches < 1:
+                raise SpecexportError(f"lookup_branches: expected an integer >= 1, got {lookup_branches!r}")
+            return PromptLookup(gamma, branches=lookup_branches, max_nodes=self.max_verify_tokens - 1)
         if gamma == "auto":
             choice = lookup_gamma(self.manifest, self.precision, self.draft_precision)
             if choice is None:
@@ -221,12 +230,17 @@ class Pipeline:
                               f"speculation predicted to lose here (best predicted speedup "
                               f"{choice['predicted_speedup']:.2f}x): decoding vanilla")
             if choice["gamma"] == 0:
-                return None, 0
+                return None
             gamma = min(int(choice["gamma"]), self.max_verify_tokens - 1)
-        if not isinstance(gamma, int) or not 1 <= gamma <= self.max_verify_tokens - 1:
+        return DraftChain(self.draft, self._check_gamma(gamma, auto=True), draft_stop=draft_stop)
+
+    def _check_gamma(self, gamma, *, auto: bool) -> int:
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= self.max_verify_tokens - 1:
+            alternative = " or 'auto'" if auto else ""
             raise SpecexportError(f"gamma: expected an integer in 1..{self.max_verify_tokens - 1} (the graph "
-                                  f"verifies up to max_verify_tokens={self.max_verify_tokens}) or 'auto', got {gamma!r}")
-        return self.draft, gamma
+                                  f"verifies up to max_verify_tokens={self.max_verify_tokens}){alternative}, "
+                                  f"got {gamma!r}")
+        return gamma
 
     def _trim_to_stop(self, ids: list[int], stop) -> list[int]:
         """The shortest prefix of `ids` whose text contains a stop string (independent of γ)."""

@@ -44,10 +44,12 @@ class Proposal:
 
 
 class Proposer:
-    """Base class. `max_depth`: the deepest tree it proposes; `capacity`: KV rows of a model it owns
-    (None when it owns none); `role`: the name its forwards are counted under in DecodeStats."""
+    """Base class. `max_depth`: the deepest tree it proposes; `max_nodes`: the most nodes besides the
+    root (None: the loop's limit); `capacity`: KV rows of a model it owns (None when it owns none);
+    `role`: the name its forwards are counted under in DecodeStats."""
 
     max_depth: int = 0
+    max_nodes: int | None = None
     capacity: int | None = None
     role: str = "draft"
 

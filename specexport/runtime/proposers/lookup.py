@@ -23,13 +23,15 @@ from specexport.runtime.tree import Tree
 class PromptLookup(Proposer):
     role = "lookup"                 # it makes no forwards of its own
 
-    def __init__(self, num_tokens: int, *, ngram_max: int = 3, ngram_min: int = 1, branches: int = 1):
+    def __init__(self, num_tokens: int, *, ngram_max: int = 3, ngram_min: int = 1, branches: int = 1,
+                 max_nodes: int | None = None):
         for name, value in (("num_tokens", num_tokens), ("ngram_min", ngram_min), ("branches", branches)):
             if not isinstance(value, int) or value < 1:
                 raise SpecexportError(f"{name}: expected an integer >= 1, got {value!r}")
         if not isinstance(ngram_max, int) or ngram_max < ngram_min:
             raise SpecexportError(f"ngram_max: expected an integer >= ngram_min ({ngram_min}), got {ngram_max!r}")
         self.max_depth, self.ngram_max, self.ngram_min, self.branches = num_tokens, ngram_max, ngram_min, branches
+        self.max_nodes = max_nodes          # at most this many nodes besides the root (the graph's verify limit)
 
     def propose(self, seq, n, limits: Limits, params, rng, stats) -> Proposal | None:
         depth = min(self.max_depth, limits.max_depth)
@@ -37,7 +39,8 @@ class PromptLookup(Proposer):
                               branches=self.branches)
         if not conts:
             return None
-        parents, tokens = trie(int(seq[n - 1]), conts, max_nodes=limits.max_nodes)
+        cap = limits.max_nodes if self.max_nodes is None else min(limits.max_nodes, self.max_nodes)
+        parents, tokens = trie(int(seq[n - 1]), conts, max_nodes=cap)
         return Proposal(Tree(parents), tokens)
 
 

@@ -1,0 +1,236 @@
+"""Proposers through the whole loop: prompt lookup (chains and tries of several matches) on the
+tabular toy target (V = 6, exact continuation probabilities), plus the proposer's own worked examples.
+
+- Sampling at temperature 1 and with top-k / top-p: the emitted tokens are G-tested against the
+  target's exact distribution (the q-free tree rule makes deterministic proposals lossless).
+- Teeth (ANCHORS.md): siblings tried without renormalising p', the stale bonus after a rejected
+  sibling at the last level (EAGLE PR #47), and a compaction that keeps a rejected row must each fail
+  the same G-test at p < 1e-6.
+- Greedy: token for token equal to plain greedy; KV invariants after every round.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fakes import TabularBackend, counts_of, exact_continuation_probs, goodness_of_fit, greedy_reference, make_table
+from specexport.runtime import loop
+from specexport.runtime.accept import Verdict
+from specexport.runtime.loop import DecodeStats, decode
+from specexport.runtime.proposers import Limits, PromptLookup
+from specexport.runtime.proposers.lookup import continuations, trie
+from specexport.runtime.sampling import SamplingParams, sample
+
+ALPHA = 1e-4 / 20
+TEETH_P = 1e-6
+V = 6
+TARGET = make_table(np.random.default_rng(3), V, sharpness=1.5)
+PROMPT = [3, 1, 4, 3, 1, 5, 3]            # repeats, so the last tokens have earlier occurrences
+T1 = SamplingParams(temperature=1.0)
+
+
+# -- worked examples --------------------------------------------------------------------------------
+def test_continuations_worked_examples():
+    ctx = np.array([5, 7, 1, 2, 9, 5, 7])
+    assert [c.tolist() for c in continuations(ctx, depth=3, ngram_max=2)] == [[1, 2, 9]]
+    ctx = np.array([1, 2, 1, 3, 1, 4, 1])
+    # the 1-gram [1] occurred at 4, 2 and 0 (most recent first); 4 -> [4, 1], 2 -> [3, 1], 0 -> [2, 1]
+    assert [c.tolist() for c in continuations(ctx, depth=2, ngram_max=1, branches=3)] == [[4, 1], [3, 1], [2, 1]]
+    # the longest n that matches wins: [4, 1] occurs once before ([... 1, 4, 1] vs [4, 1, 2])
+    ctx = np.array([4, 1, 2, 9, 1, 4, 1])
+    assert [c.tolist() for c in continuations(ctx, depth=2, ngram_max=2, branches=2)] == [[2, 9]]
+    assert continuations(np.array([1, 2, 3]), depth=3, ngram_max=2) == []
+    assert [c.tolist() for c in continuations(np.array([7, 7]), depth=4, ngram_max=3)] == [[7]]
+
+
+def test_trie_worked_example_and_node_budget():
+    parents, tokens = trie(7, [np.array([1, 2]), np.array([1, 4]), np.array([3])], max_nodes=10)
+    assert parents.tolist() == [-1, 0, 1, 1, 0] and tokens.tolist() == [7, 1, 2, 4, 3]
+    parents, tokens = trie(7, [np.array([1, 2]), np.array([1, 4]), np.array([3])], max_nodes=3)
+    assert parents.tolist() == [-1, 0, 1, 1] and tokens.tolist() == [7, 1, 2, 4]
+
+
+def test_lookup_respects_the_round_limits():
+    proposer = PromptLookup(5, ngram_max=1, branches=3)
+    seq = np.array([1, 2, 1, 3, 1, 4, 1] + [0] * 20)
+    prop = proposer.propose(seq, 7, Limits(max_depth=2, max_nodes=3), T1, None, DecodeStats())
+    assert prop.tree.size == 4 and prop.tree.depths.max() <= 2 and prop.tokens[0] == 1
+    assert proposer.propose(np.array([1, 2, 3, 0]), 3, Limits(4, 8), T1, None, DecodeStats()) is None
+
+
+# -- through the loop --------------------------------------------------------------------------------
+def target_backend(cls=TabularBackend, capacity=64):
+    return cls(TARGET, capacity=capacity, max_tokens=8)
+
+
+def run(proposer, params, runs, *, max_new=6, seed=0, target=None, prompt=PROMPT):
+    """tokens [runs, max_new] from `runs` decodes sharing one rng, and the summed acceptance counts."""
+    target = target or target_backend()
+    rng = np.random.default_rng(seed)
+    out = np.empty((runs, max_new), dtype=np.int64)
+    proposed = accepted = 0
+    for r in range(runs):
+        stats = DecodeStats()
+        out[r] = np.concatenate(list(decode(target, proposer, np.asarray(prompt), max_new_tokens=max_new,
+                                            params=params, rng=rng, stats=stats)))
+        proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
+    return out, proposed, accepted
+
+
+def fits(tokens, params, prompt=PROMPT):
+    k = tokens.shape[1]
+    exact = exact_continuation_probs(TARGET, prompt, k, params)
+    return {"first 3": goodness_of_fit(counts_of(tokens[:, :3], (V,) * 3), exact.sum(tuple(range(3, k)))),
+            "last 3": goodness_of_fit(counts_of(tokens[:, -3:], (V,) * 3), exact.sum(tuple(range(k - 3)))),
+            f"all {k}": goodness_of_fit(counts_of(tokens, (V,) * k), exact)}
+
+
+LOOKUP_CASES = [("chain, T1", PromptLookup(4, ngram_max=2), T1),
+                ("trie of 3, T1", PromptLookup(4, ngram_max=2, branches=3), T1),
+                ("trie of 3, top-k 3", PromptLookup(3, ngram_max=1, branches=3), SamplingParams(1.0, top_k=3)),
+                ("chain, top-p 0.8", PromptLookup(4, ngram_max=3), SamplingParams(1.0, top_p=0.8))]
+
+
+@pytest.mark.parametrize("name,proposer,params", LOOKUP_CASES, ids=[c[0] for c in LOOKUP_CASES])
+def test_prompt_lookup_sampling_is_lossless(name, proposer, params):
+    tokens, proposed, accepted = run(proposer, params, 20_000, seed=len(name))
+    for view, fit in fits(tokens, params).items():
+        assert fit.pvalue > ALPHA and fit.tv < fit.tv_bound, f"{name}, {view}: {fit}"
+    assert 0 < accepted < proposed                  # both verdicts happened
+
+
+# -- teeth ---------------------------------------------------------------------------------------------
+def accept_tree_without_renormalising(tree, node_tokens, target_probs, uniforms):
+    """Planted bug: siblings tried in order, child c accepted with p(c) (not p'(c), p renormalised
+    without the rejected siblings); when none is accepted, the token comes from p (not p')."""
+    node, path, level = 0, [0], 0
+    while True:
+        p = target_probs[node]
+        nxt = None
+        for c in tree.children[node]:
+            level += 1
+            if uniforms[min(level, len(uniforms) - 1)] < p[node_tokens[c]]:
+                nxt = c
+                break
+        if nxt is None:
+            y = sample(p, uniforms[0])
+            path = np.asarray(path, dtype=np.int64)
+            return Verdict(path, np.append(node_tokens[path[1:]], y).astype(np.int64))
+        node = nxt
+        path.append(node)
+
+
+def accept_tree_stale_bonus(tree, node_tokens, target_probs, uniforms):
+    """Planted bug (EAGLE PR #47): when every child at a node is rejected, the token is drawn from the
+    distribution of the last rejected child instead of the node's own."""
+    node, path, level = 0, [0], 0
+    while True:
+        y = sample(target_probs[node], uniforms[level])
+        level += 1
+        nxt = next((c for c in tree.children[node] if node_tokens[c] == y), None)
+        if nxt is None:
+            if tree.children[node]:
+                y = sample(target_probs[tree.children[node][-1]], uniforms[level - 1])         # BUG
+            path = np.asarray(path, dtype=np.int64)
+            return Verdict(path, np.append(node_tokens[path[1:]], y).astype(np.int64))
+        node = nxt
+        path.append(node)
+
+
+class KeepsARejectedSibling(TabularBackend):
+    """Target whose tree compaction keeps the next (rejected) row instead of the last accepted one."""
+
+    def commit(self, keep):
+        if not isinstance(keep, (int, np.integer)) and len(keep) > 1 and keep[-1] + 1 < self._pending:
+            keep = np.append(keep[:-1], keep[-1] + 1)
+        super().commit(keep)
+
+
+@pytest.mark.parametrize("variant", ["siblings without renormalising", "stale bonus after rejected siblings",
+                                     "compaction keeps a rejected row"])
+def test_teeth_tree_verification(variant, monkeypatch):
+    target = None
+    if variant.startswith("siblings"):
+        monkeypatch.setattr(loop, "accept_tree", accept_tree_without_renormalising)
+    elif variant.startswith("stale"):
+        monkeypatch.setattr(loop, "accept_tree", accept_tree_stale_bonus)
+    else:
+        target = target_backend(KeepsARejectedSibling)
+    tokens, _, _ = run(PromptLookup(3, ngram_max=1, branches=3), T1, 4_000, seed=11, target=target)
+    worst = min(fits(tokens, T1).values(), key=lambda f: f.pvalue)
+    assert worst.pvalue < TEETH_P, f"planted bug ({variant}) not detected: {worst}"
+
+
+# -- greedy and bookkeeping ----------------------------------------------------------------------------
+@pytest.mark.parametrize("proposer", [PromptLookup(4, ngram_max=3), PromptLookup(5, ngram_max=2, branches=4),
+                                      PromptLookup(2, ngram_max=1, branches=2)], ids=["chain", "trie4", "trie2"])
+def test_prompt_lookup_greedy_equals_plain_greedy_and_keeps_the_kv_exact(proposer):
+    target = target_backend(capacity=256)
+    rng = np.random.default_rng(5)
+    accepted = 0
+    for _ in range(20):
+        prompt = rng.integers(0, V, size=int(rng.integers(1, 12)))
+        stats, seq = DecodeStats(), list(prompt)
+        for chunk in decode(target, proposer, prompt, max_new_tokens=100, params=SamplingParams(0.0),
+                            rng=np.random.default_rng(0), stats=stats):
+            seq += chunk.tolist()
+            assert target.length == len(seq) - 1 and target.context().tolist() == seq[:-1]
+        np.testing.assert_array_equal(seq[len(prompt):], greedy_reference(TARGET, prompt, 100))
+        assert stats.emitted == 100 == 1 + sum(k + 1 for _, k in stats.rounds)
+        accepted += stats.accepted
+    assert accepted > 0                          # greedy toy text repeats itself: lookups get accepted
+
+
+# -- on exported graphs (ONNX Runtime) -------------------------------------------------------------------
+class RecordingLookup(PromptLookup):
+    """PromptLookup that remembers whether it ever proposed a branching tree."""
+    branched = False
+
+    def propose(self, *args):
+        prop = super().propose(*args)
+        self.branched |= prop is not None and not prop.is_chain
+        return prop
+
+
+@pytest.mark.parametrize("branches", [1, 3])
+def test_prompt_lookup_on_an_exported_model_equals_vanilla_greedy(built_llama, branches):
+    """20 prompts x 100 tokens on the exported tiny Llama in ONNX Runtime (EOS does not stop the raw
+    loop); trees (branches 3) exercise the tree mask, depth positions and the compaction of the
+    accepted rows in the ORT backend."""
+    import specexport
+
+    rng = np.random.default_rng(branches)
+    accepted = 0
+    with specexport.load(built_llama) as pipe:
+        proposer = RecordingLookup(4, branches=branches, max_nodes=pipe.max_verify_tokens - 1)
+        for _ in range(20):
+            prompt = rng.integers(3, pipe.target.vocab_size, size=int(rng.integers(2, 12)))
+            prompt = np.concatenate([prompt, prompt[:3]])           # a repeat, so there is something to look up
+            outs = []
+            for prop in (None, proposer):
+                stats = DecodeStats()
+                outs.append(np.concatenate(list(decode(pipe.target, prop, prompt, max_new_tokens=100,
+                                                       params=SamplingParams(0.0), rng=np.random.default_rng(0),
+                                                       stats=stats))))
+            np.testing.assert_array_equal(outs[1], outs[0])
+            assert len(outs[0]) == 100
+            accepted += stats.accepted
+    assert accepted > 0 and proposer.branched == (branches > 1)
+
+
+def test_lookup_is_available_from_the_cli_and_the_bench(built_draft_only, tmp_path, capsys):
+    import json
+    import shutil
+
+    from specexport.cli import main
+
+    _, out = built_draft_only
+    shutil.copytree(out, tmp_path / "b")
+    assert main(["generate", str(tmp_path / "b"), "a b a b a b", "--method", "lookup", "--max-new-tokens", "8"]) == 0
+    assert main(["bench", str(tmp_path / "b"), "--methods", "vanilla,lookup", "--gammas", "2,4", "--rounds", "1",
+                 "--max-new-tokens", "8", "--no-peers", "--threads", "1"]) == 0
+    rows = json.loads((tmp_path / "b" / "bench" / "report.json").read_text())["rows"]
+    assert [(r["method"], r["gamma"]) for r in rows] == [("vanilla", 0), ("lookup", 2), ("lookup", 4)]
+    assert all(r["ideal_speedup"] and r["speedup_ci95"] for r in rows)
+    assert main(["bench", str(tmp_path / "b"), "--methods", "draft", "--no-peers"]) == 1
+    assert "has no draft model" in capsys.readouterr().err
