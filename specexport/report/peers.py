@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import multiprocessing
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -53,15 +53,22 @@ class Generation:
 
 
 class PeerProcess:
-    """One peer family in a child process; `names` are its rows, `run(name, ids, n)` one generation."""
+    """One peer family in a child process; `names` are its rows, `run(name, ids, n)` one generation.
+
+    The child is `python -m specexport.report.peers FD SPEC` talking over a socket pair, not a
+    multiprocessing "spawn" child: spawn re-imports the caller's __main__, which breaks a bench run
+    from a script without a `if __name__ == "__main__"` guard."""
 
     def __init__(self, spec: PeerSpec, *, start_timeout_s: float = 600):
-        ctx = multiprocessing.get_context("spawn")
+        from multiprocessing.connection import Connection
+
         self.spec = spec
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, spec), daemon=True)
-        self._proc.start()
-        child.close()
+        ours, theirs = socket.socketpair()
+        self._proc = subprocess.Popen([sys.executable, "-m", "specexport.report.peers", str(theirs.fileno()),
+                                       json.dumps([spec.family, spec.precision, [list(s) for s in spec.sources]])],
+                                      pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._conn = Connection(ours.detach())
         if not self._conn.poll(start_timeout_s):
             self._proc.kill()
             raise RuntimeError(f"did not start within {start_timeout_s:.0f} s")
@@ -80,22 +87,24 @@ class PeerProcess:
         return Generation(*payload)
 
     def close(self) -> None:
-        if self._proc.is_alive():
+        if self._proc.poll() is None:
             try:
                 self._conn.send(None)
                 kind, payload = self._recv()
                 self.peak_rss_bytes = payload if kind == "rss" else None
             except (EOFError, OSError, RuntimeError):
                 pass
-        self._proc.join(10)
-        if self._proc.is_alive():
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
             self._proc.kill()
+        self._conn.close()
 
     def _recv(self):
         try:
             return self._conn.recv()
-        except EOFError:
-            raise RuntimeError(f"the {self.spec.family} peer process died (exit {self._proc.exitcode})") from None
+        except (EOFError, ConnectionResetError):
+            raise RuntimeError(f"the {self.spec.family} peer process died (exit {self._proc.poll()})") from None
 
 
 def _serve(conn, spec: PeerSpec) -> None:
@@ -258,3 +267,10 @@ def _ort_genai(folders: dict) -> dict:
     return {"onnxruntime-genai greedy": runner(folders["greedy"]),
             f"onnxruntime-genai n-gram (n={NGRAM['ngram_size']}, k={NGRAM['max_draft_tokens']})":
                 runner(folders["ngram"])}
+
+
+if __name__ == "__main__":            # the peer process: python -m specexport.report.peers FD SPEC
+    from multiprocessing.connection import Connection
+
+    family, precision, sources = json.loads(sys.argv[2])
+    _serve(Connection(int(sys.argv[1])), PeerSpec(family, precision, tuple(tuple(s) for s in sources)))
