@@ -162,11 +162,11 @@ def test_teeth_tree_verification(variant, monkeypatch):
 
 
 # -- greedy and bookkeeping ----------------------------------------------------------------------------
-@pytest.mark.parametrize("proposer", [PromptLookup(4, ngram_max=3), PromptLookup(5, ngram_max=2, branches=4),
-                                      PromptLookup(2, ngram_max=1, branches=2)], ids=["chain", "trie4", "trie2"])
-def test_prompt_lookup_greedy_equals_plain_greedy_and_keeps_the_kv_exact(proposer):
+def greedy_against_plain(proposer, seed: int, after_chunk=lambda seq: None) -> int:
+    """20 random prompts x 100 tokens, greedy, on the tabular target: equal to plain greedy, the target's
+    KV exactly the committed text after every round; returns the tokens accepted in all."""
     target = target_backend(capacity=256)
-    rng = np.random.default_rng(5)
+    rng = np.random.default_rng(seed)
     accepted = 0
     for _ in range(20):
         prompt = rng.integers(0, V, size=int(rng.integers(1, 12)))
@@ -175,10 +175,18 @@ def test_prompt_lookup_greedy_equals_plain_greedy_and_keeps_the_kv_exact(propose
                             rng=np.random.default_rng(0), stats=stats):
             seq += chunk.tolist()
             assert target.length == len(seq) - 1 and target.context().tolist() == seq[:-1]
+            after_chunk(seq)
         np.testing.assert_array_equal(seq[len(prompt):], greedy_reference(TARGET, prompt, 100))
         assert stats.emitted == 100 == 1 + sum(k + 1 for _, k in stats.rounds)
+        assert stats.accepted_at[0] <= stats.proposed_at[0] == stats.target_passes - stats.rounds.count((0, 0))
         accepted += stats.accepted
-    assert accepted > 0                          # greedy toy text repeats itself: lookups get accepted
+    return accepted
+
+
+@pytest.mark.parametrize("proposer", [PromptLookup(4, ngram_max=3), PromptLookup(5, ngram_max=2, branches=4),
+                                      PromptLookup(2, ngram_max=1, branches=2)], ids=["chain", "trie4", "trie2"])
+def test_prompt_lookup_greedy_equals_plain_greedy_and_keeps_the_kv_exact(proposer):
+    assert greedy_against_plain(proposer, seed=5) > 0      # greedy toy text repeats itself: lookups get accepted
 
 
 # -- on exported graphs (ONNX Runtime) -------------------------------------------------------------------
@@ -199,23 +207,30 @@ def test_prompt_lookup_on_an_exported_model_equals_vanilla_greedy(built_llama, b
     accepted rows in the ORT backend."""
     import specexport
 
-    rng = np.random.default_rng(branches)
-    accepted = 0
     with specexport.load(built_llama) as pipe:
         proposer = RecordingLookup(4, branches=branches, max_nodes=pipe.max_verify_tokens - 1)
-        for _ in range(20):
-            prompt = rng.integers(3, pipe.target.vocab_size, size=int(rng.integers(2, 12)))
-            prompt = np.concatenate([prompt, prompt[:3]])           # a repeat, so there is something to look up
-            outs = []
-            for prop in (None, proposer):
-                stats = DecodeStats()
-                outs.append(np.concatenate(list(decode(pipe.target, prop, prompt, max_new_tokens=100,
-                                                       params=SamplingParams(0.0), rng=np.random.default_rng(0),
-                                                       stats=stats))))
-            np.testing.assert_array_equal(outs[1], outs[0])
-            assert len(outs[0]) == 100
-            accepted += stats.accepted
+        accepted = exported_against_vanilla(pipe, proposer, np.random.default_rng(branches), repeat=True)
     assert accepted > 0 and proposer.branched == (branches > 1)
+
+
+def exported_against_vanilla(pipe, proposer, rng, *, repeat: bool = False) -> int:
+    """20 prompts x 100 greedy tokens on the pipeline's target in ONNX Runtime, with and without the
+    proposer (the raw loop: EOS does not stop it); equal outputs; returns the tokens accepted."""
+    accepted = 0
+    for _ in range(20):
+        prompt = rng.integers(3, pipe.target.vocab_size, size=int(rng.integers(2, 12)))
+        if repeat:
+            prompt = np.concatenate([prompt, prompt[:3]])           # a repeat, so there is something to look up
+        outs = []
+        for prop in (None, proposer):
+            stats = DecodeStats()
+            outs.append(np.concatenate(list(decode(pipe.target, prop, prompt, max_new_tokens=100,
+                                                   params=SamplingParams(0.0), rng=np.random.default_rng(0),
+                                                   stats=stats))))
+        np.testing.assert_array_equal(outs[1], outs[0])
+        assert len(outs[0]) == 100
+        accepted += stats.accepted
+    return accepted
 
 
 def test_lookup_is_available_from_the_cli_and_the_bench(built_draft_only, tmp_path, capsys):
@@ -234,3 +249,94 @@ def test_lookup_is_available_from_the_cli_and_the_bench(built_draft_only, tmp_pa
     assert all(r["ideal_speedup"] and r["speedup_ci95"] for r in rows)
     assert main(["bench", str(tmp_path / "b"), "--methods", "draft", "--no-peers"]) == 1
     assert "has no draft model" in capsys.readouterr().err
+
+
+# -- draft-model trees (static rank paths) ---------------------------------------------------------------
+from fakes import perturb_table  # noqa: E402
+from specexport.runtime.proposers import DraftTree  # noqa: E402
+from specexport.runtime.tree import from_rank_paths  # noqa: E402
+
+DRAFT_TABLE = perturb_table(np.random.default_rng(4), TARGET, noise=1.0)
+TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
+
+
+def test_rank_paths_worked_example_and_errors():
+    tree, ranks = from_rank_paths([(0,), (1,), (0, 0)])
+    assert tree.parents.tolist() == [-1, 0, 0, 1] and ranks.tolist() == [-1, 0, 1, 0]
+    tree, ranks = from_rank_paths([[0, 0], [1], [0]])                       # any order in, breadth-first out
+    assert tree.parents.tolist() == [-1, 0, 0, 1] and ranks.tolist() == [-1, 0, 1, 0]
+    for bad in ([(0, 0)], [(0,), (0,)], [(-1,)], [()], "abc"):
+        with pytest.raises(ValueError, match="tree"):
+            from_rank_paths(bad)
+
+
+def draft_tree(paths=TREE, capacity=64):
+    return DraftTree(TabularBackend(DRAFT_TABLE, capacity=capacity, max_tokens=16), paths)
+
+
+@pytest.mark.parametrize("params", [T1, SamplingParams(1.0, top_k=3)], ids=["T1", "top-k 3"])
+def test_draft_tree_sampling_is_lossless(params):
+    tokens, proposed, accepted = run(draft_tree(), params, 20_000, seed=21)
+    for view, fit in fits(tokens, params).items():
+        assert fit.pvalue > ALPHA and fit.tv < fit.tv_bound, f"draft tree, {view}: {fit}"
+    assert 0 < accepted < proposed
+
+
+def test_draft_tree_greedy_equals_plain_greedy_and_the_draft_holds_only_committed_text():
+    proposer = draft_tree(capacity=256)
+
+    def draft_holds_a_prefix(seq):
+        d = proposer.draft
+        assert d.length <= len(seq) - 1 and d.context().tolist() == seq[:d.length]
+
+    assert greedy_against_plain(proposer, seed=8, after_chunk=draft_holds_a_prefix) > 0
+
+
+def test_draft_tree_on_exported_models_equals_vanilla_greedy(built_llama):
+    """The draft's level-by-level tree forwards (ancestor masks over scratch rows) and the target's
+    tree verification in ONNX Runtime: 20 prompts x 100 tokens equal to vanilla greedy."""
+    import specexport
+
+    with specexport.load(built_llama) as pipe:
+        assert exported_against_vanilla(pipe, DraftTree(pipe.draft, TREE), np.random.default_rng(2)) > 0
+
+
+def test_draft_trees_through_the_pipeline_and_the_cli(built_llama, capsys):
+    import specexport
+    from specexport.cli import main
+    from specexport.errors import SpecexportError
+    from specexport.runtime.pipeline import DRAFT_TREES
+
+    with specexport.load(built_llama) as pipe:
+        ref = pipe.generate(prompt_ids=[5, 9, 11], max_new_tokens=40, method="vanilla").token_ids
+        for name in DRAFT_TREES:
+            out = pipe.generate(prompt_ids=[5, 9, 11], max_new_tokens=40, method="draft", tree=name)
+            assert out.token_ids == ref and out.stats.gamma == int(from_rank_paths(DRAFT_TREES[name])[0].depths.max())
+        with pytest.raises(SpecexportError, match="tree: 'bushy' is not a known tree"):
+            pipe.generate(prompt_ids=[5], method="draft", tree="bushy")
+        with pytest.raises(SpecexportError, match="tree: 16 nodes; the graph verifies at most"):
+            pipe.generate(prompt_ids=[5], method="draft", tree=[(i,) for i in range(16)])
+        with pytest.raises(SpecexportError, match="has no parent path"):
+            pipe.generate(prompt_ids=[5], method="draft", tree=[(0, 0)])
+    assert main(["generate", str(built_llama), "def f(x):", "--tree", "[[0],[1],[0,0]]", "--max-new-tokens", "6"]) == 0
+    assert main(["generate", str(built_llama), "x", "--tree", "[[0],", "--max-new-tokens", "6"]) == 1
+    assert "--tree: not a JSON list of rank paths" in capsys.readouterr().err
+
+
+def test_bench_rows_for_draft_trees_and_lookup(built_llama, tmp_path):
+    import json
+    import shutil
+
+    from specexport.cli import main
+
+    shutil.copytree(built_llama, tmp_path / "b")
+    assert main(["bench", str(tmp_path / "b"), "--methods", "vanilla,draft,lookup", "--gammas", "2", "--trees",
+                 "small", "--rounds", "1", "--max-new-tokens", "12", "--no-peers", "--threads", "1"]) == 0
+    report = json.loads((tmp_path / "b" / "bench" / "report.json").read_text())
+    rows = {(r["method"], r["gamma"], r["tree"]): r for r in report["rows"]}
+    assert set(rows) == {("vanilla", 0, None), ("lookup", 2, None), ("draft", 2, None), ("draft", 4, "small")}
+    tree_row = rows[("draft", 4, "small")]
+    assert tree_row["ideal_speedup"] and tree_row["speedup_ci95"] and tree_row["acceptance_conditional"] == []
+    assert set(report["gamma_auto"]) == {"fp32/fp32"} and report["gamma_auto"]["fp32/fp32"]["measured_at_gamma"] == 2
+    assert "tree small (depth 4)" in (tmp_path / "b" / "bench" / "report.md").read_text()
+    assert main(["bench", str(tmp_path / "b"), "--trees", "bushy", "--no-peers", "--threads", "1"]) == 1

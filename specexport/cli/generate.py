@@ -13,6 +13,9 @@ from specexport.cli import cli
               help="vanilla | draft (a draft model) | lookup (prompt lookup: copies from earlier text, target only)")
 @click.option("--gamma", default="4", show_default=True,
               help="Draft tokens proposed per round, or 'auto' (the γ `specexport bench` measured best).")
+@click.option("--tree", default=None,
+              help="Draft a static token tree instead of a chain: small | wide | deep, or JSON rank paths "
+                   "like '[[0],[1],[0,0]]'.")
 @click.option("--draft-stop", default=0.0, show_default=True, type=float,
               help="End a round's drafting early once the draft's probability of its proposal is below this.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
@@ -27,16 +30,17 @@ from specexport.cli import cli
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--compare", is_flag=True, help="Also time vanilla decoding on the same build and print the speedup.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
-def generate(output_dir, prompt, method, gamma, draft_stop, temperature, top_k, top_p, max_new_tokens, seed, precision,
-             draft_precision, threads, draft_threads, stop, compare, verbose):
+def generate(output_dir, prompt, method, gamma, tree, draft_stop, temperature, top_k, top_p, max_new_tokens, seed,
+             precision, draft_precision, threads, draft_threads, stop, compare, verbose):
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
 
     pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision, threads=threads,
                            draft_threads=draft_threads)
     gamma = gamma if gamma == "auto" else _int_gamma(gamma)
+    tree = _tree(tree)
     pieces = pipe.stream(prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma, draft_stop=draft_stop,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop)
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tree=tree)
     first = next(pieces, "")            # input errors surface here, before anything is printed
     click.echo(prompt + first, nl=False)
     for piece in pieces:
@@ -55,8 +59,22 @@ def generate(output_dir, prompt, method, gamma, draft_stop, temperature, top_k, 
     click.secho(line, fg="cyan", err=True)
     if compare and method != "vanilla":
         _compare(pipe, prompt, dict(max_new_tokens=max_new_tokens, gamma=gamma, draft_stop=draft_stop,
-                                    temperature=temperature,
+                                    temperature=temperature, tree=tree,
                                     top_k=top_k, top_p=top_p, seed=seed, stop=stop), method)
+
+
+def _tree(text: str | None):
+    """A tree name, or rank paths given as JSON."""
+    import json
+
+    from specexport.errors import SpecexportError
+
+    if text is None or not text.lstrip().startswith("["):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise SpecexportError(f"--tree: not a JSON list of rank paths ({err.msg}): {text!r}") from None
 
 
 def _int_gamma(text: str) -> int:

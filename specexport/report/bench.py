@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,6 +37,19 @@ ROW_KEYS = ("precision", "draft_precision", "method", "gamma", "tokens_per_s", "
             "speedup_ci95", "ideal_speedup", "efficiency")
 
 
+class Config(NamedTuple):
+    """One row of the report."""
+    method: str
+    precision: str                  # the target's
+    draft_precision: str | None
+    gamma: int                      # chain length, or lookup's longest proposal; 0 for vanilla
+    draft_stop: float = 0.0
+    tree: str | None = None         # a DRAFT_TREES name: the draft proposes that static tree
+
+
+VANILLA = "vanilla"
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     output_dir: Path
@@ -44,6 +58,7 @@ class BenchConfig:
     methods: tuple[str, ...] = ("vanilla", "draft")
     gammas: tuple[int, ...] = (2, 3, 4, 5, 6)
     draft_stops: tuple[float, ...] = ()             # adaptive-γ rows, at the largest γ, per value
+    trees: tuple[str, ...] = ()                     # draft-tree rows (DRAFT_TREES names), per precision
     max_new_tokens: int = 128
     rounds: int = 3
     out: Path | None = None                         # default: <output_dir>/bench
@@ -79,7 +94,7 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
 
 
 def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dict:
-    drafts = sorted({(tp, dp) for _, tp, dp, _, _ in configs if dp is not None})
+    drafts = sorted({(c.precision, c.draft_precision) for c in configs if c.draft_precision is not None})
     for tp, dp in drafts:                           # open every draft before the runs
         pipes[tp].use_draft_precision(dp)
         pipes[tp].draft.clock = clock
@@ -114,7 +129,7 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
             peer.close()
     costs = {(tp, dp): {"target": acc.decode_costs(pipes[tp].target.timings),
                         "draft": acc.decode_costs(pipes[tp].drafts[dp].timings) if dp else {}}
-             for tp, dp in {(c[1], c[2]) for c in configs}}
+             for tp, dp in {(c.precision, c.draft_precision) for c in configs}}
     for pipe in pipes.values():                     # the isolated timing below is not part of the runs
         for b in (pipe.target, *pipe.drafts.values()):
             b.timings = None
@@ -173,36 +188,43 @@ def _clocked(pipe, clock):
     return pipe
 
 
-def _run(pipes, config, prompt: str, max_new_tokens: int):
-    method, tp, dp, g, stop = config
-    if dp is not None:
-        pipes[tp].use_draft_precision(dp)
-    return pipes[tp].generate(prompt, max_new_tokens=max_new_tokens, method=method, gamma=max(g, 1),
-                              draft_stop=stop).stats
+def _run(pipes, c: Config, prompt: str, max_new_tokens: int):
+    pipe = pipes[c.precision]
+    if c.draft_precision is not None:
+        pipe.use_draft_precision(c.draft_precision)
+    return pipe.generate(prompt, max_new_tokens=max_new_tokens, method=c.method, gamma=max(c.gamma, 1),
+                         draft_stop=c.draft_stop, tree=c.tree).stats
 
 
 def _configs(precisions, models, cfg, has_draft):
     """Per target precision: vanilla; the draft of the same precision at every γ (and the adaptive
     rows); with an fp32 target, every quantized draft at every γ (the edge trick: quantize the draft
     harder); with a quantized target, the fp32 draft at the first γ (acceptance cost of that side)."""
+    from specexport.runtime.pipeline import DRAFT_TREES, from_rank_paths
+
     configs = []
     draft_built = models.get("draft", {}).get("precisions", {}) if has_draft else {}
     for p in precisions:
         if "vanilla" in cfg.methods:
-            configs.append(("vanilla", p, None, 0, 0.0))
+            configs.append(Config(VANILLA, p, None, 0))
         if "lookup" in cfg.methods:                 # prompt lookup: the target alone, up to γ tokens per round
-            configs += [("lookup", p, None, g, 0.0) for g in cfg.gammas]
+            configs += [Config("lookup", p, None, g) for g in cfg.gammas]
         if p in draft_built:
-            configs += [("draft", p, p, g, 0.0) for g in cfg.gammas]
-            configs += [("draft", p, p, max(cfg.gammas), stop) for stop in cfg.draft_stops if stop > 0]
+            configs += [Config("draft", p, p, g) for g in cfg.gammas]
+            configs += [Config("draft", p, p, max(cfg.gammas), stop) for stop in cfg.draft_stops if stop > 0]
+            for name in cfg.trees:
+                if name not in DRAFT_TREES:
+                    raise SpecexportError(f"--trees: {name!r} is not a known tree; known: {', '.join(DRAFT_TREES)}")
+                depth = int(from_rank_paths(DRAFT_TREES[name])[0].depths.max())
+                configs.append(Config("draft", p, p, depth, tree=name))
     if "fp32" in draft_built:
         for p in precisions:
             if p != "fp32":
-                configs.append(("draft", p, "fp32", cfg.gammas[0], 0.0))
+                configs.append(Config("draft", p, "fp32", cfg.gammas[0]))
     if "fp32" in precisions:
         for d in draft_built:
             if d != "fp32":
-                configs += [("draft", "fp32", d, g, 0.0) for g in cfg.gammas]
+                configs += [Config("draft", "fp32", d, g) for g in cfg.gammas]
     return configs
 
 
@@ -261,25 +283,25 @@ def _time_forward(backend, ctx, t: int, clock) -> float:
     return clock() - start
 
 
-def _row(c, runs, costs) -> dict:
-    method, tp, dp, g, stop = c
+def _row(c: Config, runs, costs) -> dict:
+    method, tp, dp, g, stop = c.method, c.precision, c.draft_precision, c.gamma, c.draft_stop
     st = runs[c]
-    vanilla = runs.get(("vanilla", tp, None, 0, 0.0))
+    vanilla = runs.get(Config(VANILLA, tp, None, 0))
     cost = costs[(tp, dp)]
     c1 = cost["target"].get(1)          # one target session per precision: vanilla's T = 1 forwards are these
     tps = acc.throughput(st)
     base = acc.throughput(vanilla) if vanilla else None
     speedup = tps / base if tps and base else None
-    if method == "vanilla":
+    if method == VANILLA:
         ideal, interval = 1.0, [1.0, 1.0]
     else:
         ideal = acc.ideal_speedup(st, c_vanilla1=c1, c_target=cost["target"], c_draft=cost["draft"]) if c1 else None
         interval = acc.speedup_interval(st, vanilla) if vanilla else None
     return {
-        "precision": tp, "draft_precision": dp, "method": method, "gamma": g, "draft_stop": stop,
+        "precision": tp, "draft_precision": dp, "method": method, "gamma": g, "draft_stop": stop, "tree": c.tree,
         "tokens_per_s": tps, **acc.timing_figures(st),
-        # conditional acceptance per position needs rounds of a fixed length: not adaptive or lookup rows
-        **acc.acceptance_figures(st, g, bool(stop) or method == "lookup"),
+        # conditional acceptance per position needs chains of a fixed length: not adaptive, lookup or tree rows
+        **acc.acceptance_figures(st, g, bool(stop) or method == "lookup" or c.tree is not None),
         "speedup_vs_vanilla": speedup, "speedup_ci95": interval, "ideal_speedup": ideal,
         "efficiency": speedup / ideal if speedup and ideal else None,
     }
@@ -311,11 +333,12 @@ def _gamma_choice(rows, costs, isolated, max_gamma: int) -> dict:
 def _acceptance_drop(rows) -> list:
     """Acceptance of each quantized combination against fp32/fp32 at the same γ."""
     ref = {r["gamma"]: r["acceptance_rate"] for r in rows
-           if r["method"] == "draft" and r["precision"] == "fp32" and r["draft_precision"] == "fp32" and not r["draft_stop"]}
+           if r["method"] == "draft" and r["precision"] == "fp32" and r["draft_precision"] == "fp32" and not r["draft_stop"]
+           and not r["tree"]}
     out = []
     for r in rows:
         if r["method"] == "draft" and (r["precision"], r["draft_precision"]) != ("fp32", "fp32") and r["gamma"] in ref \
-                and not r["draft_stop"]:
+                and not r["draft_stop"] and not r["tree"]:
             out.append({"target": r["precision"], "draft": r["draft_precision"], "gamma": r["gamma"],
                         "acceptance": r["acceptance_rate"], "fp32_acceptance": ref[r["gamma"]],
                         "drop": ref[r["gamma"]] - r["acceptance_rate"]})

@@ -31,7 +31,9 @@ def render_markdown(report: dict) -> str:
              "| target | draft | method | γ | tok/s | TTFT ms | TPOT p50 | TPOT p90 | acceptance | tokens/pass "
              "| speedup [95% CI] | ideal | efficiency |", "|" + "---|" * 13]
     for r in report["rows"]:
-        g = f"≤{r['gamma']}, stop {r['draft_stop']:g}" if r["draft_stop"] else (r["gamma"] or "-")
+        g = (f"≤{r['gamma']}, stop {r['draft_stop']:g}" if r["draft_stop"] else
+             f"tree {r['tree']} (depth {r['gamma']})" if r.get("tree") else
+             f"≤{r['gamma']}" if r["method"] == "lookup" else (r["gamma"] or "-"))
         lines.append(f"| {r['precision']} | {r['draft_precision'] or '-'} | {r['method']} | {g} | "
                      f"{_f(r['tokens_per_s'], '.1f')} | {_f(r['ttft_ms'], '.2f')} | {_f(r['tpot_ms_p50'], '.3f')} | "
                      f"{_f(r['tpot_ms_p90'], '.3f')} | {_f(r['acceptance_rate'], '.3f')} | "
@@ -104,7 +106,7 @@ def plot_speedups(report: dict, out: Path, log) -> list[str]:
         r["precision"] for r in report["rows"] if r["method"] == "lookup")]
     for label, method, tp, dp in lines:
         rows = [r for r in report["rows"] if r["method"] == method and r["precision"] == tp
-                and r["draft_precision"] == dp and not r["draft_stop"] and r["speedup_vs_vanilla"]]
+                and r["draft_precision"] == dp and not r["draft_stop"] and not r.get("tree") and r["speedup_vs_vanilla"]]
         if not rows:
             continue
         lo = [r["speedup_vs_vanilla"] - (r["speedup_ci95"] or [r["speedup_vs_vanilla"]] * 2)[0] for r in rows]

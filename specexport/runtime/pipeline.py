@@ -21,11 +21,21 @@ from specexport.manifest import check_files, file_problems, listed_files, read_m
 from specexport.runtime.backends import open_backend
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
-from specexport.runtime.proposers import DraftChain, PromptLookup
+from specexport.runtime.proposers import DraftChain, DraftTree, PromptLookup
+from specexport.runtime.tree import from_rank_paths
 from specexport.runtime.sampling import SamplingParams
 
 METHODS = ("vanilla", "draft", "lookup")   # medusa and eagle come with the heads issues
 PREFILL_CHUNK = 64
+# Static draft trees (rank paths: the r-th most likely draft token at each depth). "wide" branches at
+# the first two levels, "deep" follows the top-1 path further; both 15 nodes, for max_verify_tokens 16.
+DRAFT_TREES = {
+    "small": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)],
+    "wide": [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0),
+             (0, 0, 0, 0), (0, 0, 0, 0, 0)],
+    "deep": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0),
+             (0, 0, 0, 0, 1), (0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0, 0, 0), (1, 0, 0)],
+}
 
 
 @dataclass
@@ -132,16 +142,18 @@ class Pipeline:
     def stream(self, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int = 128,
                method: str = "draft", gamma: int = 4, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = 0, stop: list[str] | tuple = (),
-               draft_stop: float = 0.0, lookup_branches: int = 1):
+               draft_stop: float = 0.0, lookup_branches: int = 1, tree=None):
         """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards.
         method: vanilla | draft (a draft model proposes γ tokens) | lookup (prompt lookup: up to γ tokens
         copied from what followed an earlier occurrence of the last tokens; lookup_branches > 1 verifies
         the continuations of that many occurrences as one tree).
         draft_stop: end a round's drafting once the draft gives its proposal a probability below this
-        (adaptive γ up to `gamma`; 0 = always γ proposals). Output is unchanged either way."""
+        (adaptive γ up to `gamma`; 0 = always γ proposals). Output is unchanged either way.
+        tree (method draft): a static token tree instead of a chain, as rank paths like
+        [[0], [1], [0, 0]] or the name of one of DRAFT_TREES; verified in one target pass."""
         ids = self._prompt_ids(prompt, prompt_ids)
         params = self._params(temperature, top_k, top_p)
-        proposer = self._proposer_for(method, gamma, draft_stop, lookup_branches)
+        proposer = self._proposer_for(method, gamma, draft_stop, lookup_branches, tree)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpecexportError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
         stats, detok = DecodeStats(), IncrementalDetokenizer(self.tokenizer, ids.tolist())
@@ -205,7 +217,7 @@ class Pipeline:
         except ValueError as err:
             raise SpecexportError(str(err)) from None
 
-    def _proposer_for(self, method: str, gamma, draft_stop: float, lookup_branches: int):
+    def _proposer_for(self, method: str, gamma, draft_stop: float, lookup_branches: int, tree=None):
         """The round's proposer (None for vanilla). gamma="auto" (draft only) takes the γ `specexport
         bench` stored for these precisions, and decodes vanilla when it predicted speculation would lose."""
         if method not in METHODS:
@@ -220,6 +232,8 @@ class Pipeline:
             if not isinstance(lookup_branches, int) or lookup_branches < 1:
                 raise SpecexportError(f"lookup_branches: expected an integer >= 1, got {lookup_branches!r}")
             return PromptLookup(gamma, branches=lookup_branches, max_nodes=self.max_verify_tokens - 1)
+        if tree is not None:
+            return DraftTree(self.draft, self._tree_paths(tree))
         if gamma == "auto":
             choice = lookup_gamma(self.manifest, self.precision, self.draft_precision)
             if choice is None:
@@ -233,6 +247,21 @@ class Pipeline:
                 return None
             gamma = min(int(choice["gamma"]), self.max_verify_tokens - 1)
         return DraftChain(self.draft, self._check_gamma(gamma, auto=True), draft_stop=draft_stop)
+
+    def _tree_paths(self, tree) -> list:
+        paths = DRAFT_TREES.get(tree) if isinstance(tree, str) else tree
+        if paths is None:
+            raise SpecexportError(f"tree: {tree!r} is not a known tree; known: {', '.join(DRAFT_TREES)}, or a list "
+                                  f"of rank paths like [[0], [1], [0, 0]]")
+        try:
+            nodes = from_rank_paths(paths)[0].size - 1
+        except ValueError as err:
+            raise SpecexportError(str(err)) from None
+        if nodes > self.max_verify_tokens - 1:
+            raise SpecexportError(f"tree: {nodes} nodes; the graph verifies at most max_verify_tokens - 1 = "
+                                  f"{self.max_verify_tokens - 1} besides the root (rebuild with a larger "
+                                  f"max_verify_tokens)")
+        return paths
 
     def _check_gamma(self, gamma, *, auto: bool) -> int:
         if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= self.max_verify_tokens - 1:

@@ -72,3 +72,29 @@ def check_parents(parents: np.ndarray) -> None:
     idx = np.arange(len(parents))
     if np.any(parents[1:] < 0) or np.any(parents[1:] >= idx[1:]):
         raise ValueError(f"parents: every non-root node's parent must be a smaller index, got {parents!r}")
+
+
+def from_rank_paths(paths) -> tuple[Tree, np.ndarray]:
+    """A static tree written as Medusa's `medusa_choices`: each path (r_1, ..., r_d) is the node reached
+    by taking the r_1-th most likely token at depth 1, then the r_2-th at depth 2, and so on. Returns
+    (Tree with the root as node 0 and nodes in breadth-first order, ranks [T] with -1 for the root).
+
+    Example: [(0,), (1,), (0, 0)] -> parents [-1, 0, 0, 1], ranks [-1, 0, 1, 0].
+    Every prefix of a path must be a path too; ranks are integers >= 0; no path twice.
+    """
+    try:
+        norm = [tuple(int(r) for r in p) for p in paths]
+    except (TypeError, ValueError):
+        raise ValueError(f"tree: expected a list of rank paths like [[0], [1], [0, 0]], got {paths!r}") from None
+    if len(set(norm)) != len(norm) or any(not p or min(p) < 0 for p in norm):
+        raise ValueError(f"tree: rank paths must be distinct, non-empty and made of ranks >= 0, got {paths!r}")
+    order = sorted(norm, key=lambda p: (len(p), p))
+    index = {(): 0}
+    parents, ranks = [-1], [-1]
+    for p in order:
+        if p[:-1] not in index:
+            raise ValueError(f"tree: path {list(p)} has no parent path {list(p[:-1])}")
+        index[p] = len(parents)
+        parents.append(index[p[:-1]])
+        ranks.append(p[-1])
+    return Tree(np.asarray(parents, dtype=np.int64)), np.asarray(ranks, dtype=np.int64)

@@ -64,6 +64,7 @@ class Proposer:
 
 
 from specexport.runtime.proposers.draft import DraftChain       # noqa: E402  (the proposers, by name)
+from specexport.runtime.proposers.draft_tree import DraftTree   # noqa: E402
 from specexport.runtime.proposers.lookup import PromptLookup    # noqa: E402
 
-__all__ = ["DraftChain", "Limits", "PromptLookup", "Proposal", "Proposer"]
+__all__ = ["DraftChain", "DraftTree", "Limits", "PromptLookup", "Proposal", "Proposer"]

@@ -1,0 +1,77 @@
+"""A draft model proposing a static token tree (rank paths, as Medusa writes them), verified in one
+target pass: the top-ranked draft tokens at each node, to the depths and widths the tree names.
+
+Drafting level by level without a contract change: the draft's KV holds only the committed text.
+Each round it first catches up on seq[draft.length:N] (the accepted tokens of the last round and the
+root) and commits that; the root's logits give the depth-1 children. Level d then feeds every tree
+node of depth < d at once, with the tree's ancestor mask and depth positions, into the draft's
+scratch rows, reads the logits of the depth-(d-1) nodes, and rolls the scratch back. The cost is the
+sum of the levels' sizes in draft tokens (small trees: a few draft passes); nothing of a rejected
+branch is ever committed, so the next round's catch-up is all the bookkeeping there is.
+
+The children are chosen deterministically (ranks of the draft's warped distribution), so the q-free
+rule verifies the tree losslessly at any temperature; greedy verification equals plain greedy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from specexport.runtime.proposers import Limits, Proposal, Proposer
+from specexport.runtime.sampling import warp
+from specexport.runtime.tree import Tree, from_rank_paths
+
+
+class DraftTree(Proposer):
+    def __init__(self, draft, paths):
+        self.draft = draft
+        self.tree, self.ranks = from_rank_paths(paths)          # [T], ranks[0] = -1 (root)
+        self.max_depth = int(self.tree.depths.max())
+        self.max_nodes = self.tree.size - 1
+        self.capacity = draft.capacity
+
+    def begin(self, prompt: np.ndarray, prefill_chunk: int) -> None:
+        from specexport.runtime.loop import prefill
+
+        self.draft.reset()
+        prefill(self.draft, prompt, prefill_chunk)
+
+    def propose(self, seq, n, limits: Limits, params, rng, stats) -> Proposal:
+        tree, ranks, draft = self._fit(limits)
+        tokens = np.empty(tree.size, dtype=np.int64)                   # [T]
+        tokens[0] = seq[n - 1]
+        feed = seq[draft.length:n]                                     # catch up, root last
+        out = draft.forward(feed)
+        draft.commit(len(feed))
+        stats.count_forward(self.role, len(feed))
+        self._choose(tree, ranks, tokens, [0], out.logits[-1:], params)
+        for d in range(2, int(tree.depths.max()) + 1):
+            rows = np.flatnonzero((tree.depths >= 1) & (tree.depths < d))          # nodes of depth 1..d-1
+            sub = tree.mask[np.ix_(rows, rows)]
+            out = draft.forward(tokens[rows], depths=tree.depths[rows] - 1, tree_mask=sub)
+            stats.count_forward(self.role, len(rows))
+            parents = rows[tree.depths[rows] == d - 1]
+            self._choose(tree, ranks, tokens, parents, out.logits[np.searchsorted(rows, parents)], params)
+            draft.rollback(draft.length)                              # forget the scratch rows
+        stats.draft_passes += int(tree.depths.max())
+        return Proposal(tree, tokens)
+
+    def _fit(self, limits: Limits):
+        """The static tree, cut to this round's depth and node limits (breadth-first order keeps
+        parents before children, so a prefix of the nodes is a tree)."""
+        keep = np.flatnonzero(self.tree.depths <= limits.max_depth)[:limits.max_nodes + 1]
+        if len(keep) == self.tree.size:
+            return self.tree, self.ranks, self.draft
+        return Tree(self.tree.parents[keep]), self.ranks[keep], self.draft
+
+    @staticmethod
+    def _choose(tree, ranks, tokens, parents, logits, params) -> None:
+        """Set the tokens of the children of `parents` from their logits [len(parents), V]: the child of
+        rank r gets the r-th most likely token of the warped draft distribution (argmax order when greedy)."""
+        for p, row in zip(parents, logits):
+            kids = tree.children[p]
+            if not kids:
+                continue
+            scores = row if params.greedy else warp(row, params)
+            order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
+            for c in kids:
+                tokens[c] = order[ranks[c]]
