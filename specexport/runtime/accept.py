@@ -14,6 +14,15 @@ Three rules, each a pure function with the random coins passed in (the loop owns
   otherwise emit y and stop; at a leaf, y is the bonus. This is the q-free rule of ANCHORS.md in its
   "sample y ~ p" form, lossless however the children were chosen, if the tree was fixed first.
 
+* `accept_tree_sampled` (a tree whose children were *sampled* from the draft: several draft samples
+  per node): multi-draft rejection sampling. At a node, try its children in order: accept child x
+  with probability min(1, p(x) / q(x)); on rejection replace p by normalize(max(0, p - q)) and, when
+  the children were drawn without replacement, remove x from q and renormalise it; descend into an
+  accepted child with its own fresh p; when every child is rejected, draw from the final p. With
+  replacement this is SpecInfer's rule (Miao et al. 2024), without it recursive rejection sampling
+  (Jeon et al. 2024). The q-free rule is wrong here: it ignores that likely draft tokens are proposed
+  more often (a test plants exactly that).
+
 A Verdict's `path` is the nodes whose K/V the target commits (the root and the accepted nodes);
 `tokens` are what the round emits (accepted tokens, then the bonus or recovered token).
 """
@@ -96,6 +105,50 @@ def accept_tree(tree: Tree, node_tokens: np.ndarray, target_probs: np.ndarray, u
         level += 1
         nxt = next((c for c in tree.children[node] if node_tokens[c] == y), None)
         if nxt is None:
+            path = np.asarray(path, dtype=np.int64)
+            return Verdict(path, np.append(node_tokens[path[1:]], y).astype(np.int64))
+        node = nxt
+        path.append(node)
+
+
+def accept_tree_sampled(tree: Tree, node_tokens: np.ndarray, target_probs: np.ndarray, draft_probs: np.ndarray,
+                        uniforms: np.ndarray, *, replacement: bool) -> Verdict:
+    """Lossless verification of a tree whose children were sampled from the draft.
+
+    node_tokens   [T]      token of each node (node 0 = root, ignored)
+    target_probs  [T, V]   warped target distribution at each node
+    draft_probs   [T, V]   row i: the warped draft distribution node i's siblings were first drawn
+                           from (the same row for all children of one parent; row 0 unused)
+    uniforms      [>= T + depth + 1]  coins: one per child tried, one per final draw
+    replacement   the children of a node were drawn i.i.d. from q (True), or one after another from
+                  q with the earlier ones removed (False)
+
+    Example (with replacement): p = [0.5, 0.5], q = [1, 0], two children both token 0: the first is
+    accepted with probability 0.5; if rejected the residual max(p - q, 0) = [0, 0.5] makes the second
+    impossible, and the round emits token 1.
+    """
+    node, path, u = 0, [0], 0
+    while True:
+        kids = tree.children[node]
+        p = np.array(target_probs[node], dtype=np.float64)
+        q = np.array(draft_probs[kids[0]], dtype=np.float64) if kids else None
+        nxt = None
+        for c in kids:
+            x = node_tokens[c]
+            coin = uniforms[u]
+            u += 1
+            if coin * q[x] < p[x]:                     # accept with probability min(1, p(x) / q(x))
+                nxt = c
+                break
+            residual = np.maximum(p - q, 0.0)
+            if residual.sum() > 0:                     # p == q: rejection had probability 0; keep p (no 0/0)
+                p = residual / residual.sum()
+            if not replacement:
+                q[x] = 0.0
+                if q.sum() > 0:
+                    q /= q.sum()
+        if nxt is None:
+            y = sample(p, uniforms[u])
             path = np.asarray(path, dtype=np.int64)
             return Verdict(path, np.append(node_tokens[path[1:]], y).astype(np.int64))
         node = nxt

@@ -11,8 +11,9 @@ One round:
     proposer: a tree of T nodes, node 0 the root seq[N-1] (a chain of γ for a draft model, a trie of
               n-gram continuations for prompt lookup); None when it has nothing: a plain target step
     target:   feed the T tokens at positions N-1 + depth with the tree's ancestor mask -> p per node
-    verdict:  greedy (longest matching path), the chain rejection rule (children sampled from q), or
-              the q-free tree rule (children chosen deterministically); the target commits the root and
+    verdict:  greedy (longest matching path), the chain rejection rule (a chain sampled from q), the
+              multi-draft rule (a tree of children sampled from q), or the q-free tree rule (children
+              chosen deterministically); the target commits the root and
               the accepted path's rows, compacted; the proposer is told the verdict.
 Per-depth statistics: proposed_at[d] counts rounds whose tree reached depth d + 1, accepted_at[d]
 rounds that accepted d + 1 tokens or more (for a chain: proposal positions).
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specexport.errors import SpecexportError
-from specexport.runtime.accept import accept_chain, accept_greedy, accept_tree
+from specexport.runtime.accept import accept_chain, accept_greedy, accept_tree, accept_tree_sampled
 from specexport.runtime.backends.base import Backend
 from specexport.runtime.proposers import DraftChain, Limits
 from specexport.runtime.sampling import SamplingParams, sample, warp
@@ -160,8 +161,12 @@ def _verify(target, proposer, proposal, seq, n, params, rng, stats) -> np.ndarra
     stats.count_forward("target", T)
     if params.greedy:
         verdict = accept_greedy(tree, tokens, out.logits[:T].argmax(-1))
-    elif proposal.q is not None:                # children sampled from the draft: the chain rejection rule
+    elif proposal.q is not None and chain:      # a chain sampled from the draft: the chain rejection rule
         verdict = accept_chain(tokens[1:], proposal.q, warp(out.logits[:T], params), rng.random(T))
+    elif proposal.q is not None:                # a tree of sampled children: the multi-draft rule
+        q = np.concatenate([np.zeros((1, proposal.q.shape[1])), proposal.q])        # [T, V], row 0 unused
+        verdict = accept_tree_sampled(tree, tokens, warp(out.logits[:T], params), q, rng.random(2 * T),
+                                      replacement=proposal.replacement)
     else:                                       # children chosen deterministically: the q-free rule
         verdict = accept_tree(tree, tokens, warp(out.logits[:T], params), rng.random(T))
     k = verdict.n_accepted

@@ -37,6 +37,7 @@ class Proposal:
     tree: Tree                      # node 0 = root
     tokens: np.ndarray              # [T] int64: tokens[0] = root token (seq[N-1]), then each node's token
     q: np.ndarray | None = None     # [T-1, V]: the draft distribution each node was sampled from, or None
+    replacement: bool = True        # sampled siblings drawn i.i.d. (True) or without replacement
 
     @property
     def is_chain(self) -> bool:

@@ -9,21 +9,24 @@ scratch rows, reads the logits of the depth-(d-1) nodes, and rolls the scratch b
 sum of the levels' sizes in draft tokens (small trees: a few draft passes); nothing of a rejected
 branch is ever committed, so the next round's catch-up is all the bookkeeping there is.
 
-The children are chosen deterministically (ranks of the draft's warped distribution), so the q-free
-rule verifies the tree losslessly at any temperature; greedy verification equals plain greedy.
+By default the children are chosen deterministically (ranks of the draft's warped distribution), so
+the q-free rule verifies the tree losslessly at any temperature; greedy verification equals plain
+greedy. With sampled=True (and temperature > 0) a node's children are instead drawn i.i.d. from the
+draft's warped distribution (the rank paths then only give the tree's shape), the proposal carries
+that q, and the loop verifies with the multi-draft rule (accept_tree_sampled, with replacement).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from specexport.runtime.proposers import Limits, Proposal, Proposer
-from specexport.runtime.sampling import warp
+from specexport.runtime.sampling import sample, warp
 from specexport.runtime.tree import Tree, from_rank_paths
 
 
 class DraftTree(Proposer):
-    def __init__(self, draft, paths):
-        self.draft = draft
+    def __init__(self, draft, paths, *, sampled: bool = False):
+        self.draft, self.sampled = draft, sampled
         self.tree, self.ranks = from_rank_paths(paths)          # [T], ranks[0] = -1 (root)
         self.max_depth = int(self.tree.depths.max())
         self.max_nodes = self.tree.size - 1
@@ -39,21 +42,25 @@ class DraftTree(Proposer):
         tree, ranks, draft = self._fit(limits)
         tokens = np.empty(tree.size, dtype=np.int64)                   # [T]
         tokens[0] = seq[n - 1]
+        sampled = self.sampled and not params.greedy
+        q = np.zeros((tree.size, draft.vocab_size)) if sampled else None    # [T, V] row i: what node i was drawn from
+        choose = (lambda parents, logits: self._draw(tree, tokens, q, parents, logits, params, rng)) if sampled \
+            else (lambda parents, logits: self._choose(tree, ranks, tokens, parents, logits, params))
         feed = seq[draft.length:n]                                     # catch up, root last
         out = draft.forward(feed)
         draft.commit(len(feed))
         stats.count_forward(self.role, len(feed))
-        self._choose(tree, ranks, tokens, [0], out.logits[-1:], params)
+        choose([0], out.logits[-1:])
         for d in range(2, int(tree.depths.max()) + 1):
             rows = np.flatnonzero((tree.depths >= 1) & (tree.depths < d))          # nodes of depth 1..d-1
             sub = tree.mask[np.ix_(rows, rows)]
             out = draft.forward(tokens[rows], depths=tree.depths[rows] - 1, tree_mask=sub)
             stats.count_forward(self.role, len(rows))
             parents = rows[tree.depths[rows] == d - 1]
-            self._choose(tree, ranks, tokens, parents, out.logits[np.searchsorted(rows, parents)], params)
+            choose(parents, out.logits[np.searchsorted(rows, parents)])
             draft.rollback(draft.length)                              # forget the scratch rows
         stats.draft_passes += int(tree.depths.max())
-        return Proposal(tree, tokens)
+        return Proposal(tree, tokens, q[1:] if sampled else None)
 
     def _fit(self, limits: Limits):
         """The static tree, cut to this round's depth and node limits (breadth-first order keeps
@@ -62,6 +69,17 @@ class DraftTree(Proposer):
         if len(keep) == self.tree.size:
             return self.tree, self.ranks, self.draft
         return Tree(self.tree.parents[keep]), self.ranks[keep], self.draft
+
+    @staticmethod
+    def _draw(tree, tokens, q, parents, logits, params, rng) -> None:
+        """Draw the children of `parents` i.i.d. from the warped draft distribution at the parent."""
+        for p, row in zip(parents, logits):
+            kids = tree.children[p]
+            if kids:
+                dist = warp(row, params)
+                for c in kids:
+                    q[c] = dist
+                    tokens[c] = sample(dist, rng.random())
 
     @staticmethod
     def _choose(tree, ranks, tokens, parents, logits, params) -> None:
