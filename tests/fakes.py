@@ -219,3 +219,20 @@ def goodness_of_fit(counts: np.ndarray, probs: np.ndarray, *, min_expected: floa
         return Fit(1.0, tv, n, len(probs))           # one possible outcome, and only it was seen
     res = sps.power_divergence(np.asarray(obs), np.asarray(exp), lambda_="log-likelihood")
     return Fit(float(res.pvalue), tv, n, len(probs))
+
+
+def decode_many(target, proposer, prompt, params, runs: int, *, max_new: int, seed: int):
+    """tokens [runs, max_new] from `runs` decodes through the whole loop sharing one rng, and the
+    summed proposed / accepted counts (the proposal and verdict paths were both exercised if 0 <
+    accepted < proposed)."""
+    from specexport.runtime.loop import DecodeStats, decode
+
+    rng = np.random.default_rng(seed)
+    out = np.empty((runs, max_new), dtype=np.int64)
+    proposed = accepted = 0
+    for r in range(runs):
+        stats = DecodeStats()
+        out[r] = np.concatenate(list(decode(target, proposer, np.asarray(prompt), max_new_tokens=max_new,
+                                            params=params, rng=rng, stats=stats)))
+        proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
+    return out, proposed, accepted

@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fakes import TabularBackend, counts_of, exact_continuation_probs, goodness_of_fit, make_table, perturb_table
+from fakes import (TabularBackend, counts_of, decode_many, exact_continuation_probs, goodness_of_fit, make_table,
+                   perturb_table)
 from specexport.runtime import loop
 from specexport.runtime.accept import Verdict, accept_tree, accept_tree_sampled
-from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.proposers import DraftTree
 from specexport.runtime.sampling import SamplingParams, sample
 from specexport.runtime.tree import Tree
@@ -110,7 +110,7 @@ def accept_without_residual_update(tree, node_tokens, target_probs, draft_probs,
     while True:
         kids = tree.children[node]
         p = target_probs[node]
-        q = draft_probs[kids[0]] if kids else None
+        q = draft_probs[kids[0] - 1] if kids else None
         nxt = None
         for c in kids:
             x = node_tokens[c]
@@ -161,15 +161,7 @@ SHAPE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 def run_sampled_tree(params, runs, seed, max_new=6):
     target = TabularBackend(TARGET, capacity=64, max_tokens=16)
     proposer = DraftTree(TabularBackend(DRAFT, capacity=64, max_tokens=16), SHAPE, sampled=True)
-    rng = np.random.default_rng(seed)
-    out = np.empty((runs, max_new), dtype=np.int64)
-    proposed = accepted = 0
-    for r in range(runs):
-        stats = DecodeStats()
-        out[r] = np.concatenate(list(decode(target, proposer, np.asarray(PROMPT), max_new_tokens=max_new,
-                                            params=params, rng=rng, stats=stats)))
-        proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
-    return out, proposed, accepted
+    return decode_many(target, proposer, PROMPT, params, runs, max_new=max_new, seed=seed)
 
 
 def loop_fits(tokens, params):

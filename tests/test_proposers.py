@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fakes import TabularBackend, counts_of, exact_continuation_probs, goodness_of_fit, greedy_reference, make_table
+from fakes import (TabularBackend, counts_of, decode_many, exact_continuation_probs, goodness_of_fit, greedy_reference,
+                   make_table)
 from specexport.runtime import loop
 from specexport.runtime.accept import Verdict
 from specexport.runtime.loop import DecodeStats, decode
@@ -64,17 +65,8 @@ def target_backend(cls=TabularBackend, capacity=64):
 
 
 def run(proposer, params, runs, *, max_new=6, seed=0, target=None, prompt=PROMPT):
-    """tokens [runs, max_new] from `runs` decodes sharing one rng, and the summed acceptance counts."""
-    target = target or target_backend()
-    rng = np.random.default_rng(seed)
-    out = np.empty((runs, max_new), dtype=np.int64)
-    proposed = accepted = 0
-    for r in range(runs):
-        stats = DecodeStats()
-        out[r] = np.concatenate(list(decode(target, proposer, np.asarray(prompt), max_new_tokens=max_new,
-                                            params=params, rng=rng, stats=stats)))
-        proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
-    return out, proposed, accepted
+    """tokens [runs, max_new] and the summed proposed / accepted counts, on the tabular target."""
+    return decode_many(target or target_backend(), proposer, prompt, params, runs, max_new=max_new, seed=seed)
 
 
 def fits(tokens, params, prompt=PROMPT):

@@ -92,7 +92,8 @@ def remove_unreferenced(out: Path, manifest: dict) -> list[str]:
             folder.rmdir()
     for child in out.iterdir():
         name = child.name
-        ours = name.startswith(("tokenizer", ".tokenizer")) or name.startswith(f".{MANIFEST_NAME}.")
+        ours = (name == "tokenizer" or name.startswith(("tokenizer-", ".tokenizer-"))   # schema 1 and 2 copies
+                or name.startswith(f".{MANIFEST_NAME}."))
         if ours and name not in keep:
             _remove(child)
             removed.append(name)

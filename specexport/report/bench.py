@@ -200,7 +200,8 @@ def _configs(precisions, models, cfg, has_draft):
     """Per target precision: vanilla; the draft of the same precision at every γ (and the adaptive
     rows); with an fp32 target, every quantized draft at every γ (the edge trick: quantize the draft
     harder); with a quantized target, the fp32 draft at the first γ (acceptance cost of that side)."""
-    from specexport.runtime.pipeline import DRAFT_TREES, from_rank_paths
+    from specexport.runtime.pipeline import DRAFT_TREES
+    from specexport.runtime.tree import from_rank_paths
 
     configs = []
     draft_built = models.get("draft", {}).get("precisions", {}) if has_draft else {}
@@ -381,15 +382,12 @@ def _ms(costs: dict) -> dict:
 
 
 def _write_report(report: dict, out_dir: Path, plots: bool, log) -> None:
-    import json
-
     from specexport.report.render import plot_speedups, render_markdown
 
-    write_json_atomic(out_dir / "report.json", report)
-    write_text_atomic(out_dir / "report.md", render_markdown(report))
+    out_dir.mkdir(parents=True, exist_ok=True)
     report["plots"] = plot_speedups(report, out_dir, log) if plots else []
-    if report["plots"]:
-        write_text_atomic(out_dir / "report.json", json.dumps(report, indent=2))
+    write_text_atomic(out_dir / "report.md", render_markdown(report))
+    write_json_atomic(out_dir / "report.json", report)
 
 
 def quick_bench(output_dir: Path, *, max_verify_tokens: int, log=print) -> dict:

@@ -117,8 +117,9 @@ def accept_tree_sampled(tree: Tree, node_tokens: np.ndarray, target_probs: np.nd
 
     node_tokens   [T]      token of each node (node 0 = root, ignored)
     target_probs  [T, V]   warped target distribution at each node
-    draft_probs   [T, V]   row i: the warped draft distribution node i's siblings were first drawn
-                           from (the same row for all children of one parent; row 0 unused)
+    draft_probs   [T-1, V] row i - 1: the warped draft distribution node i and its siblings were
+                           first drawn from (the same row for all children of one parent), as in
+                           Proposal.q
     uniforms      [>= T + depth + 1]  coins: one per child tried, one per final draw
     replacement   the children of a node were drawn i.i.d. from q (True), or one after another from
                   q with the earlier ones removed (False)
@@ -131,7 +132,7 @@ def accept_tree_sampled(tree: Tree, node_tokens: np.ndarray, target_probs: np.nd
     while True:
         kids = tree.children[node]
         p = np.array(target_probs[node], dtype=np.float64)
-        q = np.array(draft_probs[kids[0]], dtype=np.float64) if kids else None
+        q = np.array(draft_probs[kids[0] - 1], dtype=np.float64) if kids else None
         nxt = None
         for c in kids:
             x = node_tokens[c]

@@ -132,9 +132,12 @@ def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int
     stats.ttft_s = stats.total_s = clock() - start
     yield seq[n - 1:n].copy()
     while stats.emitted < max_new_tokens and n < capacity:
-        limits = Limits(max_depth=min(depth, capacity - n - 1, max_new_tokens - stats.emitted - 1),
-                        max_nodes=min(target.max_tokens - 1, capacity - n, (proposer and proposer.max_nodes) or capacity))
-        proposal = proposer.propose(seq, n, limits, params, rng, stats) if limits.max_depth > 0 else None
+        proposal = None
+        room = min(depth, capacity - n - 1, max_new_tokens - stats.emitted - 1)
+        if room > 0:                                # vanilla (depth 0) never builds limits or asks anyone
+            limits = Limits(max_depth=room, max_nodes=min(target.max_tokens - 1, capacity - n,
+                                                          proposer.max_nodes or capacity))
+            proposal = proposer.propose(seq, n, limits, params, rng, stats)
         if proposal is None or proposal.tree.size < 2:
             out = target.forward(seq[n - 1:n])
             target.commit(1)
@@ -164,8 +167,7 @@ def _verify(target, proposer, proposal, seq, n, params, rng, stats) -> np.ndarra
     elif proposal.q is not None and chain:      # a chain sampled from the draft: the chain rejection rule
         verdict = accept_chain(tokens[1:], proposal.q, warp(out.logits[:T], params), rng.random(T))
     elif proposal.q is not None:                # a tree of sampled children: the multi-draft rule
-        q = np.concatenate([np.zeros((1, proposal.q.shape[1])), proposal.q])        # [T, V], row 0 unused
-        verdict = accept_tree_sampled(tree, tokens, warp(out.logits[:T], params), q, rng.random(2 * T),
+        verdict = accept_tree_sampled(tree, tokens, warp(out.logits[:T], params), proposal.q, rng.random(2 * T),
                                       replacement=proposal.replacement)
     else:                                       # children chosen deterministically: the q-free rule
         verdict = accept_tree(tree, tokens, warp(out.logits[:T], params), rng.random(T))

@@ -22,7 +22,6 @@ from specexport.runtime.backends import open_backend
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.proposers import DraftChain, DraftTree, PromptLookup
-from specexport.runtime.tree import from_rank_paths
 from specexport.runtime.sampling import SamplingParams
 
 METHODS = ("vanilla", "draft", "lookup")   # medusa and eagle come with the heads issues
@@ -233,7 +232,7 @@ class Pipeline:
                 raise SpecexportError(f"lookup_branches: expected an integer >= 1, got {lookup_branches!r}")
             return PromptLookup(gamma, branches=lookup_branches, max_nodes=self.max_verify_tokens - 1)
         if tree is not None:
-            return DraftTree(self.draft, self._tree_paths(tree))
+            return self._draft_tree(tree)
         if gamma == "auto":
             choice = lookup_gamma(self.manifest, self.precision, self.draft_precision)
             if choice is None:
@@ -248,20 +247,20 @@ class Pipeline:
             gamma = min(int(choice["gamma"]), self.max_verify_tokens - 1)
         return DraftChain(self.draft, self._check_gamma(gamma, auto=True), draft_stop=draft_stop)
 
-    def _tree_paths(self, tree) -> list:
+    def _draft_tree(self, tree) -> DraftTree:
         paths = DRAFT_TREES.get(tree) if isinstance(tree, str) else tree
         if paths is None:
             raise SpecexportError(f"tree: {tree!r} is not a known tree; known: {', '.join(DRAFT_TREES)}, or a list "
                                   f"of rank paths like [[0], [1], [0, 0]]")
         try:
-            nodes = from_rank_paths(paths)[0].size - 1
+            proposer = DraftTree(self.draft, paths)
         except ValueError as err:
             raise SpecexportError(str(err)) from None
-        if nodes > self.max_verify_tokens - 1:
-            raise SpecexportError(f"tree: {nodes} nodes; the graph verifies at most max_verify_tokens - 1 = "
-                                  f"{self.max_verify_tokens - 1} besides the root (rebuild with a larger "
+        if proposer.max_nodes > self.max_verify_tokens - 1:
+            raise SpecexportError(f"tree: {proposer.max_nodes} nodes; the graph verifies at most max_verify_tokens "
+                                  f"- 1 = {self.max_verify_tokens - 1} besides the root (rebuild with a larger "
                                   f"max_verify_tokens)")
-        return paths
+        return proposer
 
     def _check_gamma(self, gamma, *, auto: bool) -> int:
         if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= self.max_verify_tokens - 1:

@@ -28,6 +28,7 @@ class Tree:
     depths: np.ndarray = field(init=False)           # [T] int64
     mask: np.ndarray = field(init=False)             # [T, T] bool ancestor-or-self mask
     children: tuple = field(init=False)              # children[i]: tuple of child indices, in order
+    is_chain: bool = field(init=False)               # parents == [-1, 0, 1, ..., T-2]
 
     def __post_init__(self):
         parents = np.asarray(self.parents, dtype=np.int64)
@@ -46,6 +47,7 @@ class Tree:
         object.__setattr__(self, "depths", depths)
         object.__setattr__(self, "mask", mask)
         object.__setattr__(self, "children", tuple(tuple(k) for k in kids))
+        object.__setattr__(self, "is_chain", bool(np.array_equal(parents, np.arange(-1, size - 1))))
 
     @property
     def size(self) -> int:

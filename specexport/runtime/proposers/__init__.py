@@ -41,7 +41,7 @@ class Proposal:
 
     @property
     def is_chain(self) -> bool:
-        return bool(np.all(self.tree.parents == np.arange(-1, self.tree.size - 1)))
+        return self.tree.is_chain
 
 
 class Proposer:
