@@ -16,6 +16,7 @@ Relative paths resolve against the YAML file's folder.
     quality_gates: {int4: {min_top1: 0.8, max_kl: 0.2}}   # optional: per quantized precision
     # per model, optional: aux_hidden_layers: [2, 8, 13] or "eagle3" (layers whose inputs are exported)
     # per model, optional: precisions: [int4] (overrides the top-level list for that model)
+    medusa: {path: heads/medusa, top_k: 10}   # optional: Medusa heads for the target (published formats)
 """
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ QUANTIZED = ("int8", "int4")             # checked against fp32 by a quality gat
 BACKENDS = ("onnxruntime",)          # tensorrt comes with the engine issue
 MODEL_ROLES = ("target", "draft")
 TOP_KEYS = {"name", "target", "draft", "max_seq_len", "precisions", "backends", "output",
-            "max_verify_tokens", "parity_tolerance", "eval_text", "quality_gates"}
+            "max_verify_tokens", "parity_tolerance", "eval_text", "quality_gates", "medusa"}
+HEAD_KINDS = ("medusa",)                 # heads on the target's hidden states, built as their own graphs
+HEADS_KEYS = {"path", "top_k"}
 MODEL_KEYS = {"path", "aux_hidden_layers", "precisions"}
 # Quality gates of the quantized graphs against the fp32 graph, on held-out text: the share of positions
 # whose argmax agrees (min_top1) and the mean KL(p_fp32 || p_quant) of the next-token distribution (max_kl).
@@ -52,6 +55,13 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class HeadsConfig:
+    kind: str                                       # "medusa"
+    path: Path                                      # a folder in one of the published layouts
+    top_k: int = 10                                 # ids per head the graph returns (the widest tree rank + 1)
+
+
+@dataclass(frozen=True)
 class BuildConfig:
     name: str
     target: ModelConfig
@@ -65,6 +75,7 @@ class BuildConfig:
     eval_text: Path | None = None                   # held-out text for the quality gates (None: sampled)
     quality_gates: dict = field(default_factory=lambda: {p: dict(g) for p, g in DEFAULT_QUALITY_GATES.items()})
     source: Path | None = None                      # the YAML file this came from
+    medusa: "HeadsConfig | None" = None
 
     @property
     def models(self) -> list[ModelConfig]:
@@ -123,6 +134,7 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
         eval_text=_eval_text(raw.get("eval_text"), base),
         quality_gates=_quality_gates(raw.get("quality_gates")),
         source=source,
+        medusa=_heads(raw["medusa"], "medusa", base) if raw.get("medusa") is not None else None,
     )
     _check_output_writable(cfg.output)
     return cfg
@@ -231,6 +243,23 @@ def _model(raw, role: str, base: Path, precisions: tuple[str, ...]) -> ModelConf
     if raw.get("precisions") is not None:
         precisions = _precisions(raw["precisions"], f"{role}.precisions")
     return ModelConfig(role=role, path=path.resolve(), aux_hidden_layers=aux, precisions=precisions)
+
+
+def _heads(raw, kind: str, base: Path) -> HeadsConfig:
+    if isinstance(raw, str):
+        raw = {"path": raw}
+    if not isinstance(raw, dict):
+        raise SpecexportError(f"{kind}: expected a mapping like {{path: heads/{kind}}}, got {raw!r}")
+    _check_keys(raw, HEADS_KEYS, ("path",), prefix=f"{kind}.")
+    if not isinstance(raw["path"], str):
+        raise SpecexportError(f"{kind}.path: expected a folder path (a string), got {raw['path']!r}")
+    path = Path(raw["path"]) if Path(raw["path"]).is_absolute() else base / raw["path"]
+    if not path.is_dir():
+        raise SpecexportError(f"{kind}.path: {_show(raw['path'])} does not exist or is not a folder")
+    top_k = raw.get("top_k", 10)
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 64:
+        raise SpecexportError(f"{kind}.top_k: expected an integer in 1..64, got {top_k!r}")
+    return HeadsConfig(kind=kind, path=path.resolve(), top_k=top_k)
 
 
 def _check_output_writable(output: Path) -> None:

@@ -18,6 +18,12 @@ Inputs                                   Outputs
 
 KV tensors are sequence-major, so the committed prefix of a static [B, MAX, Hkv, D] buffer is a
 zero-copy view, and attention costs what P costs, not what MAX costs.
+
+Heads graphs (HeadsIO) take the target's final hidden state and have no KV:
+  hidden_states        float32 [B, T, H]      ->  head_topk_ids       int64   [B, T, N, K]
+                                                  head_topk_logprobs  float32 [B, T, N, K]
+N heads (Medusa: head n predicts the token n + 2 places after the hidden state's position), the K
+most likely tokens of each head's own distribution in descending order with their log-probabilities.
 """
 from __future__ import annotations
 
@@ -119,6 +125,38 @@ class ModelIO:
             from specexport.errors import SpecexportError
 
             raise SpecexportError("manifest IO table does not match this version's tensor layout (rebuild it)")
+        return io
+
+
+@dataclass(frozen=True)
+class HeadsIO:
+    """The IO table of a heads graph (Medusa): see the module docstring."""
+    hidden_size: int
+    num_heads: int
+    top_k: int
+    inputs: tuple[TensorSpec, ...] = field(init=False)
+    outputs: tuple[TensorSpec, ...] = field(init=False)
+
+    def __post_init__(self):
+        per_head = ("batch", "tokens", self.num_heads, self.top_k)
+        object.__setattr__(self, "inputs", (TensorSpec("hidden_states", "float32", ("batch", "tokens", self.hidden_size)),))
+        object.__setattr__(self, "outputs", (TensorSpec("head_topk_ids", "int64", per_head),
+                                             TensorSpec("head_topk_logprobs", "float32", per_head)))
+
+    input_names = ModelIO.input_names
+    output_names = ModelIO.output_names
+
+    def to_dict(self) -> dict:
+        return {"hidden_size": self.hidden_size, "num_heads": self.num_heads, "top_k": self.top_k,
+                "inputs": [_spec_dict(t) for t in self.inputs], "outputs": [_spec_dict(t) for t in self.outputs]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HeadsIO":
+        io = cls(hidden_size=d["hidden_size"], num_heads=d["num_heads"], top_k=d["top_k"])
+        if [t.get("name") for t in d.get("outputs", [])] != io.output_names:
+            from specexport.errors import SpecexportError
+
+            raise SpecexportError("manifest heads IO table does not match this version's tensor layout (rebuild it)")
         return io
 
 

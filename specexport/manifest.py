@@ -5,6 +5,7 @@ Layout of an output folder (schema 2):
     manifest.json                      the build: written last, atomically, only when every stage passed
     tokenizer-<hash>/                  tokenizer files copied from the target checkpoint
     <role>/<precision>-<id>/model.onnx (+ model.onnx.data) per model (target, draft) and precision
+    medusa/fp32-<id>/model.onnx        the Medusa heads' graph, when the build has heads (key `heads`)
     bench/                             the latest `specexport bench` report
 
 Stage folders carry a fresh id each time they are built, so a rebuild writes beside the files the
@@ -72,6 +73,8 @@ _STAGE = {"dir": str, "backend": str, "files": _FILES, "size_bytes": int, "parit
           "build_seconds": (int, float)}
 _MODEL = {"source": str, "model_type": str, "fingerprint": str, "vocab_size": int, "io": _IO,
           "special_tokens": {"eos_token_ids": (list, type(None))}, "precisions": _Each(_STAGE)}
+_HEADS = {"source": str, "format": str, "num_heads": int, "num_layers": int, "top_k": int, "fingerprint": str,
+          "io": dict, "precisions": _Each(_STAGE)}
 # What the runtime, the bench and inspect read. Other keys may be present (figures, config echo).
 SCHEMA = {"schema_version": int, "name": str, "created": str, "build_id": str, "max_seq_len": int,
           "max_verify_tokens": int, "tokenizer": {"dir": str, "files": _FILES},
@@ -97,6 +100,8 @@ def read_manifest(output_dir: str | os.PathLike) -> dict:
         raise SpecexportError(f"{path}: schema_version {version!r} is not supported; this specexport reads "
                               f"{SCHEMA_VERSION} (rebuild with `specexport build`)")
     validate_manifest(data, where=str(path))
+    if "heads" in data:                     # optional: builds with Medusa heads
+        _check(data["heads"], _Each(_HEADS), str(path), "heads")
     if "target" not in data["models"]:
         raise SpecexportError(f"{path}: models.target: missing key")
     return data
@@ -137,7 +142,7 @@ def stage_dir(output_dir: Path, manifest: dict, role: str, precision: str) -> Pa
 def listed_files(manifest: dict) -> dict[str, dict]:
     """Every file the manifest lists (graphs of every model and precision, tokenizer), by relative path."""
     files = {}
-    for m in manifest["models"].values():
+    for m in (*manifest["models"].values(), *manifest.get("heads", {}).values()):
         for entry in m["precisions"].values():
             files.update(entry["files"])
     tok = manifest["tokenizer"]

@@ -8,6 +8,8 @@ sequence-level G-tests compare the decode loop against.
 
     table [V, V, V] (prev2, prev1, next) log-probs, float64; the backend serves them as float32
     history [capacity]   the "KV cache": the token at each committed position
+    hidden  [T, 2]       each row's (previous token, token), the state its logits come from, as floats
+                         (what heads-based proposers such as Medusa read)
 
 `goodness_of_fit` is the one G-test both statistics files use (cells with small expected counts are
 pooled, so sparse tables stay valid; an observed impossible outcome is an immediate failure).
@@ -47,6 +49,7 @@ class TabularBackend(Backend):
         self.table = table.astype(np.float32)                       # [V, V, V] served logits
         self.history = np.full(capacity, -1, dtype=np.int64)        # [capacity] token per KV row
         self._out = np.empty((max_tokens, V), dtype=np.float32)     # [max_tokens, V] reused
+        self._hidden = np.empty((max_tokens, 2), dtype=np.float32)  # [max_tokens, 2] "hidden": (prev2, token)
         self._chain_parents = np.arange(-1, max_tokens, dtype=np.int64)   # [max_tokens + 1]
         self.forward_calls = 0
         self.forward_tokens = 0
@@ -72,7 +75,9 @@ class TabularBackend(Backend):
         logits[:] = self.table[prev2, tokens]                        # [T, V]
         self.forward_calls += 1
         self.forward_tokens += T
-        return StepOutput(logits=logits, hidden=None)
+        hidden = self._hidden[:T]                                    # [T, 2] what the logits depend on
+        hidden[:, 0], hidden[:, 1] = prev2, tokens
+        return StepOutput(logits=logits, hidden=hidden)
 
     def _move_rows(self, keep: np.ndarray) -> None:
         L = self.length

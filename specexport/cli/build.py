@@ -95,7 +95,7 @@ def checks_table(manifest: dict, *, title: str | None = None, build_columns: boo
         numeric = col in ("size", "top-1", "KL", "rel err", "time")
         table.add_column(col, justify="right" if numeric else "left", overflow="fold")
     sources = set()
-    for role, m in manifest["models"].items():
+    for role, m in (*manifest["models"].items(), *manifest.get("heads", {}).items()):
         for precision, e in m["precisions"].items():
             cells = dict(zip(("top-1", "KL", "rel err", "gate"), _check_cells(e)), model=role,
                          precision=precision, size=f"{e['size_bytes'] / 2**20:.1f} MiB",

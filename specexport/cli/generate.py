@@ -10,12 +10,14 @@ from specexport.cli import cli
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.argument("prompt")
 @click.option("--method", default="draft", show_default=True,
-              help="vanilla | draft (a draft model) | lookup (prompt lookup: copies from earlier text, target only)")
+              help="vanilla | draft (a draft model) | lookup (prompt lookup: copies from earlier text, target only) "
+                   "| medusa (the build's Medusa heads)")
 @click.option("--gamma", default="4", show_default=True,
               help="Draft tokens proposed per round, or 'auto' (the γ `specexport bench` measured best).")
 @click.option("--tree", default=None,
               help="Draft a static token tree instead of a chain: small | wide | deep, or JSON rank paths "
-                   "like '[[0],[1],[0,0]]'.")
+                   "like '[[0],[1],[0,0]]'. With --method medusa: auto (the default: the tree "
+                   "the build measured) | small | medium | large or rank paths.")
 @click.option("--draft-stop", default=0.0, show_default=True, type=float,
               help="End a round's drafting early once the draft's probability of its proposal is below this.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")

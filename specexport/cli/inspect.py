@@ -43,6 +43,11 @@ def inspect(output_dir, as_json, verify, verbose):
         for precision, e in mm["precisions"].items():
             table.add_row(role, mm["model_type"], str(io["num_layers"]), str(mm["vocab_size"]), precision,
                           "\n".join(e["files"]), f"{e['size_bytes'] / 2**20:.1f} MiB")
+    for kind, h in m.get("heads", {}).items():
+        for precision, e in h["precisions"].items():
+            table.add_row(kind, f"{h['format']}, lm_head {h.get('lm_head', '?')}",
+                          f"{h['num_heads']} heads x {h['num_layers']}", f"top-{h['top_k']}", precision,
+                          "\n".join(e["files"]), f"{e['size_bytes'] / 2**20:.1f} MiB")
     console.print(table)
     console.print(checks_table(m, title="checks"))
     if verbose:

@@ -138,7 +138,7 @@ def _load_or_make_data(cfg, target, tokenizer, state_dir: Path, console) -> dict
     seqs = distill_data.generate_sequences(target, train_p, new_tokens=cfg.new_tokens, batch_size=cfg.batch_size,
                                            seed=cfg.seed, eos_ids=eos)
     data = {"fingerprint": cfg.fingerprint(), "train": seqs, "heldout": _greedy_heldout(target, held, cfg.new_tokens)}
-    _atomic_save(data, path)
+    atomic_save(data, path)
     return data
 
 
@@ -260,11 +260,11 @@ def _lr(cfg: DistillConfig, step: int) -> float:
 
 
 def _save_state(path: Path, draft, opt, step, history, cfg) -> None:
-    _atomic_save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
+    atomic_save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
                   "fingerprint": cfg.fingerprint()}, path)
 
 
-def _atomic_save(obj, path: Path) -> None:
+def atomic_save(obj, path: Path) -> None:
     torch = require("torch")
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
@@ -297,14 +297,18 @@ def _write_outputs(cfg, draft, tokenizer, before, after, history) -> dict:
                         "parameters": sum(p.numel() for p in draft.parameters())},
               "config": {k: str(v) for k, v in asdict(cfg).items()}}
     (partial / "distill_report.json").write_text(json.dumps(report, indent=2))
-    # Swap the complete checkpoint in. A directory cannot be replaced atomically: for the moment
-    # between the two renames there is no `out` at all, never a partial one.
-    old = cfg.out.parent / f".{cfg.out.name}.old-{secrets.token_hex(3)}"
-    if cfg.out.exists():
-        os.replace(cfg.out, old)
-    os.replace(partial, cfg.out)
-    shutil.rmtree(old, ignore_errors=True)
+    swap_into_place(partial, cfg.out)
     return report
+
+
+def swap_into_place(partial: Path, out: Path) -> None:
+    """Swap a complete folder in. A directory cannot be replaced atomically: for the moment between
+    the two renames there is no `out` at all, never a partial one."""
+    old = out.parent / f".{out.name}.old-{secrets.token_hex(3)}"
+    if out.exists():
+        os.replace(out, old)
+    os.replace(partial, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _say(console, text):
@@ -312,15 +316,15 @@ def _say(console, text):
         console.print(text)
 
 
-def _progress(console, total: int, done: int):
+def _progress(console, total: int, done: int, label: str = "distill"):
     """A rich progress bar with loss and tokens/s; call with step None to close it."""
     if console is None:
         return lambda *a: None
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    bar = Progress(TextColumn("distill"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+    bar = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                    TimeRemainingColumn(), console=console)
-    task = bar.add_task("distill", total=total, completed=done, info="")
+    task = bar.add_task(label, total=total, completed=done, info="")
     bar.start()
 
     def update(step, loss, tps):

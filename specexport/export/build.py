@@ -75,9 +75,10 @@ def run_build(plan: Plan, *, force: bool = False, reporter: Reporter | None = No
         folders = StageFolders(out)
         try:
             results = _run_stages(plan, previous, force, folders, reporter)
+            heads = {hp.role: _heads_stage(plan, hp, previous, force, folders, reporter, results) for hp in plan.heads}
             with reporter.stage("copy tokenizer"):
                 tokenizer = _tokenizer_stage(plan, out, previous, folders)
-            manifest = _manifest(plan, results, tokenizer, previous)
+            manifest = _manifest(plan, results, tokenizer, previous, heads)
             write_json_atomic(out / MANIFEST_NAME, manifest)  # the one step that switches builds
         except BaseException:
             folders.discard()                              # this build's stages: no manifest points at them
@@ -255,6 +256,88 @@ def export_model(mp: ModelPlan, onnx_path: Path) -> list[str]:
     return [f.name for f in onnx_from_module(module, mp.io, onnx_path)]
 
 
+def _heads_stage(plan: Plan, hp, previous: dict, force: bool, folders: StageFolders, reporter: Reporter,
+                 results: list) -> dict:
+    """Medusa heads: export their graph, check it against the published math in PyTorch on the target
+    fp32 graph's own hidden states; the manifest's heads.<kind> record (reused when unchanged)."""
+    out = plan.config.output
+    old = previous.get("heads", {}).get(hp.role, {})
+    entry = old.get("precisions", {}).get("fp32")
+    target_rebuilt = any(r.role == "target" and not r.skipped for r in results)
+    if (not force and not target_rebuilt and entry and old.get("fingerprint") == hp.fingerprint
+            and files_intact(out, entry["files"])):
+        reporter.note(f"[dim]- {hp.role} heads: unchanged, reused ({entry['dir']})[/]")
+        return old
+    from specexport.export.medusa import export_heads, heads_parity, target_hidden_states
+    from specexport.export.quality import runtime_session
+    from specexport.export.validate import parity_case
+
+    w, target = hp.weights, plan.target
+    target_dir = next(r.entry["dir"] for r in results if r.role == "target" and r.precision == "fp32")
+    partial, final = folders.new(hp.role, "fp32")
+    start = time.perf_counter()
+    try:
+        label = f"{w.num_heads} heads x {w.num_layers} blocks, {w.format}, lm_head {w.lm_head}"
+        lm_head = _target_lm_head(target) if w.lm_head == "target" else None
+        with reporter.stage(f"export {hp.role} heads ({label}) to ONNX"):
+            names = [f.name for f in export_heads(w, lm_head, hp.io, partial / "model.onnx")]
+        with reporter.stage(f"check {hp.role} heads against PyTorch on the target's hidden states"):
+            case = parity_case(target.io, max_seq_len=plan.config.max_seq_len,
+                               max_verify_tokens=plan.config.max_verify_tokens)
+            hidden = target_hidden_states(runtime_session(out / target_dir / "model.onnx"), target.io, case.seq)
+            report = heads_parity(w, lm_head, hp.io, partial / "model.onnx", hidden)
+        tolerance = plan.config.parity_tolerance
+        if not report["max_rel_error"] <= tolerance:
+            raise ParityError(f"{hp.role} heads: parity check failed: max|Δlog-prob| / max|log-prob| = "
+                              f"{report['max_rel_error']:.3e} > tolerance {tolerance:.1e}")
+        auto = _auto_tree(plan, hp, out / target_dir, partial, reporter)
+        folders.publish(partial, final)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    stage = {**_files_entry(out, final, names), "parity_reference": "pytorch",
+             "parity_max_rel_error": report["max_rel_error"], "parity_rows": report["rows"],
+             "parity_tolerance": tolerance, "build_seconds": round(time.perf_counter() - start, 2)}
+    return {"source": str(hp.config.path), "file": w.file.name, "format": w.format, "num_heads": w.num_heads,
+            "num_layers": w.num_layers, "lm_head": w.lm_head, "top_k": hp.io.top_k,
+            "config_num_heads": w.config_num_heads, "fingerprint": hp.fingerprint, "io": hp.io.to_dict(),
+            "auto_tree": auto, "precisions": {"fp32": stage}}
+
+
+def _auto_tree(plan: Plan, hp, target_dir: Path, heads_dir: Path, reporter: Reporter) -> dict:
+    """`tree: auto`: the heads' accuracy on held-out sequences and the target's verify cost per size
+    (export/medusa_tree.py), measured on the graphs just built."""
+    from specexport.export.medusa_tree import choose_tree, head_accuracy, heads_cost, verify_costs
+    from specexport.export.quality import runtime_session
+    from specexport.runtime.backends.heads import OrtHeads
+    from specexport.runtime.backends.ort import OrtBackend
+
+    target = plan.target
+    session = runtime_session(target_dir / "model.onnx")
+    sequences, text = _eval_sequences(plan, target, session, reporter, {})
+    with reporter.stage(f"tree: auto from the heads' accuracy on {text['label']} and the target's verify cost"):
+        acc = head_accuracy(session, target.io, runtime_session(heads_dir / "model.onnx"), sequences, hp.io.top_k)
+        del session
+        max_tokens = plan.config.max_verify_tokens
+        with OrtBackend(target_dir, io=target.io, capacity=plan.config.max_seq_len, max_tokens=max_tokens) as backend:
+            costs = verify_costs(backend, max_tokens)
+        heads = OrtHeads(heads_dir, io=hp.io)
+        choice = choose_tree(acc, costs, heads_cost(heads, hp.io.hidden_size), max_tokens - 1)
+    reporter.note(f"  tree auto: {choice['nodes']} nodes, {choice['expected_tokens']:.2f} expected tokens per pass, "
+                  f"predicted {choice['predicted_speedup']:.2f}x (head top-1 accuracy "
+                  f"{', '.join(f'{a:.2f}' for a in acc[:, 0])})")
+    return {**choice, "accuracy": acc.round(4).tolist(), "accuracy_text": text["description"],
+            "verify_cost_ms": {str(t): round(c * 1e3, 4) for t, c in costs.items()}}
+
+
+def _target_lm_head(target: ModelPlan):
+    """The target's lm_head weight [V, H] (for heads that reuse it), read through its adapter."""
+    from specexport.export.registry import get_adapter
+    from specexport.export.to_onnx import load_hf_model
+
+    model = load_hf_model(target.config.path)
+    return get_adapter(target.arch.model_type).lm_head(model).weight.detach().float().numpy().copy()
+
+
 def _tokenizer_stage(plan: Plan, out: Path, previous: dict, folders: StageFolders) -> dict:
     """The manifest's tokenizer record: the previous copy when the source files are unchanged, else a
     new folder named by their content (written beside the old one, renamed into place when complete)."""
@@ -293,7 +376,7 @@ def _previous_manifest(out: Path, reporter: Reporter) -> dict:
         return {}
 
 
-def _manifest(plan: Plan, results: list[StageResult], tokenizer: dict, previous: dict) -> dict:
+def _manifest(plan: Plan, results: list[StageResult], tokenizer: dict, previous: dict, heads: dict) -> dict:
     cfg = plan.config
     models = {}
     for mp in plan.models:
@@ -321,6 +404,7 @@ def _manifest(plan: Plan, results: list[StageResult], tokenizer: dict, previous:
         "tokenizer": tokenizer,
         "special_tokens": plan.special_tokens,
         "models": models,
+        **({"heads": heads} if heads else {}),
         "versions": {**tool_versions(), "python": platform.python_version(), "specexport": __version__},
     }
     carried = carried_gamma_choices(previous, manifest)      # measured on stages this build reused

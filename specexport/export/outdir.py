@@ -13,7 +13,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-from specexport.config import MODEL_ROLES
+from specexport.config import HEAD_KINDS, MODEL_ROLES
 from specexport.manifest import MANIFEST_NAME, files_intact
 
 
@@ -67,7 +67,8 @@ def reusable_tokenizer(out: Path, previous: dict, digest: str) -> dict | None:
 
 def referenced(manifest: dict) -> set[str]:
     """Relative paths of the folders a manifest points at (stage folders and the tokenizer)."""
-    refs = {e["dir"] for m in manifest.get("models", {}).values() for e in m.get("precisions", {}).values()
+    entries = [*manifest.get("models", {}).values(), *manifest.get("heads", {}).values()]
+    refs = {e["dir"] for m in entries if isinstance(m, dict) for e in m.get("precisions", {}).values()
             if isinstance(e, dict) and "dir" in e}
     if isinstance(manifest.get("tokenizer"), dict) and "dir" in manifest["tokenizer"]:
         refs.add(manifest["tokenizer"]["dir"])
@@ -80,7 +81,7 @@ def remove_unreferenced(out: Path, manifest: dict) -> list[str]:
     copies and temporary manifest files. Touches nothing else in the folder. Returns what it removed."""
     out = Path(out)
     keep, removed = referenced(manifest), []
-    for role in MODEL_ROLES:
+    for role in (*MODEL_ROLES, *HEAD_KINDS):
         folder = out / role
         if not folder.is_dir():
             continue

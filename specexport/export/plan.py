@@ -13,11 +13,11 @@ from pathlib import Path
 
 from specexport import __version__
 from specexport._optional import require
-from specexport.config import TOKENIZER_FILES, WEIGHT_PATTERNS, BuildConfig, ModelConfig
+from specexport.config import TOKENIZER_FILES, WEIGHT_PATTERNS, BuildConfig, HeadsConfig, ModelConfig
 from specexport.errors import SpecexportError
 from specexport.export.arch import ArchSpec, arch_spec_from_hf, check_supported
 from specexport.export.registry import get_adapter
-from specexport.io_spec import ModelIO
+from specexport.io_spec import HeadsIO, ModelIO
 
 TOKENIZER_EXTRA = ("tokenizer_config.json", "special_tokens_map.json", "merges.txt", "added_tokens.json",
                    "generation_config.json")
@@ -34,6 +34,19 @@ class ModelPlan:
 
 
 @dataclass(frozen=True)
+class HeadsPlan:
+    """Heads on the target's hidden states (Medusa), exported as their own graph."""
+    config: HeadsConfig
+    weights: object                     # export.medusa.MedusaWeights, checked against the target
+    io: HeadsIO
+    fingerprint: str
+
+    @property
+    def role(self) -> str:
+        return self.config.kind
+
+
+@dataclass(frozen=True)
 class Plan:
     config: BuildConfig
     models: tuple[ModelPlan, ...]
@@ -41,6 +54,7 @@ class Plan:
     special_tokens: dict = field(default_factory=dict)
 
     eval_ids: tuple[int, ...] | None = None    # eval_text through the target tokenizer (None: no eval_text)
+    heads: tuple[HeadsPlan, ...] = ()
 
     def stages(self) -> list[tuple[str, str]]:
         return [(m.role, p) for m in self.models for p in m.config.precisions]
@@ -76,8 +90,23 @@ def plan_build(cfg: BuildConfig) -> Plan:
                       if (cfg.target.path / f).is_file())
     special = {"bos_token_id": target.arch.bos_token_id, "eos_token_ids": list(target.eos_token_ids),
                "pad_token_id": target.arch.pad_token_id}
+    heads = (_plan_medusa(cfg.medusa, target),) if cfg.medusa is not None else ()
     return Plan(config=cfg, models=tuple(models), tokenizer_files=tok_files, special_tokens=special,
-                eval_ids=_eval_ids(cfg))
+                eval_ids=_eval_ids(cfg), heads=heads)
+
+
+def _plan_medusa(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
+    from specexport.export.medusa import load_medusa
+
+    weights = load_medusa(hc.path, hidden_size=target.arch.hidden_size, vocab_size=target.arch.vocab_size)
+    if hc.top_k > target.arch.vocab_size:
+        raise SpecexportError(f"medusa.top_k: {hc.top_k} exceeds the vocabulary ({target.arch.vocab_size})")
+    io = HeadsIO(hidden_size=target.arch.hidden_size, num_heads=weights.num_heads, top_k=hc.top_k)
+    stat = weights.file.stat()
+    options = {"target": target.fingerprint, "top_k": hc.top_k, "graph_code": source_hash(HEADS_SOURCES),
+               "file": f"{weights.file.name}:{stat.st_size}:{stat.st_mtime_ns}"}
+    fingerprint = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
+    return HeadsPlan(config=hc, weights=weights, io=io, fingerprint=fingerprint)
 
 
 def _eval_ids(cfg: BuildConfig) -> tuple[int, ...] | None:
@@ -184,6 +213,7 @@ def _fingerprint(path: Path, options: dict) -> str:
 GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/to_onnx.py", "export/registry.py",
                  "export/adapters/*.py")
 QUANTIZER_SOURCES = ("export/quantize.py", "export/quality.py")
+HEADS_SOURCES = ("io_spec.py", "export/medusa.py", "export/to_onnx.py")
 
 
 def source_hash(patterns) -> str:

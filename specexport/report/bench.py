@@ -27,7 +27,7 @@ from specexport.report.model import choose_gamma, extend, predicted_speedup
 from specexport.report.threads import ThreadSetting, fastest_for_vanilla
 
 DEFAULT_PROMPTS = ("def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):")
-METHODS = ("vanilla", "draft", "lookup")
+METHODS = ("vanilla", "draft", "lookup", "medusa")
 # A peer's thread pools (torch's OpenMP, ONNX Runtime's) spin for a while after it answers, in its own
 # process but on our cores: measured on the demo, the run right after the peers had its prefill 38%
 # slower (20.3 vs 14.7 ms) until this pause was added. Rotating the order spreads whatever remains.
@@ -44,7 +44,7 @@ class Config(NamedTuple):
     draft_precision: str | None
     gamma: int                      # chain length, or lookup's longest proposal; 0 for vanilla
     draft_stop: float = 0.0
-    tree: str | None = None         # a DRAFT_TREES name: the draft proposes that static tree
+    tree: str | None = None         # a DRAFT_TREES name (draft) or a MEDUSA_TREES name (medusa)
 
 
 VANILLA = "vanilla"
@@ -59,6 +59,7 @@ class BenchConfig:
     gammas: tuple[int, ...] = (2, 3, 4, 5, 6)
     draft_stops: tuple[float, ...] = ()             # adaptive-γ rows, at the largest γ, per value
     trees: tuple[str, ...] = ()                     # draft-tree rows (DRAFT_TREES names), per precision
+    medusa_trees: tuple[str, ...] = ("auto",)       # Medusa rows ("auto" or MEDUSA_TREES names) with method medusa
     max_new_tokens: int = 128
     rounds: int = 3
     out: Path | None = None                         # default: <output_dir>/bench
@@ -74,7 +75,7 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
 
     manifest = read_manifest(cfg.output_dir)
     precisions, has_draft = _check_request(cfg, manifest)
-    configs = _configs(precisions, manifest["models"], cfg, has_draft)
+    configs = _configs(precisions, manifest, cfg, has_draft)
     if open_pipeline is None:
         def open_pipeline(**kw):
             return specexport.load(cfg.output_dir, **kw)
@@ -98,12 +99,15 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
     for tp, dp in drafts:                           # open every draft before the runs
         pipes[tp].use_draft_precision(dp)
         pipes[tp].draft.clock = clock
+    if any(c.method == "medusa" for c in configs):
+        for pipe in pipes.values():
+            pipe.medusa.clock = clock
     log(f"bench: warm-up, {len(configs)} configurations")
     for c in configs:
         _run(pipes, c, cfg.prompts[0], cfg.max_new_tokens)
     reference = _reference_outputs(cfg, pipes) if cfg.peers else []
     for pipe in pipes.values():                     # time every forward from here on
-        for b in (pipe.target, *pipe.drafts.values()):
+        for b in _timed(pipe):
             b.timings = {}
     peers, peer_skips = _open_peers(manifest, list(pipes), cfg, log)
     prompt_ids = {p: next(iter(pipes.values())).encode(p) for p in cfg.prompts}
@@ -127,11 +131,14 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
     finally:
         for peer in peers:
             peer.close()
+    # "draft" prices every forward that is not the target's: the draft model's, or the Medusa heads'
+    # (rows without a draft model; lookup rows make none)
     costs = {(tp, dp): {"target": acc.decode_costs(pipes[tp].target.timings),
-                        "draft": acc.decode_costs(pipes[tp].drafts[dp].timings) if dp else {}}
+                        "draft": acc.decode_costs(pipes[tp].drafts[dp].timings if dp else
+                                                  pipes[tp]._medusa.timings if pipes[tp]._medusa else None)}
              for tp, dp in {(c.precision, c.draft_precision) for c in configs}}
     for pipe in pipes.values():                     # the isolated timing below is not part of the runs
-        for b in (pipe.target, *pipe.drafts.values()):
+        for b in _timed(pipe):
             b.timings = None
     max_t = max(cfg.gammas) + 1
     isolated = {(tp, dp): _isolated_costs(pipes[tp], dp, max_t, clock) for tp, dp in costs}
@@ -165,6 +172,11 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
     return report
 
 
+def _timed(pipe) -> list:
+    """The models whose forwards the bench times: target, opened drafts, Medusa heads if opened."""
+    return [pipe.target, *pipe.drafts.values(), *([pipe._medusa] if pipe._medusa is not None else [])]
+
+
 def _check_request(cfg: BenchConfig, manifest: dict) -> tuple[list[str], bool]:
     models = manifest["models"]
     built = list(models["target"]["precisions"])
@@ -180,6 +192,8 @@ def _check_request(cfg: BenchConfig, manifest: dict) -> tuple[list[str], bool]:
         raise SpecexportError("--prompts: no prompts")
     if "draft" not in models and set(cfg.methods) <= {"draft"}:
         raise SpecexportError(f"--methods: {cfg.output_dir} has no draft model; 'vanilla' and 'lookup' can run")
+    if "medusa" in cfg.methods and "medusa" not in manifest.get("heads", {}):
+        raise SpecexportError(f"--methods: {cfg.output_dir} has no Medusa heads (add medusa: to the model.yaml)")
     return precisions, "draft" in models and "draft" in cfg.methods
 
 
@@ -196,20 +210,29 @@ def _run(pipes, c: Config, prompt: str, max_new_tokens: int):
                          draft_stop=c.draft_stop, tree=c.tree).stats
 
 
-def _configs(precisions, models, cfg, has_draft):
+def _configs(precisions, manifest, cfg, has_draft):
     """Per target precision: vanilla; the draft of the same precision at every γ (and the adaptive
     rows); with an fp32 target, every quantized draft at every γ (the edge trick: quantize the draft
     harder); with a quantized target, the fp32 draft at the first γ (acceptance cost of that side)."""
-    from specexport.runtime.pipeline import DRAFT_TREES
+    from specexport.runtime.pipeline import DRAFT_TREES, MEDUSA_TREES
     from specexport.runtime.tree import from_rank_paths
 
-    configs = []
+    configs, models = [], manifest["models"]
+    auto = manifest.get("heads", {}).get("medusa", {}).get("auto_tree")
     draft_built = models.get("draft", {}).get("precisions", {}) if has_draft else {}
     for p in precisions:
         if "vanilla" in cfg.methods:
             configs.append(Config(VANILLA, p, None, 0))
         if "lookup" in cfg.methods:                 # prompt lookup: the target alone, up to γ tokens per round
             configs += [Config("lookup", p, None, g) for g in cfg.gammas]
+        if "medusa" in cfg.methods:
+            for name in cfg.medusa_trees:
+                paths = auto["paths"] if name == "auto" and auto else MEDUSA_TREES.get(name)
+                if paths is None:
+                    raise SpecexportError(f"--medusa-trees: {name!r} is not a known tree; known: auto, "
+                                          f"{', '.join(MEDUSA_TREES)}")
+                depth = int(from_rank_paths(paths)[0].depths.max())        # as written (cut to the heads)
+                configs.append(Config("medusa", p, None, depth, tree=name))
         if p in draft_built:
             configs += [Config("draft", p, p, g) for g in cfg.gammas]
             configs += [Config("draft", p, p, max(cfg.gammas), stop) for stop in cfg.draft_stops if stop > 0]

@@ -9,7 +9,9 @@ Invariant at the start of each round, with N tokens so far (prompt + emitted):
     target.length == N - 1            the last token (the root) is not yet in the target's cache
 One round:
     proposer: a tree of T nodes, node 0 the root seq[N-1] (a chain of γ for a draft model, a trie of
-              n-gram continuations for prompt lookup); None when it has nothing: a plain target step
+              n-gram continuations for prompt lookup, a static tree of heads' top-k for Medusa); None
+              when it has nothing: a plain target step. A proposer with `wants_features` is handed the
+              target's final hidden states of every row the target commits (prefill chunks included)
     target:   feed the T tokens at positions N-1 + depth with the tree's ancestor mask -> p per node
     verdict:  greedy (longest matching path), the chain rejection rule (a chain sampled from q), the
               multi-draft rule (a tree of children sampled from q), or the q-free tree rule (children
@@ -121,7 +123,8 @@ def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int
     stats.gamma, stats.prompt_tokens = depth, n
     stats.proposed_at, stats.accepted_at = np.zeros(depth, np.int64), np.zeros(depth, np.int64)
     target.reset()
-    logits = prefill(target, prompt, prefill_chunk)
+    features = proposer.features if depth and proposer.wants_features else None
+    logits = prefill(target, prompt, prefill_chunk, features=features)
     stats.prefill_s = clock() - start
     if depth:
         proposer.begin(prompt, prefill_chunk)
@@ -142,10 +145,12 @@ def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int
             out = target.forward(seq[n - 1:n])
             target.commit(1)
             new = np.array([_choose(out.logits[0], params, rng)])
+            if features is not None:
+                features(out.hidden[:1])
             stats.count_forward("target", 1)
             stats.rounds.append((0, 0))
         else:
-            new = _verify(target, proposer, proposal, seq, n, params, rng, stats)
+            new = _verify(target, proposer, proposal, seq, n, params, rng, stats, features)
         stats.target_passes += 1
         seq[n:n + len(new)] = new
         n += len(new)
@@ -155,7 +160,7 @@ def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int
         yield new
 
 
-def _verify(target, proposer, proposal, seq, n, params, rng, stats) -> np.ndarray:
+def _verify(target, proposer, proposal, seq, n, params, rng, stats, features) -> np.ndarray:
     """One target pass over the proposed tree, the verdict, the commit of the accepted path."""
     tree, tokens = proposal.tree, proposal.tokens
     T = tree.size
@@ -172,6 +177,8 @@ def _verify(target, proposer, proposal, seq, n, params, rng, stats) -> np.ndarra
     else:                                       # children chosen deterministically: the q-free rule
         verdict = accept_tree(tree, tokens, warp(out.logits[:T], params), rng.random(T))
     k = verdict.n_accepted
+    if features is not None:                    # before the commit moves rows (hidden is per forward row)
+        features(out.hidden[verdict.path])
     target.commit(k + 1 if chain else verdict.path)     # only the accepted rows, compacted
     proposer.accepted(seq, n, proposal, verdict)
     stats.proposed += T - 1
@@ -182,12 +189,15 @@ def _verify(target, proposer, proposal, seq, n, params, rng, stats) -> np.ndarra
     return verdict.tokens
 
 
-def prefill(backend: Backend, prompt: np.ndarray, chunk: int) -> np.ndarray:
-    """Run the prompt in chunks and commit it; returns the last position's logits [V] (a copy)."""
+def prefill(backend: Backend, prompt: np.ndarray, chunk: int, *, features=None) -> np.ndarray:
+    """Run the prompt in chunks and commit it; returns the last position's logits [V] (a copy).
+    features: called with each chunk's final hidden states [chunk, H] (a proposer that reads them)."""
     chunk = min(chunk, backend.max_tokens)
     for s in range(0, len(prompt), chunk):
         part = prompt[s:s + chunk]
         out = backend.forward(part, phase="prefill")
+        if features is not None:
+            features(out.hidden)
         backend.commit(len(part))
     return np.array(out.logits[-1])
 

@@ -3,6 +3,7 @@
     pipe = specexport.load("engines/demo")                    # fp32 target and draft
     pipe = specexport.load("engines/demo", precision="int8", draft_precision="int4")
     out = pipe.generate("def fib(n):", max_new_tokens=128, method="draft", gamma=4)
+    out = pipe.generate("def fib(n):", method="medusa", tree="small")       # builds with Medusa heads
     out.text, out.token_ids, out.finish_reason, out.stats.acceptance_rate
 """
 from __future__ import annotations
@@ -21,10 +22,10 @@ from specexport.manifest import check_files, file_problems, listed_files, read_m
 from specexport.runtime.backends import open_backend
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
-from specexport.runtime.proposers import DraftChain, DraftTree, PromptLookup
+from specexport.runtime.proposers import DraftChain, DraftTree, MedusaTree, PromptLookup
 from specexport.runtime.sampling import SamplingParams
 
-METHODS = ("vanilla", "draft", "lookup")   # medusa and eagle come with the heads issues
+METHODS = ("vanilla", "draft", "lookup", "medusa")   # eagle comes with its own issue
 PREFILL_CHUNK = 64
 # Static draft trees (rank paths: the r-th most likely draft token at each depth). "wide" branches at
 # the first two levels, "deep" follows the top-1 path further; both 15 nodes, for max_verify_tokens 16.
@@ -34,6 +35,18 @@ DRAFT_TREES = {
              (0, 0, 0, 0), (0, 0, 0, 0, 0)],
     "deep": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0),
              (0, 0, 0, 0, 1), (0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0, 0, 0), (1, 0, 0)],
+}
+
+# Static Medusa trees by size (nodes besides the root), rank paths into the heads' top-k. Depth d reads
+# head d-1, so paths deeper than the build's heads are dropped. "medium" fits max_verify_tokens 16.
+MEDUSA_TREES = {
+    "small": [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "medium": [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
+               (0, 1, 0), (1, 0, 0), (0, 0, 0, 0)],
+    "large": [(0,), (1,), (2,), (3,), (4,), (5,), (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (2, 0),
+              (2, 1), (3, 0), (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (2, 0, 0),
+              (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0), (0, 0, 0, 0, 0),
+              (0, 0, 0, 0, 0, 0)],
 }
 
 
@@ -77,6 +90,7 @@ class Pipeline:
         self._options = options
         self.target = self._open("target")
         self.drafts: dict = {}                      # draft backends opened so far, by precision
+        self._medusa = None                         # the Medusa heads, opened on first use
         tok = self.manifest["tokenizer"]
         check_files(self.dir, {f"{tok['dir']}/{name}": meta for name, meta in tok["files"].items()})
         tok_path = self.dir / tok["dir"] / "tokenizer.json"
@@ -94,7 +108,23 @@ class Pipeline:
     @property
     def methods(self) -> tuple[str, ...]:
         """What this build can decode with: prompt lookup needs only the target."""
-        return METHODS if "draft" in self.manifest["models"] else ("vanilla", "lookup")
+        built = {"vanilla", "lookup", *self.manifest["models"], *self.manifest.get("heads", {})}
+        return tuple(m for m in METHODS if m in built)
+
+    @property
+    def medusa(self):
+        """The Medusa heads (a callable hidden [H] -> top-k ids [N, K]), opened on first use."""
+        if self._medusa is None:
+            from specexport.io_spec import HeadsIO
+            from specexport.runtime.backends.heads import open_heads
+
+            entry = self.manifest.get("heads", {}).get("medusa")
+            if entry is None:
+                raise SpecexportError("method: 'medusa' was not built (no medusa: heads in the model.yaml)")
+            stage = entry["precisions"]["fp32"]
+            check_files(self.dir, stage["files"])
+            self._medusa = open_heads(self.backend_kind, self.dir / stage["dir"], io=HeadsIO.from_dict(entry["io"]))
+        return self._medusa
 
     @property
     def draft(self):
@@ -149,7 +179,10 @@ class Pipeline:
         draft_stop: end a round's drafting once the draft gives its proposal a probability below this
         (adaptive γ up to `gamma`; 0 = always γ proposals). Output is unchanged either way.
         tree (method draft): a static token tree instead of a chain, as rank paths like
-        [[0], [1], [0, 0]] or the name of one of DRAFT_TREES; verified in one target pass."""
+        [[0], [1], [0, 0]] or the name of one of DRAFT_TREES; verified in one target pass.
+        method medusa: the build's Medusa heads propose a static tree, `tree`: "auto" (the default: the
+        tree the build made from the heads' measured accuracy and the verify cost), rank paths, or the
+        name of one of MEDUSA_TREES (cut to the heads' count); gamma is not used."""
         ids = self._prompt_ids(prompt, prompt_ids)
         params = self._params(temperature, top_k, top_p)
         proposer = self._proposer_for(method, gamma, draft_stop, lookup_branches, tree)
@@ -224,8 +257,11 @@ class Pipeline:
         if method == "vanilla":
             return None
         if method not in self.methods:
-            raise SpecexportError(f"method: {method!r} was not built (no draft model in this build); "
+            what = "Medusa heads" if method == "medusa" else "draft model"
+            raise SpecexportError(f"method: {method!r} was not built (no {what} in this build); "
                                   f"available: {', '.join(self.methods)}")
+        if method == "medusa":
+            return self._medusa_tree(("auto" if self._auto_medusa_tree() else "medium") if tree is None else tree)
         if method == "lookup":
             gamma = self._check_gamma(gamma, auto=False)
             if not isinstance(lookup_branches, int) or lookup_branches < 1:
@@ -248,12 +284,28 @@ class Pipeline:
         return DraftChain(self.draft, self._check_gamma(gamma, auto=True), draft_stop=draft_stop)
 
     def _draft_tree(self, tree) -> DraftTree:
-        paths = DRAFT_TREES.get(tree) if isinstance(tree, str) else tree
-        if paths is None:
-            raise SpecexportError(f"tree: {tree!r} is not a known tree; known: {', '.join(DRAFT_TREES)}, or a list "
-                                  f"of rank paths like [[0], [1], [0, 0]]")
+        return self._fitting(lambda paths: DraftTree(self.draft, paths), _named_tree(tree, DRAFT_TREES))
+
+    def _auto_medusa_tree(self):
+        return self.manifest.get("heads", {}).get("medusa", {}).get("auto_tree")
+
+    def _medusa_tree(self, tree) -> MedusaTree:
+        heads = self.medusa
+        if tree == "auto":
+            auto = self._auto_medusa_tree()
+            if auto is None:
+                raise SpecexportError("tree: 'auto' needs the tree the build measured; this build has none "
+                                      "(rebuild it with this version)")
+            return self._fitting(lambda paths: MedusaTree(heads, paths), auto["paths"])
+        paths = _named_tree(tree, MEDUSA_TREES)
+        if isinstance(tree, str):               # a default: keep the paths these heads can reach
+            paths = [p for p in paths if len(p) <= heads.num_heads and max(p) < heads.top_k]
+        return self._fitting(lambda paths: MedusaTree(heads, paths), paths)
+
+    def _fitting(self, make, paths):
+        """make(paths) with one-line errors, checked against the graph's verify width."""
         try:
-            proposer = DraftTree(self.draft, paths)
+            proposer = make(paths)
         except ValueError as err:
             raise SpecexportError(str(err)) from None
         if proposer.max_nodes > self.max_verify_tokens - 1:
@@ -277,7 +329,7 @@ class Pipeline:
         return ids
 
     def close(self) -> None:
-        for b in (self.target, *self.drafts.values()):
+        for b in (self.target, *self.drafts.values(), *([self._medusa] if self._medusa else [])):
             b.close()
 
     def __enter__(self):
@@ -285,6 +337,15 @@ class Pipeline:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _named_tree(tree, named: dict):
+    """A tree given by name (one of `named`) or as rank paths."""
+    paths = named.get(tree) if isinstance(tree, str) else tree
+    if paths is None:
+        raise SpecexportError(f"tree: {tree!r} is not a known tree; known: {', '.join(named)}, or a list "
+                              f"of rank paths like [[0], [1], [0, 0]]")
+    return paths
 
 
 def _find_stop(text: str, stop) -> int | None:

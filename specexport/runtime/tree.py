@@ -100,3 +100,13 @@ def from_rank_paths(paths) -> tuple[Tree, np.ndarray]:
         parents.append(index[p[:-1]])
         ranks.append(p[-1])
     return Tree(np.asarray(parents, dtype=np.int64)), np.asarray(ranks, dtype=np.int64)
+
+
+def cut(tree: Tree, ranks: np.ndarray, max_depth: int, max_nodes: int) -> tuple[Tree, np.ndarray]:
+    """A static tree from `from_rank_paths` cut to a round's depth and node limits (root excluded from
+    max_nodes). Breadth-first order keeps parents before children, so a prefix of the kept nodes is a
+    tree; the tree itself is returned when nothing is cut."""
+    keep = np.flatnonzero(tree.depths <= max_depth)[:max_nodes + 1]
+    if len(keep) == tree.size:
+        return tree, ranks
+    return Tree(tree.parents[keep]), ranks[keep]

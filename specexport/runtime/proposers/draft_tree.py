@@ -21,7 +21,7 @@ import numpy as np
 
 from specexport.runtime.proposers import Limits, Proposal, Proposer
 from specexport.runtime.sampling import sample, warp
-from specexport.runtime.tree import Tree, from_rank_paths
+from specexport.runtime.tree import cut, from_rank_paths
 
 
 class DraftTree(Proposer):
@@ -39,7 +39,8 @@ class DraftTree(Proposer):
         prefill(self.draft, prompt, prefill_chunk)
 
     def propose(self, seq, n, limits: Limits, params, rng, stats) -> Proposal:
-        tree, ranks, draft = self._fit(limits)
+        tree, ranks = cut(self.tree, self.ranks, limits.max_depth, limits.max_nodes)
+        draft = self.draft
         tokens = np.empty(tree.size, dtype=np.int64)                   # [T]
         tokens[0] = seq[n - 1]
         sampled = self.sampled and not params.greedy
@@ -62,13 +63,6 @@ class DraftTree(Proposer):
         stats.draft_passes += int(tree.depths.max())
         return Proposal(tree, tokens, q[1:] if sampled else None)
 
-    def _fit(self, limits: Limits):
-        """The static tree, cut to this round's depth and node limits (breadth-first order keeps
-        parents before children, so a prefix of the nodes is a tree)."""
-        keep = np.flatnonzero(self.tree.depths <= limits.max_depth)[:limits.max_nodes + 1]
-        if len(keep) == self.tree.size:
-            return self.tree, self.ranks, self.draft
-        return Tree(self.tree.parents[keep]), self.ranks[keep], self.draft
 
     @staticmethod
     def _draw(tree, tokens, q, parents, logits, params, rng) -> None:

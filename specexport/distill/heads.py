@@ -1,0 +1,239 @@
+"""specexport train-heads TARGET --kind medusa: Medusa heads for a target, by self-distillation.
+
+    target ──generate (sampled)──► sequences ──► frozen target: final hidden state h_i and p_i per position
+    head k at position i learns KL(p_target(i + 1 + k) ‖ q_k(h_i)): the target's own distribution of
+    the token k + 2 places after h_i's position (Medusa-2's self-distillation, heads only)
+
+The prompts and target continuations are made exactly as for `distill-draft` (same options, same
+data code); resumable the same way: state in .<out name>.heads/ beside the output, saved every
+`checkpoint_every` steps, batches a pure function of (seed, step). Heads start as Medusa's do: each
+residual block at zero (the block is the identity) and, with their own projection, a copy of the
+target's lm_head, so an untrained head k already guesses "the next token again".
+
+The output is the published Medusa-1 layout (export/medusa.py: medusa_lm_head.safetensors +
+config.json; `--projection shared` writes the "version 2" layout that reuses the target's lm_head),
+so heads made here load in other tools and `medusa: {path: OUT}` builds them; train_report.json
+holds each head's top-1 and top-k accuracy on held-out prompts (the target's greedy continuations).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specexport._optional import require
+from specexport.distill import train as distill
+from specexport.errors import SpecexportError
+
+KINDS = ("medusa",)                 # eagle1 / eagle3 come with the EAGLE issue
+
+
+@dataclass(frozen=True)
+class HeadsTrainConfig:
+    target: Path
+    out: Path
+    kind: str = "medusa"
+    heads: int = 4
+    layers: int = 1                         # residual blocks per head (Medusa's medusa_num_layers)
+    projection: str = "own"                 # "own": a vocab projection per head (Medusa-1); "shared": the target's
+    dtype: str = "float32"                  # of the written weights: float32 | float16
+    prompts: tuple[Path, ...] = ()
+    corpus: Path | None = None
+    num_prompts: int = 256
+    prompt_tokens: int = 32
+    new_tokens: int = 96
+    heldout: int = 16
+    steps: int = 300
+    batch_size: int = 16
+    lr: float = 1e-3
+    seed: int = 0
+    checkpoint_every: int = 50
+    top_k: int = 10                         # the k of the reported top-k accuracy
+    decay: float = 0.8                      # head k's loss weight decay^k (Medusa's λ_k)
+    device: str | None = None
+
+    def fingerprint(self) -> str:
+        keep = {k: str(v) for k, v in asdict(self).items() if k not in ("steps", "checkpoint_every", "device", "top_k")}
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
+    """Run (or resume) training; returns the report written to <out>/train_report.json."""
+    torch = require("torch")
+    transformers = require("transformers")
+    _check(cfg)
+    transformers.utils.logging.disable_progress_bar()
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    state_dir = cfg.out.parent / f".{cfg.out.name}.heads"
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.target)
+    target = transformers.AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    data = distill._load_or_make_data(cfg, target, tokenizer, state_dir, console)
+    heads = MedusaHeads(target, cfg).to(device)
+    opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
+    step, history = 0, []
+    state_path = state_dir / "state.pt"
+    if state_path.is_file():
+        state = torch.load(state_path, map_location=device, weights_only=False)
+        if state["fingerprint"] == cfg.fingerprint():
+            heads.load_state_dict(state["heads"])
+            opt.load_state_dict(state["opt"])
+            step, history = state["step"], state["history"]
+            distill._say(console, f"resuming from step {step}")
+    before = evaluate(target, MedusaHeads(target, cfg).to(device), data["heldout"], cfg.top_k)
+    progress = distill._progress(console, cfg.steps, step, label="train-heads")
+    start, seen = time.perf_counter(), 0
+    try:
+        while step < cfg.steps:
+            batch = distill._batch(data["train"], step, cfg, device)
+            loss = _step(target, heads, opt, batch, cfg, lr=distill._lr(cfg, step))
+            step += 1
+            seen += int(batch[1].sum())
+            history.append(round(loss, 5))
+            progress(step, loss, seen / max(time.perf_counter() - start, 1e-9))
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                distill.atomic_save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step,
+                                     "history": history, "fingerprint": cfg.fingerprint()}, state_path)
+            if on_step:
+                on_step(step)
+    finally:
+        progress(None, None, None)
+    after = evaluate(target, heads, data["heldout"], cfg.top_k)
+    return _write_outputs(cfg, heads, before, after, history)
+
+
+def _check(cfg: HeadsTrainConfig) -> None:
+    if cfg.kind not in KINDS:
+        raise SpecexportError(f"--kind: {cfg.kind!r} is not supported; supported: {', '.join(KINDS)} (EAGLE heads "
+                              f"come with their own issue)")
+    if cfg.projection not in ("own", "shared"):
+        raise SpecexportError(f"--projection: expected own or shared, got {cfg.projection!r}")
+    if cfg.dtype not in ("float32", "float16"):
+        raise SpecexportError(f"--dtype: expected float32 or float16, got {cfg.dtype!r}")
+    for name in ("heads", "layers", "top_k"):
+        if getattr(cfg, name) < 1:
+            raise SpecexportError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(cfg, name)}")
+    distill._check(cfg)
+
+
+def MedusaHeads(target, cfg: HeadsTrainConfig):
+    """Trainable heads on the target's final hidden state, in Medusa's structure (the keys of
+    `state()` are the published ones); projections start as copies of the target's lm_head."""
+    torch = require("torch")
+    nn = torch.nn
+    lm_head = target.get_output_embeddings().weight.detach().float()             # [V, H]
+    V, H = lm_head.shape
+
+    class ResBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(H, H)
+            nn.init.zeros_(self.linear.weight)
+            nn.init.zeros_(self.linear.bias)
+
+        def forward(self, x):
+            return x + nn.functional.silu(self.linear(x))
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.Sequential(*[ResBlock() for _ in range(cfg.layers)])
+                                         for _ in range(cfg.heads)])
+            own = cfg.projection == "own"
+            self.proj = nn.Parameter(lm_head.clone().expand(cfg.heads, V, H).clone() if own else lm_head.clone()[None],
+                                     requires_grad=own)                         # [N | 1, V, H]
+
+        def forward(self, hidden):                                              # [B, S, H] -> [B, S, N, V]
+            outs = [self.blocks[k](hidden) @ self.proj[k if len(self.proj) > 1 else 0].T for k in range(cfg.heads)]
+            return torch.stack(outs, dim=2)
+
+    return Heads()
+
+
+def _target_states(target, ids, mask):
+    """(final post-norm hidden states [B, S, H], log-probs [B, S, V]) of the frozen target."""
+    torch = require("torch")
+    with torch.no_grad():
+        hidden = target.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state.float()
+        return hidden, torch.log_softmax(target.get_output_embeddings()(hidden).float(), -1)
+
+
+def _step(target, heads, opt, batch, cfg: HeadsTrainConfig, *, lr: float) -> float:
+    """Head k at position i against the target's p at position i + 1 + k (the token k + 2 ahead)."""
+    torch = require("torch")
+    ids, mask = batch
+    hidden, p_log = _target_states(target, ids, mask)
+    q_log = torch.log_softmax(heads(hidden).float(), -1)                        # [B, S, N, V]
+    loss, weight = 0.0, 0.0
+    for k in range(cfg.heads):
+        shift = k + 1
+        if ids.shape[1] <= shift:
+            break
+        p, q = p_log[:, shift:], q_log[:, :-shift, k]                           # [B, S - shift, V]
+        valid = mask[:, shift:].float()
+        kl = (p.exp() * (p - q)).sum(-1)                                        # [B, S - shift]
+        loss = loss + cfg.decay ** k * (kl * valid).sum() / valid.sum().clamp(min=1)
+        weight += cfg.decay ** k
+    loss = loss / weight
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in heads.parameters() if p.requires_grad], 1.0)
+    opt.step()
+    return float(loss.detach())
+
+
+def evaluate(target, heads, heldout, top_k: int) -> dict:
+    """On the target's greedy continuations of held-out prompts: per head k, the share of positions
+    i (from the last prompt token on) whose token i + 2 + k is the head's top-1, and is in its top-k,
+    and the mean KL(p_target(i + 1 + k) ‖ q_k(i)) the training minimises."""
+    torch = require("torch")
+    device = next(heads.parameters()).device
+    n = len(heads.blocks)
+    top1, topk, kl, total = [0] * n, [0] * n, [0.0] * n, [0] * n
+    with torch.no_grad():
+        for seq, n_prompt in heldout:
+            ids = torch.tensor([seq], device=device)
+            hidden, p_log = _target_states(target, ids, torch.ones_like(ids))
+            q_log = torch.log_softmax(heads(hidden)[0].float(), -1)                 # [S, N, V]
+            ranked = q_log.topk(top_k, dim=-1).indices                               # [S, N, K]
+            for k in range(n):
+                rows = torch.arange(n_prompt - 1, len(seq) - 2 - k, device=device)
+                if len(rows) == 0:
+                    continue
+                truth = ids[0, rows + 2 + k]
+                top1[k] += int((ranked[rows, k, 0] == truth).sum())
+                topk[k] += int((ranked[rows, k] == truth[:, None]).any(-1).sum())
+                p = p_log[0, rows + 1 + k]
+                kl[k] += float((p.exp() * (p - q_log[rows, k])).sum())
+                total[k] += len(rows)
+    return {"top1": [a / max(t, 1) for a, t in zip(top1, total)],
+            "topk": [a / max(t, 1) for a, t in zip(topk, total)],
+            "kl": [a / max(t, 1) for a, t in zip(kl, total)], "positions": total}
+
+
+def _write_outputs(cfg: HeadsTrainConfig, heads, before, after, history) -> dict:
+    import numpy as np
+
+    from specexport.export.medusa import save_medusa_1
+
+    partial = cfg.out.parent / f".{cfg.out.name}.partial"
+    distill.shutil.rmtree(partial, ignore_errors=True)
+    blocks = [[(b.linear.weight.detach().cpu().numpy(), b.linear.bias.detach().cpu().numpy()) for b in seq]
+              for seq in heads.blocks]
+    proj = heads.proj.detach().cpu().numpy()
+    projections = [proj[k] for k in range(cfg.heads)] if cfg.projection == "own" else [None] * cfg.heads
+    save_medusa_1(partial, blocks, projections, base_model=str(cfg.target), dtype=np.dtype(cfg.dtype))
+    report = {"kind": cfg.kind, "heads": cfg.heads, "layers": cfg.layers, "projection": cfg.projection,
+              "dtype": cfg.dtype, "steps": cfg.steps,
+              "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
+              "top_k": cfg.top_k, "before": before, "after": after,
+              "config": {k: str(v) for k, v in asdict(cfg).items()}}
+    (partial / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    distill.swap_into_place(partial, cfg.out)
+    return report

@@ -1,0 +1,109 @@
+"""`tree: auto` for Medusa: a sparse tree made from the heads' measured accuracy and the target's
+measured verify cost, the way Medusa makes its sparse trees (Cai et al. 2024, section 3.3.1).
+
+1. Accuracy: on held-out sequences, teacher-forced, acc[k, r] = the share of positions i where the
+   target's argmax at position i + 1 + k (the token k + 2 places after i) is head k's rank-r token at i.
+2. Tree: with independent heads, the node with rank path (r_1, ..., r_d) is accepted with probability
+   prod_j acc[j - 1, r_j]; adding nodes greedily by that probability (a child never beats its parent,
+   so every prefix of the order is a tree) gives, for each size n, the tree of n nodes with the most
+   expected tokens per pass E(n) = 1 + sum of the n nodes' probabilities.
+3. Size: the n that maximises E(n) / (c(n + 1) + c_heads) * c(1), the predicted speedup over vanilla,
+   with c(T) the target's measured cost of a T-token pass at a context of 64 tokens.
+"""
+from __future__ import annotations
+
+import heapq
+import statistics
+import time
+
+import numpy as np
+
+CONTEXT = 64            # committed tokens when timing the verify pass
+REPS = 15
+
+
+def head_accuracy(target_session, target_io, heads_session, sequences, top_k: int) -> np.ndarray:
+    """acc [N, K] over every position of `sequences` (token arrays) where the truth exists."""
+    from specexport.export.medusa import target_hidden_states
+
+    hits, total = None, None
+    for seq in sequences:
+        hidden = target_hidden_states(target_session, target_io, seq)                         # [S, H]
+        argmax = _target_argmax(target_session, target_io, seq)                                # [S]
+        ids = heads_session.run(["head_topk_ids"], {"hidden_states": hidden[None]})[0][0]     # [S, N, K]
+        S, N, K = ids.shape
+        if hits is None:
+            hits, total = np.zeros((N, K)), np.zeros(N)
+        for k in range(N):
+            rows = np.arange(0, S - 1 - k)
+            if len(rows) == 0:
+                continue
+            truth = argmax[rows + 1 + k]                                                        # [R]
+            hits[k] += (ids[rows, k] == truth[:, None]).sum(0)
+            total[k] += len(rows)
+    return hits / np.maximum(total, 1)[:, None]
+
+
+def _target_argmax(session, io, seq) -> np.ndarray:
+    S = len(seq)
+    feeds = {"input_ids": np.asarray(seq, np.int64)[None], "position_ids": np.arange(S, dtype=np.int64)[None],
+             "tree_mask": np.tril(np.ones((S, S), bool))[None]}
+    empty = np.zeros((1, 0, io.num_kv_heads, io.head_dim), np.float32)
+    feeds.update({name: empty for name in io.input_names[3:]})
+    return session.run(["logits"], feeds)[0][0].argmax(-1)
+
+
+def greedy_tree(acc: np.ndarray, max_nodes: int) -> tuple[list[tuple[int, ...]], list[float]]:
+    """Rank paths in the order of their acceptance probability (each a valid tree prefix), and
+    those probabilities. Example: acc [[0.6, 0.2], [0.5, 0.1]], 3 nodes -> [(0,), (0, 0), (1,)],
+    [0.6, 0.3, 0.2]."""
+    N, K = acc.shape
+    frontier = [(-float(acc[0, r]), (r,)) for r in range(K)]
+    heapq.heapify(frontier)
+    paths, probs = [], []
+    while frontier and len(paths) < max_nodes:
+        neg, path = heapq.heappop(frontier)
+        paths.append(path)
+        probs.append(-neg)
+        if len(path) < N:
+            for r in range(K):
+                heapq.heappush(frontier, (neg * float(acc[len(path), r]), path + (r,)))
+    return paths, probs
+
+
+def choose_tree(acc: np.ndarray, costs: dict[int, float], heads_cost: float, max_nodes: int) -> dict:
+    """The tree size with the best predicted speedup; costs {T: seconds} for T = 1..max_nodes + 1."""
+    paths, probs = greedy_tree(acc, max_nodes)
+    c1 = costs[1]
+    predicted = {n: (1 + sum(probs[:n])) * c1 / (costs[n + 1] + heads_cost) for n in range(1, len(paths) + 1)}
+    best = max(predicted, key=predicted.get)
+    return {"paths": [list(p) for p in paths[:best]], "nodes": best, "expected_tokens": 1 + sum(probs[:best]),
+            "predicted_speedup": predicted[best], "predicted_by_nodes": {str(n): s for n, s in predicted.items()}}
+
+
+def verify_costs(backend, max_tokens: int, *, clock=time.perf_counter) -> dict[int, float]:
+    """Median seconds of a T-token target pass, T = 1..max_tokens, at a context of CONTEXT tokens
+    (fewer when the capacity is small), sizes interleaved."""
+    from specexport.runtime.loop import prefill
+
+    ctx = (3 + np.arange(max(1, min(CONTEXT, backend.capacity - max_tokens)))) % backend.vocab_size
+    backend.reset()
+    prefill(backend, ctx, backend.max_tokens)
+    times = {t: [] for t in range(1, max_tokens + 1)}
+    for _ in range(REPS):
+        for t in times:
+            start = clock()
+            backend.forward(ctx[:t] if t <= len(ctx) else np.resize(ctx, t))
+            times[t].append(clock() - start)
+    return {t: statistics.median(v) for t, v in times.items()}
+
+
+def heads_cost(heads, hidden_size: int, *, clock=time.perf_counter) -> float:
+    x = np.zeros(hidden_size, np.float32)
+    heads(x)
+    times = []
+    for _ in range(REPS):
+        start = clock()
+        heads(x)
+        times.append(clock() - start)
+    return statistics.median(times)
