@@ -10,6 +10,14 @@
 A choice belongs to the exact graphs it was measured on (`stages`): a rebuild that reuses both keeps
 it, one that rebuilds either drops it. A choice measured on fewer tokens (the short bench a build
 ends with) never replaces one measured on more.
+
+`--method auto` is stored the same way, per target precision and the draft precision it may use
+("-" when the build has no draft), with the graphs of every model the bench ran (Medusa heads too):
+
+    manifest["method_auto"]["fp32/fp32"] = {"method": "draft", "gamma": 4, "tree": None,
+        "draft_precision": "fp32", "speedup": 1.71, "speedup_ci95": [1.6, 1.8], "measured_tokens": 4608,
+        "stages": {"target": ..., "draft": ..., "medusa": ...}, "measured": ..., "command": ...}
+    method "vanilla": every configuration measured lost (or was not shown to win) against vanilla.
 """
 from __future__ import annotations
 
@@ -32,46 +40,69 @@ def stages_of(manifest: dict, target_precision: str, draft_precision: str) -> di
         return None
 
 
-def lookup(manifest: dict, target_precision: str, draft_precision: str) -> dict | None:
+def method_stages(manifest: dict, target_precision: str, draft_precision: str) -> dict | None:
+    """The graphs a `--method auto` choice is measured on: the target's, the draft's of that
+    precision ("-": none) and the Medusa heads' when built."""
+    try:
+        stages = {"target": manifest["models"]["target"]["precisions"][target_precision]["dir"]}
+        if draft_precision != "-":
+            stages["draft"] = manifest["models"]["draft"]["precisions"][draft_precision]["dir"]
+    except KeyError:
+        return None
+    for kind, heads in manifest.get("heads", {}).items():
+        stages[kind] = heads["precisions"]["fp32"]["dir"]
+    return stages
+
+
+SECTIONS = {"gamma_auto": stages_of, "method_auto": method_stages}
+
+
+def lookup(manifest: dict, target_precision: str, draft_precision: str, *, section: str = "gamma_auto") -> dict | None:
     """The stored choice for these precisions when it was measured on the graphs of this manifest."""
-    entry = manifest.get("gamma_auto", {}).get(gamma_key(target_precision, draft_precision))
-    if entry is None or entry.get("stages") != stages_of(manifest, target_precision, draft_precision):
+    entry = manifest.get(section, {}).get(gamma_key(target_precision, draft_precision))
+    if entry is None or entry.get("stages") != SECTIONS[section](manifest, target_precision, draft_precision):
         return None
     return entry
 
 
 def carried_gamma_choices(previous: dict, manifest: dict) -> dict:
-    """The previous manifest's choices that still describe the graphs of `manifest`."""
+    """The previous manifest's choices (γ and method, by section) that still describe the graphs of
+    `manifest`."""
     carried = {}
-    for key, entry in (previous.get("gamma_auto") or {}).items():
-        tp, _, dp = key.partition("/")
-        if isinstance(entry, dict) and entry.get("stages") and entry["stages"] == stages_of(manifest, tp, dp):
-            carried[key] = entry
+    for section, stages in SECTIONS.items():
+        for key, entry in (previous.get(section) or {}).items():
+            tp, _, dp = key.partition("/")
+            if isinstance(entry, dict) and entry.get("stages") and entry["stages"] == stages(manifest, tp, dp):
+                carried.setdefault(section, {})[key] = entry
     return carried
 
 
-def store_gamma_choices(output_dir: Path, choices: dict, *, build_id: str, command: str) -> list[str]:
-    """Merge `choices` {(tp, dp): {"gamma", "predicted_speedup", "measured_tokens"}} into the manifest,
-    under the output folder's lock. Returns one line per choice that was not stored, and why."""
+def store_gamma_choices(output_dir: Path, choices: dict, *, build_id: str, command: str,
+                        section: str = "gamma_auto") -> list[str]:
+    """Merge `choices` {(tp, dp): {..., "measured_tokens"}} into the manifest's `section` (gamma_auto:
+    {"gamma", "predicted_speedup", ...}; method_auto: {"method", ...}), under the output folder's lock.
+    Returns one line per choice that was not stored, and why."""
     from specexport.errors import SpecexportError
     from specexport.locking import output_lock
 
     skipped = []
+    what = "γ" if section == "gamma_auto" else "method"
     try:
-        with output_lock(output_dir, purpose="specexport bench (storing the γ choice)", wait_s=30):
+        with output_lock(output_dir, purpose=f"specexport bench (storing the {what} choice)", wait_s=30):
             manifest = read_manifest(output_dir)
             if manifest["build_id"] != build_id:
                 return [f"{gamma_key(*k)}: not stored, the build was replaced while the bench ran" for k in choices]
-            stored = manifest.setdefault("gamma_auto", {})
+            stored = manifest.setdefault(section, {})
             for (tp, dp), c in choices.items():
-                key, old = gamma_key(tp, dp), lookup(manifest, tp, dp)
+                key, old = gamma_key(tp, dp), lookup(manifest, tp, dp, section=section)
                 if old is not None and old.get("measured_tokens", 0) > c["measured_tokens"]:
-                    skipped.append(f"{key}: kept the stored choice (γ {old['gamma']}, measured on "
+                    shown = f"γ {old['gamma']}" if section == "gamma_auto" else old["method"]
+                    skipped.append(f"{key}: kept the stored {what} choice ({shown}, measured on "
                                    f"{old['measured_tokens']} tokens; this bench measured {c['measured_tokens']})")
                     continue
-                stored[key] = {**c, "stages": stages_of(manifest, tp, dp), "command": command,
+                stored[key] = {**c, "stages": SECTIONS[section](manifest, tp, dp), "command": command,
                                "measured": datetime.now(timezone.utc).isoformat(timespec="seconds")}
             write_json_atomic(Path(output_dir) / MANIFEST_NAME, manifest)
     except SpecexportError as err:
-        return [f"γ choices not stored: {err}"]
+        return [f"{what} choices not stored: {err}"]
     return skipped

@@ -223,7 +223,7 @@ def test_report_rows_and_files(bench_report):
     measured = next(r for r in rows if r["gamma"] == 2 and not r["draft_stop"])["delivered_tokens"]
     assert report["gamma_auto"]["fp32/fp32"]["measured_tokens"] == measured == 2 * 2 * 8
     stored = read_manifest(work / "build")["gamma_auto"]["fp32/fp32"]
-    assert stored["measured_tokens"] == 3 * 32 and "kept the stored choice" in report["gamma_store"][0]
+    assert stored["measured_tokens"] == 3 * 32 and "kept the stored γ choice" in report["gamma_store"][0]
 
 
 def test_peers_run_apart_and_are_compared_with_our_fp32_vanilla_output(bench_report):
@@ -273,7 +273,7 @@ def test_gamma_choice_is_kept_by_a_rebuild_that_reuses_the_graphs_and_not_replac
     stored = read_manifest(out)["gamma_auto"]["fp32/fp32"]
     assert (stored["gamma"], stored["measured_tokens"]) == (5, 10_000)
     report = json.loads((out / "bench" / "quick" / "report.json").read_text())
-    assert any("kept the stored choice" in line for line in report["gamma_store"])
+    assert any("kept the stored γ choice" in line for line in report["gamma_store"])
     stale = read_manifest(out)["build_id"]
     assert run_build(path, "--force", "--no-bench") == 0     # new graphs: the old choice no longer applies
     assert "gamma_auto" not in read_manifest(out)
@@ -361,3 +361,58 @@ def test_a_peer_process_reports_its_own_peak_memory_not_ours():
     peak = queue.get(timeout=60)
     child.join()
     assert 0 < peak < 300 * 2**20 and ballast.sum() > 0
+
+
+# -- the stored method choice (--method auto) ---------------------------------------------------------
+def _row(method, speedup, dp=None, gamma=4, tree=None, tokens=100):
+    return {"precision": "fp32", "draft_precision": dp, "method": method, "gamma": gamma, "tree": tree,
+            "draft_stop": 0.0, "speedup_vs_vanilla": speedup, "speedup_ci95": [speedup - 0.1, speedup + 0.1],
+            "delivered_tokens": tokens}
+
+
+def test_method_choice_is_the_fastest_row_each_pair_can_run_and_vanilla_when_all_lose():
+    from specexport.report.bench import method_choices
+
+    rows = [_row("vanilla", 1.0), _row("lookup", 1.3), _row("medusa", 1.6, tree="auto", gamma=3),
+            _row("draft", 1.8, dp="fp32"), _row("draft", 1.2, dp="int4")]
+    c = method_choices(rows)
+    assert (c[("fp32", "fp32")]["method"], c[("fp32", "fp32")]["draft_precision"]) == ("draft", "fp32")
+    assert (c[("fp32", "int4")]["method"], c[("fp32", "int4")]["tree"]) == ("medusa", "auto")   # 1.6 > 1.2
+    assert c[("fp32", "-")]["method"] == "medusa" and c[("fp32", "-")]["measured_tokens"] == 500
+    lost = method_choices([_row("vanilla", 1.0), _row("lookup", 0.9), _row("draft", 0.97, dp="fp32")])
+    assert lost[("fp32", "fp32")]["method"] == "vanilla" and lost[("fp32", "fp32")]["speedup"] == 0.97
+    assert lost[("fp32", "fp32")]["best_measured"] == "draft γ 4"
+
+
+def test_method_auto_uses_the_stored_choice_on_these_graphs_only(bench_report, tmp_path):
+    work, report = bench_report
+    assert set(report["method_auto"]) >= {"fp32/fp32", "fp32/-"}
+    shutil.copytree(work / "build", tmp_path / "b")
+    out = tmp_path / "b"
+
+    def store(choice):
+        m = read_manifest(out)
+        m.pop("method_auto", None)
+        (out / "manifest.json").write_text(json.dumps(m))
+        store_gamma_choices(out, {("fp32", "fp32"): {"tree": None, "draft_stop": 0.0, "draft_precision": None,
+                                                      "speedup": 1.5, "best_measured": "x", "measured_tokens": 1,
+                                                      **choice}},
+                            build_id=m["build_id"], command="t", section="method_auto")
+
+    store({"method": "lookup", "gamma": 3})
+    pipe = specexport.load(out)
+    got = pipe.generate(prompt_ids=[1, 5, 6, 5, 6, 5, 6], max_new_tokens=20, method="auto")
+    assert got.stats.forwards and not any(role == "draft" for role, _ in got.stats.forwards)
+    assert "lookup γ 3" in pipe.auto_note
+    store({"method": "draft", "gamma": 2, "draft_precision": "fp32"})
+    pipe = specexport.load(out)
+    assert pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=20, method="auto").stats.gamma == 2
+    store({"method": "vanilla", "gamma": 0, "speedup": 0.8})
+    pipe = specexport.load(out)
+    assert pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=10, method="auto").stats.proposed == 0
+    assert "vanilla: every configuration measured lost" in pipe.auto_note
+    m = read_manifest(out)                       # a choice measured on other graphs is not used
+    m["method_auto"]["fp32/fp32"]["stages"]["target"] = "target/fp32-00000000"
+    (out / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SpecexportError, match="method: 'auto' needs a measured choice"):
+        specexport.load(out).generate(prompt_ids=[1, 5], method="auto")

@@ -11,7 +11,7 @@ from specexport.cli import cli
 @click.argument("prompt")
 @click.option("--method", default="draft", show_default=True,
               help="vanilla | draft (a draft model) | lookup (prompt lookup: copies from earlier text, target only) "
-                   "| medusa (the build's Medusa heads)")
+                   "| medusa (the build's Medusa heads) | auto (what `specexport bench` measured fastest)")
 @click.option("--gamma", default="4", show_default=True,
               help="Draft tokens proposed per round, or 'auto' (the γ `specexport bench` measured best).")
 @click.option("--tree", default=None,
@@ -50,7 +50,7 @@ def generate(output_dir, prompt, method, gamma, tree, draft_stop, temperature, t
     out = pipe.last_output
     s = out.stats
     if pipe.auto_note:
-        click.secho(f"--gamma auto: {pipe.auto_note}", fg="yellow", err=True)
+        click.secho(f"--{'method' if method == 'auto' else 'gamma'} auto: {pipe.auto_note}", fg="yellow", err=True)
     click.echo("")
     label = method if s.gamma or method == "vanilla" else "vanilla (auto)"
     line = (f"[{label}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.tokens_per_second:.1f} tok/s, "

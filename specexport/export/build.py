@@ -407,7 +407,5 @@ def _manifest(plan: Plan, results: list[StageResult], tokenizer: dict, previous:
         **({"heads": heads} if heads else {}),
         "versions": {**tool_versions(), "python": platform.python_version(), "specexport": __version__},
     }
-    carried = carried_gamma_choices(previous, manifest)      # measured on stages this build reused
-    if carried:
-        manifest["gamma_auto"] = carried
+    manifest.update(carried_gamma_choices(previous, manifest))     # measured on stages this build reused
     return manifest

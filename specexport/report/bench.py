@@ -166,6 +166,10 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
                   "measured_tokens": c["measured_tokens"]} for k, c in choice.items()}
     report["gamma_store"] = store_gamma_choices(cfg.output_dir, stored, build_id=manifest["build_id"],
                                                 command=report["command"])
+    methods = method_choices(rows)
+    report["method_auto"] = {f"{tp}/{dp}": c for (tp, dp), c in methods.items()}
+    report["gamma_store"] += store_gamma_choices(cfg.output_dir, methods, build_id=manifest["build_id"],
+                                                 command=report["command"], section="method_auto")
     for line in report["gamma_store"]:
         log(f"bench: {line}")
     _write_report(report, Path(cfg.out or cfg.output_dir / "bench"), cfg.plots, log)
@@ -354,6 +358,31 @@ def _gamma_choice(rows, costs, isolated, max_gamma: int) -> dict:
     return choice
 
 
+def method_choices(rows) -> dict:
+    """`--method auto` per (target precision, draft precision or "-"): the row with the best measured
+    speedup among those that precision pair can run (draft-free rows and rows with that draft);
+    vanilla when none of them beat vanilla."""
+    choices = {}
+    pairs = {(r["precision"], r["draft_precision"] or "-") for r in rows}
+    pairs |= {(r["precision"], "-") for r in rows}
+    for tp, dp in pairs:
+        candidates = [r for r in rows if r["precision"] == tp and r["method"] != VANILLA and r["speedup_vs_vanilla"]
+                      and (r["draft_precision"] or "-") in ("-", dp)]
+        best = max(candidates, key=lambda r: r["speedup_vs_vanilla"], default=None)
+        win = best is not None and best["speedup_vs_vanilla"] > 1.0
+        row = best if win else None
+        choices[(tp, dp)] = {
+            "method": row["method"] if row else VANILLA, "gamma": row["gamma"] if row else 0,
+            "tree": row["tree"] if row else None, "draft_stop": row["draft_stop"] if row else 0.0,
+            "draft_precision": row["draft_precision"] if row else None,
+            "speedup": best["speedup_vs_vanilla"] if best else None,
+            "speedup_ci95": best["speedup_ci95"] if best else None,
+            "best_measured": f"{best['method']} γ {best['gamma']}" + (f" tree {best['tree']}" if best["tree"] else "")
+            if best else None,
+            "measured_tokens": sum(r["delivered_tokens"] for r in rows if r["precision"] == tp)}
+    return choices
+
+
 def _acceptance_drop(rows) -> list:
     """Acceptance of each quantized combination against fp32/fp32 at the same γ."""
     ref = {r["gamma"]: r["acceptance_rate"] for r in rows
@@ -390,7 +419,8 @@ def _same_output(got: list[int], ref: list[int] | None, eos: set) -> bool:
 
 
 def _memory(manifest, pipes, peers) -> dict:
-    weights = {f"{role}/{p}": e["size_bytes"] for role, m in manifest["models"].items()
+    weights = {f"{role}/{p}": e["size_bytes"] for role, m in (*manifest["models"].items(),
+                                                              *manifest.get("heads", {}).items())
                for p, e in m["precisions"].items()}
     kv = {f"{tp}/{dp}": p.target.kv_bytes + d.kv_bytes for tp, p in pipes.items() for dp, d in p.drafts.items()}
     kv.update({f"{tp}/-": p.target.kv_bytes for tp, p in pipes.items()})

@@ -44,6 +44,12 @@ def render_markdown(report: dict) -> str:
         verdict = "vanilla (speculation predicted to lose)" if c["gamma"] == 0 else f"γ = {c['gamma']}"
         lines.append(f"- target/draft {key}: {verdict}, predicted speedup {c['predicted_speedup']:.2f}x "
                      f"(acceptance measured at γ {c['measured_at_gamma']} on {c['measured_tokens']} tokens)")
+    lines += ["", "## Chosen for `--method auto` (the fastest measured; vanilla when all lost)", ""]
+    for key, c in report.get("method_auto", {}).items():
+        chosen = c["method"] + (f" γ {c['gamma']}" if c["method"] != "vanilla" else "") + \
+            (f" tree {c['tree']}" if c["tree"] else "")
+        best = f"{c['speedup']:.2f}x" if c["speedup"] else "-"
+        lines.append(f"- target/draft {key}: {chosen} (best measured {c['best_measured'] or '-'} at {best})")
     lines += [f"- {line}" for line in report.get("gamma_store", [])]
     if report["acceptance_drop"]:
         lines += ["", "## Acceptance cost of quantization (vs fp32 target and draft)", ""]

@@ -102,7 +102,7 @@ class Pipeline:
             raise SpecexportError(f"{tok_path}: the tokenizers library could not read it "
                                   f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
         self.last_output: GenerationOutput | None = None
-        self.auto_note: str | None = None          # what gamma="auto" decided, for the CLI to show
+        self.auto_note: str | None = None          # what gamma="auto" / method="auto" decided, for the CLI
         self.clock = time.perf_counter             # the stats' clock (the bench's tests inject one)
 
     @property
@@ -173,7 +173,8 @@ class Pipeline:
                top_p: float | None = None, seed: int | None = 0, stop: list[str] | tuple = (),
                draft_stop: float = 0.0, lookup_branches: int = 1, tree=None):
         """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards.
-        method: vanilla | draft (a draft model proposes γ tokens) | lookup (prompt lookup: up to γ tokens
+        method: vanilla | draft (a draft model proposes γ tokens) | medusa | auto (the configuration
+        `specexport bench` measured fastest, vanilla when all lost) | lookup (prompt lookup: up to γ tokens
         copied from what followed an earlier occurrence of the last tokens; lookup_branches > 1 verifies
         the continuations of that many occurrences as one tree).
         draft_stop: end a round's drafting once the draft gives its proposal a probability below this
@@ -252,8 +253,10 @@ class Pipeline:
     def _proposer_for(self, method: str, gamma, draft_stop: float, lookup_branches: int, tree=None):
         """The round's proposer (None for vanilla). gamma="auto" (draft only) takes the γ `specexport
         bench` stored for these precisions, and decodes vanilla when it predicted speculation would lose."""
+        if method == "auto":
+            return self._auto_method()
         if method not in METHODS:
-            raise SpecexportError(f"method: {method!r} is not supported; supported: {', '.join(METHODS)}")
+            raise SpecexportError(f"method: {method!r} is not supported; supported: {', '.join(METHODS)}, auto")
         if method == "vanilla":
             return None
         if method not in self.methods:
@@ -282,6 +285,26 @@ class Pipeline:
                 return None
             gamma = min(int(choice["gamma"]), self.max_verify_tokens - 1)
         return DraftChain(self.draft, self._check_gamma(gamma, auto=True), draft_stop=draft_stop)
+
+    def _auto_method(self):
+        """The configuration `specexport bench` measured best for these precisions (vanilla when every
+        one lost), on exactly these graphs."""
+        dp = self.draft_precision if "draft" in self.manifest["models"] else "-"
+        choice = lookup_gamma(self.manifest, self.precision, dp, section="method_auto")
+        if choice is None:
+            raise SpecexportError(f"method: 'auto' needs a measured choice for target {self.precision!r}"
+                                  f"{'' if dp == '-' else f' with draft {dp!r}'}: run `specexport bench {self.dir}` "
+                                  f"first (with the --methods to choose from)")
+        speed = f"measured {choice['speedup']:.2f}x" if choice.get("speedup") else "no speculative row measured"
+        if choice["method"] == "vanilla":
+            self.auto_note = f"vanilla: every configuration measured lost to it (best: {choice['best_measured']}, {speed})"
+            return None
+        tree = f", tree {choice['tree']}" if choice["tree"] else ""
+        self.auto_note = f"{choice['method']} γ {choice['gamma']}{tree} ({speed} over vanilla)"
+        if choice["draft_precision"] not in (None, self.draft_precision):
+            self.use_draft_precision(choice["draft_precision"])
+        return self._proposer_for(choice["method"], max(1, min(choice["gamma"], self.max_verify_tokens - 1)),
+                                  choice.get("draft_stop", 0.0), 1, choice["tree"])
 
     def _draft_tree(self, tree) -> DraftTree:
         return self._fitting(lambda paths: DraftTree(self.draft, paths), _named_tree(tree, DRAFT_TREES))
