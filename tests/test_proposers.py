@@ -310,7 +310,23 @@ def test_draft_trees_through_the_pipeline_and_the_cli(built_llama, capsys):
             pipe.generate(prompt_ids=[5], method="draft", tree=[(i,) for i in range(16)])
         with pytest.raises(SpecexportError, match="has no parent path"):
             pipe.generate(prompt_ids=[5], method="draft", tree=[(0, 0)])
+        # sampled children: greedy still equals vanilla; at temperature 1 the proposal carries q
+        assert pipe.generate(prompt_ids=[5, 9, 11], max_new_tokens=40, method="draft", tree="wide",
+                             sampled_children=True).token_ids == ref
+        seen = []
+        original = loop.accept_tree_sampled
+        loop.accept_tree_sampled = lambda *a, **k: (seen.append(1), original(*a, **k))[1]
+        try:
+            pipe.generate(prompt_ids=[5, 9, 11], max_new_tokens=20, method="draft", tree="wide", sampled_children=True,
+                          temperature=1.0)
+        finally:
+            loop.accept_tree_sampled = original
+        assert seen
+        with pytest.raises(SpecexportError, match="sampled_children: only for draft trees"):
+            pipe.generate(prompt_ids=[5], method="draft", sampled_children=True)
     assert main(["generate", str(built_llama), "def f(x):", "--tree", "[[0],[1],[0,0]]", "--max-new-tokens", "6"]) == 0
+    assert main(["generate", str(built_llama), "def f(x):", "--tree", "small", "--sampled-children", "--temperature",
+                 "0.8", "--max-new-tokens", "6"]) == 0
     assert main(["generate", str(built_llama), "x", "--tree", "[[0],", "--max-new-tokens", "6"]) == 1
     assert "--tree: not a JSON list of rank paths" in capsys.readouterr().err
 

@@ -18,6 +18,9 @@ from specexport.cli import cli
               help="Draft a static token tree instead of a chain: small | wide | deep, or JSON rank paths "
                    "like '[[0],[1],[0,0]]'. With --method medusa: auto (the default: the tree "
                    "the build measured) | small | medium | large or rank paths.")
+@click.option("--sampled-children", is_flag=True,
+              help="With --tree and --temperature > 0: draw each node's children from the draft (multi-draft "
+                   "verification) instead of taking its top-ranked tokens.")
 @click.option("--draft-stop", default=0.0, show_default=True, type=float,
               help="End a round's drafting early once the draft's probability of its proposal is below this.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
@@ -32,7 +35,7 @@ from specexport.cli import cli
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--compare", is_flag=True, help="Also time vanilla decoding on the same build and print the speedup.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
-def generate(output_dir, prompt, method, gamma, tree, draft_stop, temperature, top_k, top_p, max_new_tokens, seed,
+def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_stop, temperature, top_k, top_p, max_new_tokens, seed,
              precision, draft_precision, threads, draft_threads, stop, compare, verbose):
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
@@ -42,7 +45,8 @@ def generate(output_dir, prompt, method, gamma, tree, draft_stop, temperature, t
     gamma = gamma if gamma == "auto" else _int_gamma(gamma)
     tree = _tree(tree)
     pieces = pipe.stream(prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma, draft_stop=draft_stop,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tree=tree)
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tree=tree,
+                         sampled_children=sampled_children)
     first = next(pieces, "")            # input errors surface here, before anything is printed
     click.echo(prompt + first, nl=False)
     for piece in pieces:

@@ -306,7 +306,8 @@ def _heads_stage(plan: Plan, hp, previous: dict, force: bool, folders: StageFold
 def _auto_tree(plan: Plan, hp, target_dir: Path, heads_dir: Path, reporter: Reporter) -> dict:
     """`tree: auto`: the heads' accuracy on held-out sequences and the target's verify cost per size
     (export/medusa_tree.py), measured on the graphs just built."""
-    from specexport.export.medusa_tree import choose_tree, head_accuracy, heads_cost, verify_costs
+    from specexport.export.medusa_tree import (PREFIX, choose_tree, greedy_continuation, head_accuracy, heads_cost,
+                                               verify_costs)
     from specexport.export.quality import runtime_session
     from specexport.runtime.backends.heads import OrtHeads
     from specexport.runtime.backends.ort import OrtBackend
@@ -314,18 +315,25 @@ def _auto_tree(plan: Plan, hp, target_dir: Path, heads_dir: Path, reporter: Repo
     target = plan.target
     session = runtime_session(target_dir / "model.onnx")
     sequences, text = _eval_sequences(plan, target, session, reporter, {})
-    with reporter.stage(f"tree: auto from the heads' accuracy on {text['label']} and the target's verify cost"):
-        acc = head_accuracy(session, target.io, runtime_session(heads_dir / "model.onnx"), sequences, hp.io.top_k)
-        del session
+    label = f"greedy continuations of {PREFIX}-token prefixes of {text['label']}"
+    with reporter.stage(f"tree: auto from the heads' accuracy on {label} and the target's verify cost"):
         max_tokens = plan.config.max_verify_tokens
-        with OrtBackend(target_dir, io=target.io, capacity=plan.config.max_seq_len, max_tokens=max_tokens) as backend:
+        with OrtBackend(target_dir, io=target.io, capacity=plan.config.max_seq_len,
+                        max_tokens=max(max_tokens, 64)) as backend:
+            # what greedy decoding feeds the heads: the target's own continuations, not sampled text
+            sequences = [greedy_continuation(backend, seq[:PREFIX], len(seq)) for seq in sequences
+                         if len(seq) > PREFIX + 2]
             costs = verify_costs(backend, max_tokens)
+        acc = head_accuracy(session, target.io, runtime_session(heads_dir / "model.onnx"), sequences, hp.io.top_k,
+                            start=PREFIX - 1)
+        del session
         heads = OrtHeads(heads_dir, io=hp.io)
         choice = choose_tree(acc, costs, heads_cost(heads, hp.io.hidden_size), max_tokens - 1)
     reporter.note(f"  tree auto: {choice['nodes']} nodes, {choice['expected_tokens']:.2f} expected tokens per pass, "
                   f"predicted {choice['predicted_speedup']:.2f}x (head top-1 accuracy "
                   f"{', '.join(f'{a:.2f}' for a in acc[:, 0])})")
-    return {**choice, "accuracy": acc.round(4).tolist(), "accuracy_text": text["description"],
+    return {**choice, "accuracy": acc.round(4).tolist(),
+            "accuracy_text": f"greedy continuations of {PREFIX}-token prefixes of {text['description']}",
             "verify_cost_ms": {str(t): round(c * 1e3, 4) for t, c in costs.items()}}
 
 

@@ -1,7 +1,8 @@
 """`tree: auto` for Medusa: a sparse tree made from the heads' measured accuracy and the target's
 measured verify cost, the way Medusa makes its sparse trees (Cai et al. 2024, section 3.3.1).
 
-1. Accuracy: on held-out sequences, teacher-forced, acc[k, r] = the share of positions i where the
+1. Accuracy: on the target's greedy continuations of the held-out sequences' first PREFIX tokens
+   (what greedy decoding feeds the heads; sampled text is noisier than that), teacher-forced, acc[k, r] = the share of positions i where the
    target's argmax at position i + 1 + k (the token k + 2 places after i) is head k's rank-r token at i.
 2. Tree: with independent heads, the node with rank path (r_1, ..., r_d) is accepted with probability
    prod_j acc[j - 1, r_j]; adding nodes greedily by that probability (a child never beats its parent,
@@ -20,10 +21,12 @@ import numpy as np
 
 CONTEXT = 64            # committed tokens when timing the verify pass
 REPS = 15
+PREFIX = 16             # accuracy is measured on the target's greedy continuations of prefixes this long
 
 
-def head_accuracy(target_session, target_io, heads_session, sequences, top_k: int) -> np.ndarray:
-    """acc [N, K] over every position of `sequences` (token arrays) where the truth exists."""
+def head_accuracy(target_session, target_io, heads_session, sequences, top_k: int, *, start: int = 0) -> np.ndarray:
+    """acc [N, K] over the positions i >= start of `sequences` (token arrays) where the truth exists
+    (start = PREFIX - 1: from the last prefix token on, the part the target continued itself)."""
     from specexport.export.medusa import target_hidden_states
 
     hits, total = None, None
@@ -35,13 +38,23 @@ def head_accuracy(target_session, target_io, heads_session, sequences, top_k: in
         if hits is None:
             hits, total = np.zeros((N, K)), np.zeros(N)
         for k in range(N):
-            rows = np.arange(0, S - 1 - k)
+            rows = np.arange(start, S - 1 - k)
             if len(rows) == 0:
                 continue
             truth = argmax[rows + 1 + k]                                                        # [R]
             hits[k] += (ids[rows, k] == truth[:, None]).sum(0)
             total[k] += len(rows)
     return hits / np.maximum(total, 1)[:, None]
+
+
+def greedy_continuation(backend, prefix, length: int) -> np.ndarray:
+    """[length] the prefix and the target's greedy continuation of it (vanilla decoding on `backend`)."""
+    from specexport.runtime.loop import DecodeStats, decode
+    from specexport.runtime.sampling import SamplingParams
+
+    chunks = decode(backend, None, np.asarray(prefix), max_new_tokens=length - len(prefix),
+                    params=SamplingParams(0.0), rng=np.random.default_rng(0), stats=DecodeStats())
+    return np.concatenate([np.asarray(prefix), *chunks])
 
 
 def _target_argmax(session, io, seq) -> np.ndarray:

@@ -213,7 +213,7 @@ def _fingerprint(path: Path, options: dict) -> str:
 GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/to_onnx.py", "export/registry.py",
                  "export/adapters/*.py")
 QUANTIZER_SOURCES = ("export/quantize.py", "export/quality.py")
-HEADS_SOURCES = ("io_spec.py", "export/medusa.py", "export/to_onnx.py")
+HEADS_SOURCES = ("io_spec.py", "export/medusa.py", "export/medusa_tree.py", "export/to_onnx.py")
 
 
 def source_hash(patterns) -> str:

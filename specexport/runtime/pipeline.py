@@ -171,7 +171,7 @@ class Pipeline:
     def stream(self, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int = 128,
                method: str = "draft", gamma: int = 4, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = 0, stop: list[str] | tuple = (),
-               draft_stop: float = 0.0, lookup_branches: int = 1, tree=None):
+               draft_stop: float = 0.0, lookup_branches: int = 1, tree=None, sampled_children: bool = False):
         """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards.
         method: vanilla | draft (a draft model proposes γ tokens) | medusa | auto (the configuration
         `specexport bench` measured fastest, vanilla when all lost) | lookup (prompt lookup: up to γ tokens
@@ -181,12 +181,15 @@ class Pipeline:
         (adaptive γ up to `gamma`; 0 = always γ proposals). Output is unchanged either way.
         tree (method draft): a static token tree instead of a chain, as rank paths like
         [[0], [1], [0, 0]] or the name of one of DRAFT_TREES; verified in one target pass.
+        sampled_children (draft trees, temperature > 0): draw each node's children i.i.d. from the
+        draft (the tree gives only the shape) and verify with the multi-draft rule, instead of the
+        draft's top-ranked tokens verified with the q-free rule; both are lossless.
         method medusa: the build's Medusa heads propose a static tree, `tree`: "auto" (the default: the
         tree the build made from the heads' measured accuracy and the verify cost), rank paths, or the
         name of one of MEDUSA_TREES (cut to the heads' count); gamma is not used."""
         ids = self._prompt_ids(prompt, prompt_ids)
         params = self._params(temperature, top_k, top_p)
-        proposer = self._proposer_for(method, gamma, draft_stop, lookup_branches, tree)
+        proposer = self._proposer_for(method, gamma, draft_stop, lookup_branches, tree, sampled_children)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpecexportError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
         stats, detok = DecodeStats(), IncrementalDetokenizer(self.tokenizer, ids.tolist())
@@ -250,7 +253,8 @@ class Pipeline:
         except ValueError as err:
             raise SpecexportError(str(err)) from None
 
-    def _proposer_for(self, method: str, gamma, draft_stop: float, lookup_branches: int, tree=None):
+    def _proposer_for(self, method: str, gamma, draft_stop: float, lookup_branches: int, tree=None,
+                      sampled_children: bool = False):
         """The round's proposer (None for vanilla). gamma="auto" (draft only) takes the γ `specexport
         bench` stored for these precisions, and decodes vanilla when it predicted speculation would lose."""
         if method == "auto":
@@ -271,7 +275,9 @@ class Pipeline:
                 raise SpecexportError(f"lookup_branches: expected an integer >= 1, got {lookup_branches!r}")
             return PromptLookup(gamma, branches=lookup_branches, max_nodes=self.max_verify_tokens - 1)
         if tree is not None:
-            return self._draft_tree(tree)
+            return self._draft_tree(tree, sampled_children)
+        if sampled_children:
+            raise SpecexportError("sampled_children: only for draft trees (give tree=...)")
         if gamma == "auto":
             choice = lookup_gamma(self.manifest, self.precision, self.draft_precision)
             if choice is None:
@@ -306,8 +312,8 @@ class Pipeline:
         return self._proposer_for(choice["method"], max(1, min(choice["gamma"], self.max_verify_tokens - 1)),
                                   choice.get("draft_stop", 0.0), 1, choice["tree"])
 
-    def _draft_tree(self, tree) -> DraftTree:
-        return self._fitting(lambda paths: DraftTree(self.draft, paths), _named_tree(tree, DRAFT_TREES))
+    def _draft_tree(self, tree, sampled: bool = False) -> DraftTree:
+        return self._fitting(lambda paths: DraftTree(self.draft, paths, sampled=sampled), _named_tree(tree, DRAFT_TREES))
 
     def _auto_medusa_tree(self):
         return self.manifest.get("heads", {}).get("medusa", {}).get("auto_tree")
