@@ -8,13 +8,19 @@ Axes are symbols for dynamic dimensions and ints for fixed ones:
   batch   B  sequences in the batch (the runtime drives B = 1)
   tokens  T  new tokens this call: a prompt chunk, 1 for decode, the tree size for verification
   past    P  committed positions already in the KV cache (0 for the first prefill chunk)
+  rows    R  rows whose logits are computed: all T for decode and verification, the last for prefill
 
 Inputs                                   Outputs
-  input_ids      int64 [B, T]              logits             float32 [B, T, V]
+  input_ids      int64 [B, T]              logits             float32 [B, R, V]    at the rows logits_rows names
   position_ids   int64 [B, T]              hidden_states      float32 [B, T, H]    final, post-norm
   tree_mask      bool  [B, T, T]           aux_hidden_states  float32 [B, T, k*H]  inputs of chosen layers
-  past_key.{i}   float32 [B, P, Hkv, D]    present_key.{i}    float32 [B, T, Hkv, D]  new tokens only
-  past_value.{i} float32 [B, P, Hkv, D]    present_value.{i}  float32 [B, T, Hkv, D]
+  logits_rows    int64 [B, R]              present_key.{i}    float32 [B, T, Hkv, D]  new tokens only
+  past_key.{i}   float32 [B, P, Hkv, D]    present_value.{i}  float32 [B, T, Hkv, D]
+  past_value.{i} float32 [B, P, Hkv, D]
+
+`logits_rows` (contract 2): a prefill chunk needs the next-token logits of its last row only, and
+the vocabulary projection is a large share of a prefill's work (21% of SmolLM2-135M's weights), so
+the graph projects only the rows it is asked for.
 
 KV tensors are sequence-major, so the committed prefix of a static [B, MAX, Hkv, D] buffer is a
 zero-copy view, and attention costs what P costs, not what MAX costs.
@@ -29,7 +35,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-DYNAMIC_AXES = ("batch", "tokens", "past")
+DYNAMIC_AXES = ("batch", "tokens", "past", "rows")
+CONTRACT_VERSION = 2         # 2: logits_rows (logits only for the rows asked for); bump on any change here
 
 
 @dataclass(frozen=True)
@@ -61,9 +68,10 @@ class ModelIO:
             TensorSpec("input_ids", "int64", ("batch", "tokens")),
             TensorSpec("position_ids", "int64", ("batch", "tokens")),
             TensorSpec("tree_mask", "bool", ("batch", "tokens", "tokens")),
+            TensorSpec("logits_rows", "int64", ("batch", "rows")),
         ]
         outs = [
-            TensorSpec("logits", "float32", ("batch", "tokens", self.vocab_size)),
+            TensorSpec("logits", "float32", ("batch", "rows", self.vocab_size)),
             TensorSpec("hidden_states", "float32", ("batch", "tokens", self.hidden_size)),
         ]
         if self.aux_hidden_layers:
@@ -90,6 +98,33 @@ class ModelIO:
         return [t.name for t in self.inputs]
 
     @property
+    def past_input_names(self) -> list[str]:
+        """past_key.0, past_value.0, past_key.1, ... (the inputs after the four fixed ones)."""
+        return [n for i in range(self.num_layers) for n in self.past_names(i)]
+
+    def feeds(self, tokens, *, positions=None, mask=None, past=None, rows=None) -> dict:
+        """The input dict of one plain session.run on tokens [B, T] (checks and tools; the runtime
+        binds its buffers instead). Defaults: positions continue the past, a causal mask, an empty
+        past, logits for every row."""
+        import numpy as np
+
+        tokens = np.atleast_2d(np.asarray(tokens, np.int64))
+        B, T = tokens.shape
+        if past is None:
+            past = [np.zeros((B, 0, self.num_kv_heads, self.head_dim), np.float32)] * (2 * self.num_layers)
+        P = past[0].shape[1]
+        positions = P + np.arange(T) if positions is None else positions
+        mask = np.tril(np.ones((T, T), bool)) if mask is None else mask
+        rows = np.arange(T) if rows is None else rows
+        feeds = {"input_ids": tokens,
+                 "position_ids": np.ascontiguousarray(np.broadcast_to(np.asarray(positions, np.int64), (B, T))),
+                 "tree_mask": np.ascontiguousarray(np.broadcast_to(np.asarray(mask, bool), (B, T, T))),
+                 "logits_rows": np.ascontiguousarray(np.broadcast_to(np.asarray(rows, np.int64),
+                                                                     (B, np.asarray(rows).shape[-1])))}
+        feeds.update(zip(self.past_input_names, past))
+        return feeds
+
+    @property
     def output_names(self) -> list[str]:
         return [t.name for t in self.outputs]
 
@@ -101,14 +136,15 @@ class ModelIO:
 
     def shape_ranges(self, *, max_seq_len: int, max_tokens: int, opt_tokens: int = 1) -> dict:
         """(min, opt, max) shape per input, for TensorRT optimization profiles. Batch is 1."""
-        lo = {"batch": 1, "tokens": 1, "past": 0}
-        opt = {"batch": 1, "tokens": opt_tokens, "past": max_seq_len // 2}
-        hi = {"batch": 1, "tokens": max_tokens, "past": max_seq_len - 1}
+        lo = {"batch": 1, "tokens": 1, "past": 0, "rows": 1}
+        opt = {"batch": 1, "tokens": opt_tokens, "past": max_seq_len // 2, "rows": opt_tokens}
+        hi = {"batch": 1, "tokens": max_tokens, "past": max_seq_len - 1, "rows": max_tokens}
         return {t.name: (t.shape(**lo), t.shape(**opt), t.shape(**hi)) for t in self.inputs}
 
     # -- manifest round trip ---------------------------------------------------------------
     def to_dict(self) -> dict:
         d = {k: v for k, v in asdict(self).items() if k not in ("inputs", "outputs")}
+        d["contract"] = CONTRACT_VERSION
         d["aux_hidden_layers"] = list(self.aux_hidden_layers)
         d["inputs"] = [_spec_dict(t) for t in self.inputs]
         d["outputs"] = [_spec_dict(t) for t in self.outputs]
@@ -121,10 +157,12 @@ class ModelIO:
             hidden_size=d["hidden_size"], vocab_size=d["vocab_size"],
             aux_hidden_layers=tuple(d.get("aux_hidden_layers", ())),
         )
-        if "inputs" in d and [t.get("name") if isinstance(t, dict) else t for t in d["inputs"]] != io.input_names:
+        names = [t.get("name") if isinstance(t, dict) else t for t in d.get("inputs", io.input_names)]
+        if d.get("contract", 1) != CONTRACT_VERSION or names != io.input_names:
             from specexport.errors import SpecexportError
 
-            raise SpecexportError("manifest IO table does not match this version's tensor layout (rebuild it)")
+            raise SpecexportError(f"manifest IO table is graph contract {d.get('contract', 1)}; this version runs "
+                                  f"contract {CONTRACT_VERSION} (rebuild with `specexport build`)")
         return io
 
 

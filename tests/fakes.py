@@ -54,7 +54,7 @@ class TabularBackend(Backend):
         self.forward_calls = 0
         self.forward_tokens = 0
 
-    def _forward(self, tokens, depths, tree_mask) -> StepOutput:
+    def _forward(self, tokens, depths, tree_mask, last_only) -> StepOutput:
         T, L = len(tokens), self.length
         if tree_mask is None:                                        # causal chain: fast path
             parents = self._chain_parents[:T]
@@ -77,7 +77,7 @@ class TabularBackend(Backend):
         self.forward_tokens += T
         hidden = self._hidden[:T]                                    # [T, 2] what the logits depend on
         hidden[:, 0], hidden[:, 1] = prev2, tokens
-        return StepOutput(logits=logits, hidden=hidden)
+        return StepOutput(logits=logits[-1:] if last_only else logits, hidden=hidden)
 
     def _move_rows(self, keep: np.ndarray) -> None:
         L = self.length

@@ -79,9 +79,9 @@ def _charge(backend, clock, costs, *, shift_argmax=False):
     shift_argmax turns the model into a draft that is never right (argmax + 1)."""
     forward, commit = backend._forward, backend.commit
 
-    def timed_forward(tokens, depths, mask):
+    def timed_forward(tokens, depths, mask, last_only):
         clock.now += costs[len(tokens)]
-        out = forward(tokens, depths, mask)
+        out = forward(tokens, depths, mask, last_only)
         return StepOutput(np.roll(out.logits, 1, axis=-1), out.hidden) if shift_argmax else out
 
     def timed_commit(keep):

@@ -74,7 +74,7 @@ class Graph:
     def past_len(self) -> int:
         return self.past[0].shape[1]
 
-    def run(self, tokens, positions=None, mask=None, *, commit: bool = True) -> dict:
+    def run(self, tokens, positions=None, mask=None, *, commit: bool = True, rows=None) -> dict:
         """One call on [B, T] tokens; default positions continue the past, default mask is causal."""
         tokens = np.atleast_2d(np.asarray(tokens, np.int64))
         B, T = tokens.shape
@@ -82,15 +82,12 @@ class Graph:
             positions = np.arange(self.past_len, self.past_len + T)
         if mask is None:
             mask = np.tril(np.ones((T, T), bool))
-        feeds = {"input_ids": tokens,
-                 "position_ids": np.broadcast_to(np.asarray(positions, np.int64), (B, T)).copy(),
-                 "tree_mask": np.broadcast_to(mask, (B, T, T)).copy()}
-        feeds.update(zip(self.io.input_names[3:], self.past))
+        feeds = self.io.feeds(tokens, positions=positions, mask=mask, past=self.past, rows=rows)
         outs = dict(zip(self.io.output_names, self.session.run(None, feeds)))
         new = [outs[n] for i in range(self.io.num_layers) for n in self.io.present_names(i)]
         for n in new:
             assert n.shape == (B, T, self.io.num_kv_heads, self.io.head_dim)
-        assert outs["logits"].shape == (B, T, self.io.vocab_size)
+        assert outs["logits"].shape == (B, T if rows is None else len(rows), self.io.vocab_size)
         if commit:
             self.past = [np.concatenate([p, n], axis=1) for p, n in zip(self.past, new)]
         return outs
@@ -139,7 +136,7 @@ def test_build_passes_parity_per_architecture(build_arch, model_type):
         assert model["model_type"] == model_type
         entry = model["precisions"]["fp32"]
         assert 0 <= entry["parity_max_rel_error"] <= TOL
-        assert set(entry["parity_per_phase"]) == {"prefill", "decode", "tree"}
+        assert set(entry["parity_per_phase"]) == {"prefill", "prefill_last", "decode", "tree"}
         assert max(entry["parity_per_phase"].values()) == entry["parity_max_rel_error"]
         assert entry["parity_tolerance"] == TOL
 
@@ -194,6 +191,28 @@ def test_batch_of_two_sequences(built_llama, tiny_checkpoints, hf_model):
     decode = graph.run(seq[:, 4:5])["logits"]
     decode2 = graph.run(seq[:, 5:6])["logits"]
     assert rel_error(np.concatenate([prefill, decode, decode2], axis=1), ref) <= TOL
+
+
+def test_logits_rows_projects_only_the_rows_asked_for(built_llama):
+    """Contract 2: logits_rows picks the rows of the vocabulary projection (the runtime's prefill asks
+    for its last row only); hidden states and K/V are those of every row either way."""
+    import specexport
+
+    graph = Graph(built_llama, "target")
+    seq = np.random.default_rng(5).integers(0, graph.io.vocab_size, (1, 7))
+    full = graph.run(seq, commit=False)
+    for rows in ([6], [0, 3], [2, 2, 5]):
+        part = graph.run(seq, commit=False, rows=rows)
+        np.testing.assert_allclose(part["logits"][0], full["logits"][0, rows], rtol=0, atol=1e-5)
+        np.testing.assert_array_equal(part["hidden_states"], full["hidden_states"])
+    with specexport.load(built_llama) as pipe:
+        target = pipe.target
+        target.reset()
+        prefill = target.forward(seq[0], phase="prefill").logits.copy()
+        target.reset()
+        decode = target.forward(seq[0]).logits
+        assert prefill.shape == (1, graph.io.vocab_size)
+        np.testing.assert_allclose(prefill[0], decode[-1], rtol=0, atol=1e-5)
 
 
 # -- (4) trees ------------------------------------------------------------------------------------

@@ -409,9 +409,9 @@ def test_decode_time_excludes_prefill_with_an_injected_clock():
     def tick(backend, cost):
         inner = backend._forward
 
-        def timed(tokens, depths, mask):
+        def timed(tokens, depths, mask, last_only):
             now[0] += cost(len(tokens))
-            return inner(tokens, depths, mask)
+            return inner(tokens, depths, mask, last_only)
         backend._forward = timed
 
     tick(target, lambda t: 1.0 + 0.1 * t)

@@ -81,7 +81,7 @@ def test_quantized_builds_pass_their_gates_and_record_the_figures(built_quant):
             assert e["quality_text"]["source"] == "sampled" and "fp32 graph" in e["quality_text"]["description"]
             assert e["quality_text"]["sequences"] == 4 and e["quality_text"]["positions"] == 4 * 128
             assert e["parity_reference"] == "fp32" and e["parity_tolerance"] is None
-            assert 0 < e["parity_max_rel_error"] < 1 and set(e["parity_per_phase"]) == {"prefill", "decode", "tree"}
+            assert 0 < e["parity_max_rel_error"] < 1 and set(e["parity_per_phase"]) == {"prefill", "prefill_last", "decode", "tree"}
             assert e["quantization"]["bits"] == bits and e["quantization"]["accuracy_level"] == 4
             assert e["quantization"]["block_size"] == 32
             assert e["dir"].startswith(f"{role}/{precision}-")

@@ -244,11 +244,7 @@ def heads_parity(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO
 def target_hidden_states(session, io, tokens: np.ndarray) -> np.ndarray:
     """[S, H] the final hidden states of the target graph (an open ORT session) over `tokens`, one
     causal prefill without past."""
-    S = len(tokens)
-    feeds = {"input_ids": np.asarray(tokens, np.int64)[None], "position_ids": np.arange(S, dtype=np.int64)[None],
-             "tree_mask": np.tril(np.ones((S, S), bool))[None]}
-    empty = np.zeros((1, 0, io.num_kv_heads, io.head_dim), np.float32)
-    feeds.update({name: empty for name in io.input_names[3:]})
+    feeds = io.feeds(np.asarray(tokens)[None])
     return session.run(["hidden_states"], feeds)[0][0]
 
 

@@ -58,11 +58,7 @@ def greedy_continuation(backend, prefix, length: int) -> np.ndarray:
 
 
 def _target_argmax(session, io, seq) -> np.ndarray:
-    S = len(seq)
-    feeds = {"input_ids": np.asarray(seq, np.int64)[None], "position_ids": np.arange(S, dtype=np.int64)[None],
-             "tree_mask": np.tril(np.ones((S, S), bool))[None]}
-    empty = np.zeros((1, 0, io.num_kv_heads, io.head_dim), np.float32)
-    feeds.update({name: empty for name in io.input_names[3:]})
+    feeds = io.feeds(np.asarray(seq)[None])
     return session.run(["logits"], feeds)[0][0].argmax(-1)
 
 

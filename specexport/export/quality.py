@@ -99,11 +99,7 @@ def measure_quality(reference, quantized, io: ModelIO, sequences: list[np.ndarra
 
 def _step(session, io: ModelIO, tokens: np.ndarray, positions: np.ndarray, past: list):
     """One graph call on [B, T] tokens after `past`; returns logits [B, T, V] and past + the new K/V."""
-    B, T = tokens.shape
-    mask = np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, T, T))
-    feeds = {"input_ids": tokens.astype(np.int64), "position_ids": positions.astype(np.int64),
-             "tree_mask": np.ascontiguousarray(mask)}
-    feeds.update(zip(io.input_names[3:], past))
+    feeds = io.feeds(tokens, positions=positions, past=past)
     outs = dict(zip(io.output_names, session.run(None, feeds)))
     new = [outs[n] for i in range(io.num_layers) for n in io.present_names(i)]
     return outs["logits"], [np.concatenate([p, k], axis=1) for p, k in zip(past, new)]

@@ -30,9 +30,10 @@ def example_inputs(io: ModelIO, *, batch: int = 2, tokens: int = 3, past: int = 
     ids = torch.randint(0, io.vocab_size, (batch, tokens), generator=gen)
     pos = (torch.arange(tokens) + past).expand(batch, tokens).contiguous()
     mask = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool)).expand(batch, tokens, tokens).contiguous()
+    rows = torch.arange(tokens - 2, tokens).expand(batch, 2).contiguous()       # R = 2 < T: stays its own axis
     kv_shape = (batch, past, io.num_kv_heads, io.head_dim)
     past_kv = tuple(torch.randn(kv_shape, generator=gen) for _ in range(2 * io.num_layers))
-    return ids, pos, mask, past_kv
+    return ids, pos, mask, rows, past_kv
 
 
 def dynamic_shapes(io: ModelIO):
@@ -40,7 +41,7 @@ def dynamic_shapes(io: ModelIO):
     torch = require("torch")
     dims = {s: torch.export.Dim(s, min=0 if s == "past" else 1) for s in DYNAMIC_AXES}
     per_input = [{i: dims[a] for i, a in enumerate(t.axes) if isinstance(a, str)} for t in io.inputs]
-    return (*per_input[:3], tuple(per_input[3:]))      # forward(input_ids, position_ids, tree_mask, *past)
+    return (*per_input[:4], tuple(per_input[4:]))      # forward(input_ids, position_ids, tree_mask, logits_rows, *past)
 
 
 def onnx_from_module(module, io: ModelIO, onnx_path: Path) -> list[Path]:
@@ -50,10 +51,10 @@ def onnx_from_module(module, io: ModelIO, onnx_path: Path) -> list[Path]:
     fixed (the exporter specializes sizes 0 and 1, so we trace with sizes >= 2 and check).
     """
     torch = require("torch")
-    ids, pos, mask, past = example_inputs(io)
+    ids, pos, mask, rows, past = example_inputs(io)
     with torch.no_grad(), _quiet_exporter():
         torch.onnx.export(
-            module, (ids, pos, mask, *past), str(onnx_path),
+            module, (ids, pos, mask, rows, *past), str(onnx_path),
             input_names=io.input_names, output_names=io.output_names,
             dynamic_shapes=dynamic_shapes(io), dynamo=True, opset_version=OPSET,
             external_data=True, verbose=False, optimize=True,

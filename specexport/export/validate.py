@@ -6,7 +6,8 @@ the exporter and ORT together. Three phases over one seeded sequence:
   decode   several T = 1 steps, each feeding back the K/V the graph itself produced
   tree     a random tree of new tokens with its ancestor mask; node i's reference is the HF model on
            prompt + the tokens on the root-to-i path
-The figure is max|Δlogits| / max|logits| over every compared row.
+The figure is max|Δlogits| / max|logits| over every compared row. The prefill also runs once asking
+for its last row's logits only (`logits_rows`, what the runtime's prefill does): "prefill_last".
 """
 from __future__ import annotations
 
@@ -76,7 +77,8 @@ def reference_logits(model, case: ParityCase) -> dict:
             return model(torch.from_numpy(np.asarray(tokens)[None])).logits[0].float().numpy()
 
     full = run(case.seq[:case.context])
-    out = {"prefill": full[:case.n_prompt], "decode": full[case.n_prompt:]}
+    out = {"prefill": full[:case.n_prompt], "prefill_last": full[case.n_prompt - 1:case.n_prompt],
+           "decode": full[case.n_prompt:]}
     if len(case.parents):
         mask, tree_tokens = ancestor_mask(case.parents), case.seq[case.context:]
         # node i's reference: the context plus the root-to-i path (ancestors in index order)
@@ -99,15 +101,14 @@ def onnx_logits(onnx_path, io: ModelIO, case: ParityCase, *, session=None) -> di
         session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
     past = [np.zeros((1, 0, io.num_kv_heads, io.head_dim), np.float32)] * (2 * io.num_layers)
 
-    def run(tokens, positions, mask):
-        feeds = {"input_ids": tokens[None].astype(np.int64), "position_ids": positions[None].astype(np.int64),
-                 "tree_mask": mask[None]}
-        feeds.update(zip(io.input_names[3:], past))
+    def run(tokens, positions, mask, rows=None):
+        feeds = io.feeds(tokens[None], positions=positions, mask=mask, past=past, rows=rows)
         outs = dict(zip(io.output_names, session.run(None, feeds)))
         return outs["logits"][0], [outs[n] for i in range(io.num_layers) for n in io.present_names(i)]
 
     n, seq = case.n_prompt, case.seq
     out = {}
+    out["prefill_last"], _ = run(seq[:n], np.arange(n), np.tril(np.ones((n, n), bool)), rows=[n - 1])
     out["prefill"], new = run(seq[:n], np.arange(n), np.tril(np.ones((n, n), bool)))
     past = [np.concatenate([p, k], axis=1) for p, k in zip(past, new)]
     rows = []

@@ -13,7 +13,7 @@ and the new tokens see every committed position plus the ancestors that `tree_ma
              h += o_proj(attention(q, K, V, visible)) ;  h += mlp(norm(h))
 
                |
-          final norm -> hidden_states [B,T,H] -> lm_head -> logits [B,T,V]
+          final norm -> hidden_states [B,T,H] -> rows logits_rows [B,R] -> lm_head -> logits [B,R,V]
 
 RoPE and attention are written with torch.onnx.ops, which export to the ONNX-23 RotaryEmbedding and
 Attention ops on sequence-major [B, S, heads*D] tensors. The same math in plain torch ops (rotate_half,
@@ -45,7 +45,7 @@ class StaticKVDecoder(nn.Module):
         self.head = adapter.lm_head(model)
         self.rotary = adapter.rotary(model)
 
-    def forward(self, input_ids, position_ids, tree_mask, *past):
+    def forward(self, input_ids, position_ids, tree_mask, logits_rows, *past):
         B, T = input_ids.shape
         P = past[0].shape[1]
         h = self.embed(input_ids)                                   # [B, T, H]
@@ -61,7 +61,8 @@ class StaticKVDecoder(nn.Module):
             h, k, v = self._layer(layer, h, cos, sin, visible, past[2 * i], past[2 * i + 1])
             presents += [k, v]
         h = self.norm(h)                                            # [B, T, H]
-        logits = self.head(h)                                       # [B, T, V]
+        rows = torch.gather(h, 1, logits_rows.unsqueeze(-1).expand(-1, -1, h.shape[-1]))   # [B, R, H]
+        logits = self.head(rows)                                    # [B, R, V] only the rows asked for
         outs = [logits.float(), h.float()]
         if self.aux_hidden_layers:
             outs.append(torch.cat(aux, dim=-1).float())             # [B, T, k*H]

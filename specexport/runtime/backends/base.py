@@ -21,7 +21,7 @@ from specexport.errors import SpecexportError
 
 @dataclass(frozen=True)
 class StepOutput:
-    logits: np.ndarray              # [T, V] float32; may be a view of a reused buffer: copy to keep
+    logits: np.ndarray              # [T, V] float32 ([1, V] after a prefill forward); may be a view of a reused buffer
     hidden: np.ndarray | None       # [T, H] final post-norm hidden state, same caveat
 
 
@@ -43,7 +43,9 @@ class Backend:
     def forward(self, tokens: np.ndarray, *, depths: np.ndarray | None = None,
                 tree_mask: np.ndarray | None = None, phase: str = "decode") -> StepOutput:
         """tokens [T]; depths [T] (default 0..T-1, a chain); tree_mask [T, T] (default causal).
-        phase: "prefill" or "decode", the tag under which `timings` files this forward."""
+        phase: "prefill" or "decode", the tag under which `timings` files this forward. A prefill
+        forward computes the logits of its last row only (StepOutput.logits is then [1, V]: the next
+        token's); hidden states come for every row either way."""
         T = len(tokens)
         # Always checked, whatever check_inputs says: backends write K/V and logits through raw
         # pointers into fixed buffers, so an overflow would corrupt memory instead of raising.
@@ -56,10 +58,11 @@ class Backend:
             raise SpecexportError(f"tree_mask: got shape {tree_mask.shape}, expected ({T}, {T})")
         self._pending = T
         tokens = np.asarray(tokens, dtype=np.int64)
+        last_only = phase == "prefill"
         if self.timings is None:
-            return self._forward(tokens, depths, tree_mask)
+            return self._forward(tokens, depths, tree_mask, last_only)
         start = self.clock()
-        out = self._forward(tokens, depths, tree_mask)
+        out = self._forward(tokens, depths, tree_mask, last_only)
         self.timings.setdefault((phase, T), []).append(self.clock() - start)
         return out
 
@@ -98,7 +101,8 @@ class Backend:
         self.close()
 
     # -- what a backend implements --------------------------------------------------------
-    def _forward(self, tokens, depths, tree_mask) -> StepOutput:
+    def _forward(self, tokens, depths, tree_mask, last_only: bool) -> StepOutput:
+        """logits for the last row only when last_only (a backend may return every row then)."""
         raise NotImplementedError
 
     def _move_rows(self, keep: np.ndarray) -> None:

@@ -2,7 +2,7 @@
 
 Buffers (allocated once, never resized; B = 1):
     k[i], v[i]   [1, capacity, Hkv, D] float32   per layer; rows [0, length) are the committed cache
-    logits       [1, max_tokens, V]    float32   output rows of the last forward
+    logits       [1, max_tokens, V]    float32   output rows of the last forward (1 row after a prefill)
     hidden       [1, max_tokens, H]    float32
     aux          [1, max_tokens, k*H]  float32   only when the graph exports aux hidden states
 
@@ -69,7 +69,7 @@ class OrtBackend(Backend):
         self._arange = np.arange(max_tokens, dtype=np.int64)
         self.last_aux: np.ndarray | None = None                                     # [T, k*H] view
 
-    def _forward(self, tokens, depths, tree_mask) -> StepOutput:
+    def _forward(self, tokens, depths, tree_mask, last_only) -> StepOutput:
         T, P = len(tokens), self.length
         bind_in, bind_out = self._bind_in, self._bind_out
         positions = P + (self._arange[:T] if depths is None else np.asarray(depths, dtype=np.int64))
@@ -77,6 +77,8 @@ class OrtBackend(Backend):
         bind_in("input_ids", tokens.reshape(1, T))
         bind_in("position_ids", positions.reshape(1, T))
         bind_in("tree_mask", mask.reshape(1, T, T))
+        R = 1 if last_only else T                       # prefill: the next token's logits only
+        bind_in("logits_rows", self._arange[T - R:T].reshape(1, R))
         past_shape, new_shape = (1, P, self.io.num_kv_heads, self.io.head_dim), (1, T, self.io.num_kv_heads,
                                                                                   self.io.head_dim)
         offset = P * self.row_bytes
@@ -86,13 +88,13 @@ class OrtBackend(Backend):
             bind_out(nk, new_shape, kp + offset)
             bind_out(nv, new_shape, vp + offset)
         logits_ptr, hidden_ptr, aux_ptr = self._out_ptrs
-        bind_out("logits", (1, T, self.io.vocab_size), logits_ptr)
+        bind_out("logits", (1, R, self.io.vocab_size), logits_ptr)
         bind_out("hidden_states", (1, T, self.io.hidden_size), hidden_ptr)
         if self.aux is not None:
             bind_out("aux_hidden_states", (1, T, self.aux.shape[-1]), aux_ptr)
             self.last_aux = self.aux[0, :T]
         self._run()
-        return StepOutput(self.logits[0, :T], self.hidden[0, :T])
+        return StepOutput(self.logits[0, :R], self.hidden[0, :T])
 
     def _move_rows(self, keep: np.ndarray) -> None:
         dest = self.length + np.arange(len(keep))
