@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,10 +37,10 @@ PROMPTS = ["def binary_search(items, target):", "import json\n\ndef load_config(
 
 
 def build(work: Path, name: str, target: Path, heads: Path) -> Path:
-    cfg = {"name": name, "target": {"path": str(target)}, "medusa": {"path": str(heads)}, "max_seq_len": 512,
-           "output": str(work / name)}
+    cfg = {"name": "medusa-check", "target": {"path": str(target)}, "medusa": {"path": str(heads)},
+           "max_seq_len": 512, "output": str(work / name)}
     (work / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-    subprocess.run([sys.executable, "-m", "specexport", "build", str(work / f"{name}.yaml")], check=True)
+    subprocess.run([sys.executable, "-m", "specexport", "build", str(work / f"{name}.yaml"), "--no-bench"], check=True)
     return work / name
 
 
@@ -134,6 +135,8 @@ def main():
               f"to vanilla on {len(PROMPTS)} prompts x 100 tokens, tokens per pass {greedy_equal(pipe, ['auto', 'medium'])}")
         print(f"4. {lookup_check(pipe)}")
     if args.trained:
+        if not (work / "trained").exists():          # the target stage is reused, only the heads are built
+            shutil.copytree(out, work / "trained")
         out = build(work, "trained", Path(args.target), Path(args.trained))
         with specexport.load(out) as pipe:
             auto = pipe.manifest["heads"]["medusa"]["auto_tree"]

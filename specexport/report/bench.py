@@ -235,8 +235,11 @@ def _configs(precisions, manifest, cfg, has_draft):
                 if paths is None:
                     raise SpecexportError(f"--medusa-trees: {name!r} is not a known tree; known: auto, "
                                           f"{', '.join(MEDUSA_TREES)}")
-                depth = int(from_rank_paths(paths)[0].depths.max())        # as written (cut to the heads)
-                configs.append(Config("medusa", p, None, depth, tree=name))
+                tree = from_rank_paths(paths)[0]
+                if tree.size > manifest["max_verify_tokens"]:
+                    raise SpecexportError(f"--medusa-trees: {name!r} has {tree.size - 1} nodes; this build verifies at "
+                                          f"most max_verify_tokens - 1 = {manifest['max_verify_tokens'] - 1}")
+                configs.append(Config("medusa", p, None, int(tree.depths.max()), tree=name))   # depth as written
         if p in draft_built:
             configs += [Config("draft", p, p, g) for g in cfg.gammas]
             configs += [Config("draft", p, p, max(cfg.gammas), stop) for stop in cfg.draft_stops if stop > 0]
