@@ -8,23 +8,33 @@ import click
 from specexport.cli import cli
 
 
+def self_distillation_options(command):
+    """The options of the data and the training loop that distill-draft and train-heads share."""
+    options = [
+        click.option("--prompts", multiple=True, type=click.Path(dir_okay=False), help="Prompt file (repeatable)."),
+        click.option("--corpus", default=None, type=click.Path(),
+                     help="Folder to draw prompts from, or a text file listing files."),
+        click.option("--num-prompts", default=256, show_default=True),
+        click.option("--prompt-tokens", default=32, show_default=True),
+        click.option("--new-tokens", default=96, show_default=True, help="Target continuation length per prompt."),
+        click.option("--steps", default=300, show_default=True),
+        click.option("--batch-size", default=16, show_default=True),
+        click.option("--lr", default=1e-3, show_default=True),
+        click.option("--seed", default=0, show_default=True),
+        click.option("--checkpoint-every", default=50, show_default=True),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @cli.command("distill-draft")
 @click.argument("target", type=click.Path(file_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output checkpoint folder.")
 @click.option("--layers", default=2, show_default=True, help="Draft decoder layers.")
 @click.option("--hidden-size", default=None, type=int, help="Draft width (default: the target's).")
 @click.option("--intermediate-size", default=None, type=int, help="Draft MLP width (default: scaled).")
-@click.option("--prompts", multiple=True, type=click.Path(dir_okay=False), help="Prompt file (repeatable).")
-@click.option("--corpus", default=None, type=click.Path(),
-              help="Folder to draw prompts from, or a text file listing files.")
-@click.option("--num-prompts", default=256, show_default=True)
-@click.option("--prompt-tokens", default=32, show_default=True)
-@click.option("--new-tokens", default=96, show_default=True, help="Target continuation length per prompt.")
-@click.option("--steps", default=300, show_default=True)
-@click.option("--batch-size", default=16, show_default=True)
-@click.option("--lr", default=1e-3, show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--checkpoint-every", default=50, show_default=True)
+@self_distillation_options
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("-v", "--verbose", is_flag=True)
 def distill_draft(target, out, layers, hidden_size, intermediate_size, prompts, corpus, num_prompts, prompt_tokens,

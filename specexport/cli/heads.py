@@ -6,6 +6,7 @@ from pathlib import Path
 import click
 
 from specexport.cli import cli
+from specexport.cli.distill import self_distillation_options
 
 
 @cli.command("train-heads")
@@ -17,17 +18,7 @@ from specexport.cli import cli
 @click.option("--projection", default="own", show_default=True,
               help="own: a vocab projection per head (Medusa-1); shared: reuse the target's lm_head (smaller).")
 @click.option("--dtype", default="float32", show_default=True, help="float32 or float16 (of the written weights).")
-@click.option("--prompts", multiple=True, type=click.Path(dir_okay=False), help="Prompt file (repeatable).")
-@click.option("--corpus", default=None, type=click.Path(),
-              help="Folder to draw prompts from, or a text file listing files.")
-@click.option("--num-prompts", default=256, show_default=True)
-@click.option("--prompt-tokens", default=32, show_default=True)
-@click.option("--new-tokens", default=96, show_default=True, help="Target continuation length per prompt.")
-@click.option("--steps", default=300, show_default=True)
-@click.option("--batch-size", default=16, show_default=True)
-@click.option("--lr", default=1e-3, show_default=True)
-@click.option("--seed", default=0, show_default=True)
-@click.option("--checkpoint-every", default=50, show_default=True)
+@self_distillation_options
 @click.option("--top-k", default=10, show_default=True, help="k of the reported top-k accuracy.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("-v", "--verbose", is_flag=True)

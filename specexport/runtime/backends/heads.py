@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport._optional import require
 from specexport.errors import SpecexportError
 from specexport.io_spec import HeadsIO
 
@@ -21,22 +20,9 @@ class OrtHeads:
     clock = staticmethod(time.perf_counter)
 
     def __init__(self, model_dir, *, io: HeadsIO, threads: int | None = 1, spin: bool = False, **_):
-        ort = require("onnxruntime")
-        path = Path(model_dir) / "model.onnx"
-        if not path.is_file():
-            raise SpecexportError(f"{path}: missing (the build output is incomplete; rebuild it)")
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            opts.intra_op_num_threads = threads
-            opts.inter_op_num_threads = 1
-        if not spin:
-            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        try:
-            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        except Exception as err:        # onnxruntime raises its own Fail/InvalidProtobuf/... types
-            first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-            raise SpecexportError(f"{path}: ONNX Runtime could not load it ({first.strip()[:300]})") from None
+        from specexport.runtime.backends.ort import open_session
+
+        self.session = open_session(Path(model_dir) / "model.onnx", threads=threads, spin=spin)
         self.io = io
         self.num_heads, self.top_k = io.num_heads, io.top_k
         self._hidden = np.zeros((1, 1, io.hidden_size), np.float32)                 # [1, 1, H]

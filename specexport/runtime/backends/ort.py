@@ -29,25 +29,7 @@ class OrtBackend(Backend):
         super().__init__(capacity=capacity, max_tokens=max_tokens, vocab_size=io.vocab_size)
         ort = require("onnxruntime")
         path = Path(model_dir) / "model.onnx"
-        if not path.is_file():
-            raise SpecexportError(f"{path}: missing (the build output is incomplete; rebuild it)")
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if threads:
-            opts.intra_op_num_threads = threads
-            opts.inter_op_num_threads = 1
-        if not spin:
-            # Idle intra-op threads otherwise spin after each run; with a draft and a target session
-            # alternating on few cores, one session's spinning pool steals the other's cores.
-            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        for key, value in (session_options or {}).items():
-            setattr(opts, key, value)
-        try:
-            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        except Exception as err:        # onnxruntime raises its own Fail/InvalidProtobuf/... types
-            first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-            raise SpecexportError(f"{path}: ONNX Runtime could not load it ({first.strip()[:300]}); the build "
-                                  f"may be damaged: `specexport inspect {path.parent.parent.parent} --verify`") from None
+        self.session = open_session(path, threads=threads, spin=spin, session_options=session_options)
         self.model_path = path
         self.io = io
         self.binding = self.session.io_binding()
@@ -105,6 +87,30 @@ class OrtBackend(Backend):
     @property
     def kv_bytes(self) -> int:
         return sum(b.nbytes for b in (*self.k, *self.v))
+
+
+def open_session(path: Path, *, threads: int | None, spin: bool, session_options: dict | None = None):
+    """An ORT CPU session of a built graph, with one-line errors naming the file."""
+    ort = require("onnxruntime")
+    if not path.is_file():
+        raise SpecexportError(f"{path}: missing (the build output is incomplete; rebuild it)")
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+    if not spin:
+        # Idle intra-op threads otherwise spin after each run; with a draft and a target session
+        # alternating on few cores, one session's spinning pool steals the other's cores.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    for key, value in (session_options or {}).items():
+        setattr(opts, key, value)
+    try:
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    except Exception as err:        # onnxruntime raises its own Fail/InvalidProtobuf/... types
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise SpecexportError(f"{path}: ONNX Runtime could not load it ({first.strip()[:300]}); the build "
+                              f"may be damaged: `specexport inspect {path.parent.parent.parent} --verify`") from None
 
 
 def _binding_calls(ort, session, binding):
