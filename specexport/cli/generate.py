@@ -60,7 +60,8 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
     line = (f"[{label}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.tokens_per_second:.1f} tok/s, "
             f"TTFT {s.ttft_s * 1e3:.1f} ms, TPOT {s.tpot_s * 1e3:.2f} ms")
     if s.proposed:
-        line += (f", γ={s.gamma}, acceptance {s.acceptance_rate:.2f}, "
+        shape = f"tree depth {s.gamma}" if method == "medusa" or tree is not None else f"γ={s.gamma}"
+        line += (f", {shape}, acceptance {s.acceptance_rate:.2f}, "
                  f"{s.mean_accepted_tokens:.2f} tokens per target pass")
     click.secho(line, fg="cyan", err=True)
     if compare and method != "vanilla":
