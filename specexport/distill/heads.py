@@ -80,7 +80,11 @@ def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
     if state_path.is_file():
         state = torch.load(state_path, map_location=device, weights_only=False)
         if state["fingerprint"] == cfg.fingerprint():
-            heads.load_state_dict(state["heads"])
+            # a frozen shared projection is not saved (it is the target's lm_head): only it may be missing
+            missing, unexpected = heads.load_state_dict(state["heads"], strict=False)
+            if unexpected or set(missing) - ({"proj"} if cfg.projection == "shared" else set()):
+                raise SpecexportError(f"{state_path}: does not match these heads (missing {missing}, unexpected "
+                                      f"{unexpected}); delete it to start over")
             opt.load_state_dict(state["opt"])
             step, history = state["step"], state["history"]
             distill._say(console, f"resuming from step {step}")
@@ -96,7 +100,8 @@ def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
             history.append(round(loss, 5))
             progress(step, loss, seen / max(time.perf_counter() - start, 1e-9))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                distill.atomic_save({"heads": heads.state_dict(), "opt": opt.state_dict(), "step": step,
+                trained = {k: v for k, v in heads.state_dict().items() if k != "proj" or cfg.projection == "own"}
+                distill.atomic_save({"heads": trained, "opt": opt.state_dict(), "step": step,
                                      "history": history, "fingerprint": cfg.fingerprint()}, state_path)
             if on_step:
                 on_step(step)
