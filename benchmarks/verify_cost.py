@@ -10,31 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
+from specexport.export.medusa_tree import verify_costs
 from specexport.io_spec import ModelIO
 from specexport.manifest import read_manifest, stage_dir
 from specexport.runtime.backends.ort import OrtBackend
-from specexport.runtime.loop import prefill
-
-
-def curve(backend, context: int, sizes, reps: int) -> dict[int, float]:
-    ctx = (3 + np.arange(context)) % backend.vocab_size
-    backend.reset()
-    prefill(backend, ctx, 64)
-    times = {t: [] for t in sizes}
-    for _ in range(reps):
-        for t in sizes:
-            tokens = np.resize(ctx, t)
-            start = time.perf_counter()
-            backend.forward(tokens)
-            times[t].append(time.perf_counter() - start)
-    return {t: statistics.median(v) for t, v in times.items()}
 
 
 def profile(model_dir: Path, io: ModelIO, context: int, t: int, reps: int = 20) -> dict[str, float]:
@@ -71,7 +55,7 @@ def main():
     model_dir = stage_dir(Path(args.build), m, "target", "fp32")
     sizes = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64]
     with OrtBackend(model_dir, io=io, capacity=m["max_seq_len"], max_tokens=64, threads=args.threads) as b:
-        c = curve(b, args.context, sizes, args.reps)
+        c = verify_costs(b, sizes, context=args.context, reps=args.reps)
     print(f"{args.build}: target fp32, context {args.context}, median of {args.reps} interleaved passes")
     print("T      ms     c(T)/c(1)")
     for t in sizes:

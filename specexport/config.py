@@ -216,19 +216,25 @@ def _quality_gates(raw) -> dict:
     return gates
 
 
-def _model(raw, role: str, base: Path, precisions: tuple[str, ...]) -> ModelConfig:
+def _with_folder(raw, key: str, allowed: set, base: Path, example: str) -> tuple[dict, Path, str]:
+    """A `{path: DIR, ...}` entry (or a bare path string): (the mapping, the existing folder, the path
+    as the user wrote it), its keys checked; errors name `key`."""
     if isinstance(raw, str):
         raw = {"path": raw}
     if not isinstance(raw, dict):
-        raise SpecexportError(f"{role}: expected a mapping like {{path: models/{role}}}, got {raw!r}")
-    _check_keys(raw, MODEL_KEYS, ("path",), prefix=f"{role}.")
+        raise SpecexportError(f"{key}: expected a mapping like {{path: {example}}}, got {raw!r}")
+    _check_keys(raw, allowed, ("path",), prefix=f"{key}.")
     if not isinstance(raw["path"], str):
-        raise SpecexportError(f"{role}.path: expected a folder path (a string), got {raw['path']!r}")
+        raise SpecexportError(f"{key}.path: expected a folder path (a string), got {raw['path']!r}")
     path = Path(raw["path"])
     path = path if path.is_absolute() else base / path
-    shown = _show(raw["path"])
     if not path.is_dir():
-        raise SpecexportError(f"{role}.path: {shown} does not exist or is not a folder")
+        raise SpecexportError(f"{key}.path: {_show(raw['path'])} does not exist or is not a folder")
+    return raw, path, _show(raw["path"])
+
+
+def _model(raw, role: str, base: Path, precisions: tuple[str, ...]) -> ModelConfig:
+    raw, path, shown = _with_folder(raw, role, MODEL_KEYS, base, f"models/{role}")
     if not (path / "config.json").is_file():
         raise SpecexportError(f"{role}.path: {shown} has no config.json")
     if not any(any(path.glob(p)) for p in WEIGHT_PATTERNS):
@@ -246,16 +252,7 @@ def _model(raw, role: str, base: Path, precisions: tuple[str, ...]) -> ModelConf
 
 
 def _heads(raw, kind: str, base: Path) -> HeadsConfig:
-    if isinstance(raw, str):
-        raw = {"path": raw}
-    if not isinstance(raw, dict):
-        raise SpecexportError(f"{kind}: expected a mapping like {{path: heads/{kind}}}, got {raw!r}")
-    _check_keys(raw, HEADS_KEYS, ("path",), prefix=f"{kind}.")
-    if not isinstance(raw["path"], str):
-        raise SpecexportError(f"{kind}.path: expected a folder path (a string), got {raw['path']!r}")
-    path = Path(raw["path"]) if Path(raw["path"]).is_absolute() else base / raw["path"]
-    if not path.is_dir():
-        raise SpecexportError(f"{kind}.path: {_show(raw['path'])} does not exist or is not a folder")
+    raw, path, _ = _with_folder(raw, kind, HEADS_KEYS, base, f"heads/{kind}")
     top_k = raw.get("top_k", 10)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 64:
         raise SpecexportError(f"{kind}.top_k: expected an integer in 1..64, got {top_k!r}")

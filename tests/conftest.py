@@ -51,6 +51,19 @@ def run_build():
 
 
 @pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    """A few Python sources from the standard library (every machine has them): distillation prompts."""
+    import inspect
+    import json
+    import textwrap
+
+    folder = tmp_path_factory.mktemp("corpus")
+    for mod in (json, textwrap, inspect):
+        (folder / f"{mod.__name__}.py").write_text(inspect.getsource(mod))
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny")
 

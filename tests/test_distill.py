@@ -1,26 +1,13 @@
 """specexport distill-draft on a tiny random target: it learns, it resumes exactly, its output builds."""
 from __future__ import annotations
 
-import inspect
 import json
-import textwrap
 
 import pytest
 
 from specexport.cli import main
 from specexport.distill.train import DistillConfig, distill_draft
 from specexport.errors import SpecexportError
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A few Python sources from the standard library (every machine has them)."""
-    import json as json_module
-
-    folder = tmp_path_factory.mktemp("corpus")
-    for mod in (json_module, textwrap, inspect):
-        (folder / f"{mod.__name__}.py").write_text(inspect.getsource(mod))
-    return folder
 
 
 def _cfg(target, out, corpus, **kw):

@@ -2,9 +2,7 @@
 uninterrupted one does, and the output is the published Medusa-1 layout that a build takes."""
 from __future__ import annotations
 
-import inspect
 import json
-import textwrap
 
 import numpy as np
 import pytest
@@ -12,14 +10,6 @@ import pytest
 from specexport.distill.heads import HeadsTrainConfig, train_heads
 from specexport.errors import SpecexportError
 from specexport.export.medusa import load_medusa
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("heads-corpus")
-    for mod in (json, textwrap, inspect):
-        (folder / f"{mod.__name__}.py").write_text(inspect.getsource(mod))
-    return folder
 
 
 def _cfg(target, out, corpus, **kw):

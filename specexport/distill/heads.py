@@ -73,7 +73,7 @@ def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
     for p in target.parameters():
         p.requires_grad_(False)
     data = distill._load_or_make_data(cfg, target, tokenizer, state_dir, console)
-    heads = MedusaHeads(target, cfg).to(device)
+    heads = medusa_heads(target, cfg).to(device)
     opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     step, history = 0, []
     state_path = state_dir / "state.pt"
@@ -88,7 +88,7 @@ def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
             opt.load_state_dict(state["opt"])
             step, history = state["step"], state["history"]
             distill._say(console, f"resuming from step {step}")
-    before = evaluate(target, MedusaHeads(target, cfg).to(device), data["heldout"], cfg.top_k)
+    before = evaluate(target, medusa_heads(target, cfg).to(device), data["heldout"], cfg.top_k)
     progress = distill._progress(console, cfg.steps, step, label="train-heads")
     start, seen = time.perf_counter(), 0
     try:
@@ -125,7 +125,7 @@ def _check(cfg: HeadsTrainConfig) -> None:
     distill._check(cfg)
 
 
-def MedusaHeads(target, cfg: HeadsTrainConfig):
+def medusa_heads(target, cfg: HeadsTrainConfig):
     """Trainable heads on the target's final hidden state, in Medusa's structure (the keys of
     `state()` are the published ones); projections start as copies of the target's lm_head."""
     torch = require("torch")

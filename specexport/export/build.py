@@ -268,7 +268,7 @@ def _heads_stage(plan: Plan, hp, previous: dict, force: bool, folders: StageFold
             and files_intact(out, entry["files"])):
         reporter.note(f"[dim]- {hp.role} heads: unchanged, reused ({entry['dir']})[/]")
         return old
-    from specexport.export.medusa import export_heads, heads_parity, target_hidden_states
+    from specexport.export.medusa import export_heads, heads_parity, target_states
     from specexport.export.quality import runtime_session
     from specexport.export.validate import parity_case
 
@@ -284,7 +284,7 @@ def _heads_stage(plan: Plan, hp, previous: dict, force: bool, folders: StageFold
         with reporter.stage(f"check {hp.role} heads against PyTorch on the target's hidden states"):
             case = parity_case(target.io, max_seq_len=plan.config.max_seq_len,
                                max_verify_tokens=plan.config.max_verify_tokens)
-            hidden = target_hidden_states(runtime_session(out / target_dir / "model.onnx"), target.io, case.seq)
+            hidden, = target_states(runtime_session(out / target_dir / "model.onnx"), target.io, case.seq)
             report = heads_parity(w, lm_head, hp.io, partial / "model.onnx", hidden)
         tolerance = plan.config.parity_tolerance
         if not report["max_rel_error"] <= tolerance:
@@ -323,7 +323,7 @@ def _auto_tree(plan: Plan, hp, target_dir: Path, heads_dir: Path, reporter: Repo
             # what greedy decoding feeds the heads: the target's own continuations, not sampled text
             sequences = [greedy_continuation(backend, seq[:PREFIX], len(seq)) for seq in sequences
                          if len(seq) > PREFIX + 2]
-            costs = verify_costs(backend, max_tokens)
+            costs = verify_costs(backend, range(1, max_tokens + 1))
         acc = head_accuracy(session, target.io, runtime_session(heads_dir / "model.onnx"), sequences, hp.io.top_k,
                             start=PREFIX - 1)
         del session

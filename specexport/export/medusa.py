@@ -208,12 +208,12 @@ def graph_module(weights: MedusaWeights, lm_head: np.ndarray | None, top_k: int)
 def export_heads(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO, onnx_path: Path) -> list[Path]:
     """The heads' ONNX graph (+ external data) with the HeadsIO contract; returns the files written."""
     torch = require("torch")
-    from specexport.export.to_onnx import OPSET, _quiet_exporter, check_graph_io
+    from specexport.export.to_onnx import OPSET, quiet_exporter, check_graph_io
 
     module = graph_module(weights, lm_head, io.top_k)
     hidden = torch.randn(2, 3, io.hidden_size, generator=torch.Generator().manual_seed(0))
     dims = {0: torch.export.Dim("batch", min=1), 1: torch.export.Dim("tokens", min=1)}
-    with torch.no_grad(), _quiet_exporter():
+    with torch.no_grad(), quiet_exporter():
         torch.onnx.export(module, (hidden,), str(onnx_path), input_names=io.input_names,
                           output_names=io.output_names, dynamic_shapes=(dims,), dynamo=True, opset_version=OPSET,
                           external_data=True, verbose=False, optimize=True)
@@ -241,11 +241,10 @@ def heads_parity(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO
     return {"max_rel_error": error / scale, "max_abs_error": error, "rows": int(hidden.shape[0])}
 
 
-def target_hidden_states(session, io, tokens: np.ndarray) -> np.ndarray:
-    """[S, H] the final hidden states of the target graph (an open ORT session) over `tokens`, one
-    causal prefill without past."""
-    feeds = io.feeds(np.asarray(tokens)[None])
-    return session.run(["hidden_states"], feeds)[0][0]
+def target_states(session, io, tokens: np.ndarray, outputs=("hidden_states",)) -> list[np.ndarray]:
+    """The target graph's `outputs` (an open ORT session) over `tokens`, one causal prefill without
+    past, batch row 0: hidden_states [S, H], logits [S, V]."""
+    return [out[0] for out in session.run(list(outputs), io.feeds(np.asarray(tokens)[None]))]
 
 
 def save_medusa_1(path: Path, blocks, projections, *, base_model: str = "", dtype=np.float32) -> list[Path]:

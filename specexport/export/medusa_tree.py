@@ -27,12 +27,12 @@ PREFIX = 16             # accuracy is measured on the target's greedy continuati
 def head_accuracy(target_session, target_io, heads_session, sequences, top_k: int, *, start: int = 0) -> np.ndarray:
     """acc [N, K] over the positions i >= start of `sequences` (token arrays) where the truth exists
     (start = PREFIX - 1: from the last prefix token on, the part the target continued itself)."""
-    from specexport.export.medusa import target_hidden_states
+    from specexport.export.medusa import target_states
 
     hits, total = None, None
     for seq in sequences:
-        hidden = target_hidden_states(target_session, target_io, seq)                         # [S, H]
-        argmax = _target_argmax(target_session, target_io, seq)                                # [S]
+        hidden, logits = target_states(target_session, target_io, seq, ("hidden_states", "logits"))  # [S, H], [S, V]
+        argmax = logits.argmax(-1)                                                             # [S]
         ids = heads_session.run(["head_topk_ids"], {"hidden_states": hidden[None]})[0][0]     # [S, N, K]
         S, N, K = ids.shape
         if hits is None:
@@ -55,11 +55,6 @@ def greedy_continuation(backend, prefix, length: int) -> np.ndarray:
     chunks = decode(backend, None, np.asarray(prefix), max_new_tokens=length - len(prefix),
                     params=SamplingParams(0.0), rng=np.random.default_rng(0), stats=DecodeStats())
     return np.concatenate([np.asarray(prefix), *chunks])
-
-
-def _target_argmax(session, io, seq) -> np.ndarray:
-    feeds = io.feeds(np.asarray(seq)[None])
-    return session.run(["logits"], feeds)[0][0].argmax(-1)
 
 
 def greedy_tree(acc: np.ndarray, max_nodes: int) -> tuple[list[tuple[int, ...]], list[float]]:
@@ -90,19 +85,22 @@ def choose_tree(acc: np.ndarray, costs: dict[int, float], heads_cost: float, max
             "predicted_speedup": predicted[best], "predicted_by_nodes": {str(n): s for n, s in predicted.items()}}
 
 
-def verify_costs(backend, max_tokens: int, *, clock=time.perf_counter) -> dict[int, float]:
-    """Median seconds of a T-token target pass, T = 1..max_tokens, at a context of CONTEXT tokens
-    (fewer when the capacity is small), sizes interleaved."""
+def verify_costs(backend, sizes, *, context: int = CONTEXT, reps: int = REPS,
+                 clock=time.perf_counter) -> dict[int, float]:
+    """Median seconds of a T-token target pass for each T in `sizes`, at `context` committed tokens
+    (fewer when the capacity is small), sizes interleaved so drift hits all alike. The scratch rows
+    are simply overwritten by the next pass."""
     from specexport.runtime.loop import prefill
 
-    ctx = (3 + np.arange(max(1, min(CONTEXT, backend.capacity - max_tokens)))) % backend.vocab_size
+    ctx = (3 + np.arange(max(1, min(context, backend.capacity - max(sizes))))) % backend.vocab_size
     backend.reset()
     prefill(backend, ctx, backend.max_tokens)
-    times = {t: [] for t in range(1, max_tokens + 1)}
-    for _ in range(REPS):
+    times = {t: [] for t in sizes}
+    for _ in range(reps):
         for t in times:
+            tokens = np.resize(ctx, t)
             start = clock()
-            backend.forward(ctx[:t] if t <= len(ctx) else np.resize(ctx, t))
+            backend.forward(tokens)
             times[t].append(clock() - start)
     return {t: statistics.median(v) for t, v in times.items()}
 

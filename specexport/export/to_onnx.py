@@ -52,7 +52,7 @@ def onnx_from_module(module, io: ModelIO, onnx_path: Path) -> list[Path]:
     """
     torch = require("torch")
     ids, pos, mask, rows, past = example_inputs(io)
-    with torch.no_grad(), _quiet_exporter():
+    with torch.no_grad(), quiet_exporter():
         torch.onnx.export(
             module, (ids, pos, mask, rows, *past), str(onnx_path),
             input_names=io.input_names, output_names=io.output_names,
@@ -64,7 +64,7 @@ def onnx_from_module(module, io: ModelIO, onnx_path: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _quiet_exporter():
+def quiet_exporter():
     """The exporter logs every step and warns about optional torchvision ops; our stages report progress."""
     names = ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")
     levels = {n: logging.getLogger(n).level for n in names}

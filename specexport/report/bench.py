@@ -107,7 +107,7 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
         _run(pipes, c, cfg.prompts[0], cfg.max_new_tokens)
     reference = _reference_outputs(cfg, pipes) if cfg.peers else []
     for pipe in pipes.values():                     # time every forward from here on
-        for b in _timed(pipe):
+        for b in pipe.opened:
             b.timings = {}
     peers, peer_skips = _open_peers(manifest, list(pipes), cfg, log)
     prompt_ids = {p: next(iter(pipes.values())).encode(p) for p in cfg.prompts}
@@ -134,11 +134,10 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
     # "draft" prices every forward that is not the target's: the draft model's, or the Medusa heads'
     # (rows without a draft model; lookup rows make none)
     costs = {(tp, dp): {"target": acc.decode_costs(pipes[tp].target.timings),
-                        "draft": acc.decode_costs(pipes[tp].drafts[dp].timings if dp else
-                                                  pipes[tp]._medusa.timings if pipes[tp]._medusa else None)}
+                        "draft": acc.decode_costs(_proposer_timings(pipes[tp], dp))}
              for tp, dp in {(c.precision, c.draft_precision) for c in configs}}
     for pipe in pipes.values():                     # the isolated timing below is not part of the runs
-        for b in _timed(pipe):
+        for b in pipe.opened:
             b.timings = None
     max_t = max(cfg.gammas) + 1
     isolated = {(tp, dp): _isolated_costs(pipes[tp], dp, max_t, clock) for tp, dp in costs}
@@ -176,9 +175,11 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
     return report
 
 
-def _timed(pipe) -> list:
-    """The models whose forwards the bench times: target, opened drafts, Medusa heads if opened."""
-    return [pipe.target, *pipe.drafts.values(), *([pipe._medusa] if pipe._medusa is not None else [])]
+def _proposer_timings(pipe, dp) -> dict | None:
+    """Timings of what proposes in rows of draft precision `dp`: that draft, else the Medusa heads
+    (None when neither ran: lookup rows make no proposer forwards)."""
+    model = pipe.drafts[dp] if dp else pipe.opened_heads
+    return model.timings if model is not None else None
 
 
 def _check_request(cfg: BenchConfig, manifest: dict) -> tuple[list[str], bool]:

@@ -357,8 +357,18 @@ class Pipeline:
             ids = ids[:-1]
         return ids
 
+    @property
+    def opened(self) -> list:
+        """The models opened so far: target, drafts, Medusa heads (what close() closes and the bench times)."""
+        return [self.target, *self.drafts.values(), *([self._medusa] if self._medusa is not None else [])]
+
+    @property
+    def opened_heads(self):
+        """The Medusa heads if something opened them, else None (without opening them)."""
+        return self._medusa
+
     def close(self) -> None:
-        for b in (self.target, *self.drafts.values(), *([self._medusa] if self._medusa else [])):
+        for b in self.opened:
             b.close()
 
     def __enter__(self):

@@ -46,7 +46,7 @@ class OrtHeads:
         return self.ids[0, 0]
 
     def close(self) -> None:
-        pass
+        """Nothing to release: no buffers outside the session, which goes with the object."""
 
 
 def open_heads(kind: str, model_dir, *, io: HeadsIO, **options):
