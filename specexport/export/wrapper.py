@@ -52,8 +52,7 @@ class StaticKVDecoder(nn.Module):
         cos, sin = self.rotary(h, position_ids)                     # [B, T, D] each: two equal halves
         half = self.arch.head_dim // 2
         cos, sin = cos[..., :half], sin[..., :half]                 # [B, T, D/2]
-        committed = torch.ones((B, T, P), dtype=torch.bool, device=h.device)
-        visible = torch.cat([committed, tree_mask], dim=-1).unsqueeze(1)   # [B, 1, T, P+T]
+        visible = self._visible(tree_mask, P)                       # [B, 1, T, P+T]
         aux, presents = [], []
         for i, layer in enumerate(self.decoder_layers):
             if i in self.aux_hidden_layers:
@@ -68,10 +67,17 @@ class StaticKVDecoder(nn.Module):
             outs.append(torch.cat(aux, dim=-1).float())             # [B, T, k*H]
         return (*outs, *presents)
 
+    @staticmethod
+    def _visible(tree_mask, past_length):
+        """What each new token may attend to: every committed position, and its tree ancestors."""
+        B, T, _ = tree_mask.shape
+        committed = torch.ones((B, T, past_length), dtype=torch.bool, device=tree_mask.device)
+        return torch.cat([committed, tree_mask], dim=-1).unsqueeze(1)
+
     def _layer(self, layer, h, cos, sin, visible, past_k, past_v):
         attn, arch = layer.self_attn, self.arch
         B, T, _ = h.shape
-        P, hq, hkv, d = past_k.shape[1], arch.num_heads, arch.num_kv_heads, arch.head_dim
+        hq, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
         x = layer.input_layernorm(h)
         q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)    # [B, T, Hq*D], [B, T, Hkv*D] x 2
         if self.adapter.qk_norm:
@@ -79,10 +85,19 @@ class StaticKVDecoder(nn.Module):
             k = attn.k_norm(k.view(B, T, hkv, d)).view(B, T, hkv * d)
         q = onnx_ops.rotary_embedding(q, cos, sin, num_heads=hq)    # [B, T, Hq*D]
         k = onnx_ops.rotary_embedding(k, cos, sin, num_heads=hkv)   # [B, T, Hkv*D]
-        keys = torch.cat([past_k.reshape(B, P, hkv * d), k], dim=1)       # [B, P+T, Hkv*D]
-        values = torch.cat([past_v.reshape(B, P, hkv * d), v], dim=1)     # [B, P+T, Hkv*D]
-        out = onnx_ops.attention(q, keys, values, attn_mask=visible, q_num_heads=hq, kv_num_heads=hkv,
-                                 scale=attn.scaling)[0]             # [B, T, Hq*D]
+        out, k, v = self._attend(q, k, v, past_k, past_v, visible, scale=attn.scaling)
         h = h + attn.o_proj(out)
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h, k.view(B, T, hkv, d), v.view(B, T, hkv, d)
+        return h, k, v
+
+    def _attend(self, q, k, v, past_k, past_v, visible, *, scale):
+        """q [B, T, Hq*D], k and v [B, T, Hkv*D] (after RoPE) -> (attention output [B, T, Hq*D], the
+        layer's two KV outputs). Here: concatenate the committed past and attend under `visible`;
+        the outputs are the new tokens' K/V. (benchmarks/inplace_kv.py overrides this.)"""
+        B, T, _ = q.shape
+        P, hkv, d = past_k.shape[1], self.arch.num_kv_heads, self.arch.head_dim
+        keys = torch.cat([past_k.reshape(B, P, hkv * d), k], dim=1)       # [B, P+T, Hkv*D]
+        values = torch.cat([past_v.reshape(B, P, hkv * d), v], dim=1)     # [B, P+T, Hkv*D]
+        out = onnx_ops.attention(q, keys, values, attn_mask=visible, q_num_heads=self.arch.num_heads,
+                                 kv_num_heads=hkv, scale=scale)[0]  # [B, T, Hq*D]
+        return out, k.view(B, T, hkv, d), v.view(B, T, hkv, d)

@@ -56,6 +56,8 @@ class OrtBackend(Backend):
         bind_in, bind_out = self._bind_in, self._bind_out
         positions = P + (self._arange[:T] if depths is None else np.asarray(depths, dtype=np.int64))
         mask = np.ascontiguousarray(self._causal[:T, :T] if tree_mask is None else tree_mask, dtype=bool)
+        # numpy inputs are bound by address: each must be a live, contiguous local until _run
+        tokens = np.ascontiguousarray(tokens)
         bind_in("input_ids", tokens.reshape(1, T))
         bind_in("position_ids", positions.reshape(1, T))
         bind_in("tree_mask", mask.reshape(1, T, T))
