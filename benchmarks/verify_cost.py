@@ -30,8 +30,8 @@ def profile(model_dir: Path, io: ModelIO, context: int, t: int, reps: int = 20) 
     opts.enable_profiling = True
     opts.profile_file_prefix = f"/tmp/verify_profile_T{t}"
     sess = ort.InferenceSession(str(model_dir / "model.onnx"), opts, providers=["CPUExecutionProvider"])
-    past = np.random.default_rng(0).standard_normal((1, context, io.num_kv_heads, io.head_dim)).astype(np.float32)
-    feeds = io.feeds(np.resize(np.arange(3, 3 + t), t)[None], past=[past] * (2 * io.num_layers))
+    cache = np.random.default_rng(0).standard_normal((1, io.num_kv_heads, context + t, io.head_dim)).astype(np.float32)
+    feeds = io.feeds(np.resize(np.arange(3, 3 + t), t)[None], past=[cache] * (2 * io.num_layers), past_length=context)
     for _ in range(reps):
         sess.run(None, feeds)
     events = json.loads(Path(sess.end_profiling()).read_text())

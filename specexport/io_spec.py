@@ -5,25 +5,33 @@ It drives the ONNX export (input/output names, dynamic axes), the runtime's stat
 tensor name.
 
 Axes are symbols for dynamic dimensions and ints for fixed ones:
-  batch   B  sequences in the batch (the runtime drives B = 1)
-  tokens  T  new tokens this call: a prompt chunk, 1 for decode, the tree size for verification
-  past    P  committed positions already in the KV cache (0 for the first prefill chunk)
-  rows    R  rows whose logits are computed: all T for decode and verification, the last for prefill
+  batch     B    sequences in the batch (the runtime drives B = 1)
+  tokens    T    new tokens this call: a prompt chunk, 1 for decode, the tree size for verification
+  total     P+T  committed positions already in the cache (P) plus the new tokens
+  rows      R    rows whose logits are computed: all T for decode and verification, the last for prefill
+  capacity  C    rows of a KV cache buffer (the runtime's: max_seq_len)
 
-Inputs                                   Outputs
-  input_ids      int64 [B, T]              logits             float32 [B, R, V]    at the rows logits_rows names
-  position_ids   int64 [B, T]              hidden_states      float32 [B, T, H]    final, post-norm
-  tree_mask      bool  [B, T, T]           aux_hidden_states  float32 [B, T, k*H]  inputs of chosen layers
-  logits_rows    int64 [B, R]              present_key.{i}    float32 [B, T, Hkv, D]  new tokens only
-  past_key.{i}   float32 [B, P, Hkv, D]    present_value.{i}  float32 [B, T, Hkv, D]
-  past_value.{i} float32 [B, P, Hkv, D]
+Inputs                                       Outputs
+  input_ids       int64 [B, T]                 logits             float32 [B, R, V]   at the rows logits_rows names
+  position_ids    int64 [B, T]                 hidden_states      float32 [B, T, H]   final, post-norm
+  attention_mask  bool  [B, T, P+T]            aux_hidden_states  float32 [B, T, k*H] inputs of chosen layers
+  logits_rows     int64 [B, R]                 present_key.{i}    float32 [B, Hkv, C, D]  the cache, new rows written
+  past_key.{i}    float32 [B, Hkv, C, D]       present_value.{i}  float32 [B, Hkv, C, D]
+  past_value.{i}  float32 [B, Hkv, C, D]
+
+attention_mask (contract 3): what each new token may attend to, over the P committed positions
+(normally all True) and the T new ones (the tree's ancestor mask; causal for a chain). P is its
+width minus T.
+
+KV caches (contract 3): one head-major buffer per layer and K/V, rows [0, P) committed. The graph
+writes the new tokens' K/V at rows P..P+T-1 and attends over the P+T valid rows, not the capacity.
+Bind the same buffer as past and present and the update is in place (ORT's GroupQueryAttention,
+export/gqa.py); a plain session.run returns a new cache of max(C, P+T) rows instead, so an empty
+cache grown by feeding each output back also works (ModelIO.feeds).
 
 `logits_rows` (contract 2): a prefill chunk needs the next-token logits of its last row only, and
 the vocabulary projection is a large share of a prefill's work (21% of SmolLM2-135M's weights), so
 the graph projects only the rows it is asked for.
-
-KV tensors are sequence-major, so the committed prefix of a static [B, MAX, Hkv, D] buffer is a
-zero-copy view, and attention costs what P costs, not what MAX costs.
 
 Heads graphs (HeadsIO) take the target's final hidden state and have no KV:
   hidden_states        float32 [B, T, H]      ->  head_topk_ids       int64   [B, T, N, K]
@@ -35,8 +43,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-DYNAMIC_AXES = ("batch", "tokens", "past", "rows")
-CONTRACT_VERSION = 2         # 2: logits_rows (logits only for the rows asked for); bump on any change here
+DYNAMIC_AXES = ("batch", "tokens", "total", "rows", "capacity")
+# 2: logits_rows (logits only for the rows asked for); 3: in-place KV caches [B, Hkv, C, D] and
+# attention_mask over past + new. Bump on any change here.
+CONTRACT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -62,12 +72,11 @@ class ModelIO:
     outputs: tuple[TensorSpec, ...] = field(init=False)
 
     def __post_init__(self):
-        kv_axes = ("batch", "past", self.num_kv_heads, self.head_dim)
-        new_axes = ("batch", "tokens", self.num_kv_heads, self.head_dim)
+        kv_axes = ("batch", self.num_kv_heads, "capacity", self.head_dim)
         ins = [
             TensorSpec("input_ids", "int64", ("batch", "tokens")),
             TensorSpec("position_ids", "int64", ("batch", "tokens")),
-            TensorSpec("tree_mask", "bool", ("batch", "tokens", "tokens")),
+            TensorSpec("attention_mask", "bool", ("batch", "tokens", "total")),
             TensorSpec("logits_rows", "int64", ("batch", "rows")),
         ]
         outs = [
@@ -81,7 +90,7 @@ class ModelIO:
             past_k, past_v = self.past_names(i)
             ins += [TensorSpec(past_k, "float32", kv_axes), TensorSpec(past_v, "float32", kv_axes)]
             new_k, new_v = self.present_names(i)
-            outs += [TensorSpec(new_k, "float32", new_axes), TensorSpec(new_v, "float32", new_axes)]
+            outs += [TensorSpec(new_k, "float32", kv_axes), TensorSpec(new_v, "float32", kv_axes)]
         object.__setattr__(self, "inputs", tuple(ins))
         object.__setattr__(self, "outputs", tuple(outs))
 
@@ -102,27 +111,40 @@ class ModelIO:
         """past_key.0, past_value.0, past_key.1, ... (the inputs after the four fixed ones)."""
         return [n for i in range(self.num_layers) for n in self.past_names(i)]
 
-    def feeds(self, tokens, *, positions=None, mask=None, past=None, rows=None) -> dict:
+    def empty_caches(self, batch: int = 1, capacity: int = 0) -> list:
+        """Zero KV caches [B, Hkv, capacity, D], one per past input."""
+        import numpy as np
+
+        shape = (batch, self.num_kv_heads, capacity, self.head_dim)
+        return [np.zeros(shape, np.float32) for _ in range(2 * self.num_layers)]
+
+    def feeds(self, tokens, *, positions=None, mask=None, past=None, past_length=None, rows=None) -> dict:
         """The input dict of one plain session.run on tokens [B, T] (checks and tools; the runtime
-        binds its buffers instead). Defaults: positions continue the past, a causal mask, an empty
-        past, logits for every row."""
+        binds its buffers instead). past: the caches (default empty); past_length: their committed
+        rows (default: all of them, which is what feeding back each call's present outputs gives).
+        Defaults: positions continue the past, a causal mask over the new tokens, logits for every row."""
         import numpy as np
 
         tokens = np.atleast_2d(np.asarray(tokens, np.int64))
         B, T = tokens.shape
-        if past is None:
-            past = [np.zeros((B, 0, self.num_kv_heads, self.head_dim), np.float32)] * (2 * self.num_layers)
-        P = past[0].shape[1]
+        past = self.empty_caches(B) if past is None else past
+        P = past[0].shape[2] if past_length is None else past_length
         positions = P + np.arange(T) if positions is None else positions
-        mask = np.tril(np.ones((T, T), bool)) if mask is None else mask
+        mask = np.tril(np.ones((T, T), bool)) if mask is None else np.asarray(mask, bool)
+        attention = np.ones((B, T, P + T), bool)
+        attention[:, :, P:] = mask
         rows = np.arange(T) if rows is None else rows
         feeds = {"input_ids": tokens,
                  "position_ids": np.ascontiguousarray(np.broadcast_to(np.asarray(positions, np.int64), (B, T))),
-                 "tree_mask": np.ascontiguousarray(np.broadcast_to(np.asarray(mask, bool), (B, T, T))),
+                 "attention_mask": attention,
                  "logits_rows": np.ascontiguousarray(np.broadcast_to(np.asarray(rows, np.int64),
                                                                      (B, np.asarray(rows).shape[-1])))}
         feeds.update(zip(self.past_input_names, past))
         return feeds
+
+    def presents(self, outputs: dict) -> list:
+        """The caches a session.run returned (name -> array), in past-input order: the next call's past."""
+        return [outputs[n] for i in range(self.num_layers) for n in self.present_names(i)]
 
     @property
     def output_names(self) -> list[str]:
@@ -135,10 +157,11 @@ class ModelIO:
         raise KeyError(f"no tensor named {name!r} in this model's IO table")
 
     def shape_ranges(self, *, max_seq_len: int, max_tokens: int, opt_tokens: int = 1) -> dict:
-        """(min, opt, max) shape per input, for TensorRT optimization profiles. Batch is 1."""
-        lo = {"batch": 1, "tokens": 1, "past": 0, "rows": 1}
-        opt = {"batch": 1, "tokens": opt_tokens, "past": max_seq_len // 2, "rows": opt_tokens}
-        hi = {"batch": 1, "tokens": max_tokens, "past": max_seq_len - 1, "rows": max_tokens}
+        """(min, opt, max) shape per input, for TensorRT optimization profiles. Batch is 1; the caches
+        are the runtime's, max_seq_len rows."""
+        lo = {"batch": 1, "tokens": 1, "total": 1, "rows": 1, "capacity": max_seq_len}
+        opt = {"batch": 1, "tokens": opt_tokens, "total": max_seq_len // 2, "rows": opt_tokens, "capacity": max_seq_len}
+        hi = {"batch": 1, "tokens": max_tokens, "total": max_seq_len, "rows": max_tokens, "capacity": max_seq_len}
         return {t.name: (t.shape(**lo), t.shape(**opt), t.shape(**hi)) for t in self.inputs}
 
     # -- manifest round trip ---------------------------------------------------------------

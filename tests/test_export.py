@@ -67,12 +67,8 @@ class Graph:
         self.reset()
 
     def reset(self, batch: int = 1):
-        empty = np.zeros((batch, 0, self.io.num_kv_heads, self.io.head_dim), np.float32)
-        self.past = [empty] * (2 * self.io.num_layers)
-
-    @property
-    def past_len(self) -> int:
-        return self.past[0].shape[1]
+        self.past = self.io.empty_caches(batch)          # grown by feeding back each call's caches
+        self.past_len = 0
 
     def run(self, tokens, positions=None, mask=None, *, commit: bool = True, rows=None) -> dict:
         """One call on [B, T] tokens; default positions continue the past, default mask is causal."""
@@ -82,14 +78,15 @@ class Graph:
             positions = np.arange(self.past_len, self.past_len + T)
         if mask is None:
             mask = np.tril(np.ones((T, T), bool))
-        feeds = self.io.feeds(tokens, positions=positions, mask=mask, past=self.past, rows=rows)
+        feeds = self.io.feeds(tokens, positions=positions, mask=mask, past=self.past, past_length=self.past_len,
+                              rows=rows)
         outs = dict(zip(self.io.output_names, self.session.run(None, feeds)))
-        new = [outs[n] for i in range(self.io.num_layers) for n in self.io.present_names(i)]
-        for n in new:
-            assert n.shape == (B, T, self.io.num_kv_heads, self.io.head_dim)
+        caches = self.io.presents(outs)
+        for c, p in zip(caches, self.past):
+            assert c.shape == (B, self.io.num_kv_heads, max(p.shape[2], self.past_len + T), self.io.head_dim)
         assert outs["logits"].shape == (B, T if rows is None else len(rows), self.io.vocab_size)
         if commit:
-            self.past = [np.concatenate([p, n], axis=1) for p, n in zip(self.past, new)]
+            self.past, self.past_len = caches, self.past_len + T
         return outs
 
 
@@ -340,7 +337,7 @@ def test_manifest_contents(built_llama, tiny_checkpoints, tokenizer):
         graph = onnx.load(str(out / entry["dir"] / "model.onnx"), load_external_data=False).graph
         assert [v.name for v in graph.input] == io.input_names
         assert [v.name for v in graph.output] == io.output_names
-        assert [t["name"] for t in model["io"]["inputs"]][:3] == ["input_ids", "position_ids", "tree_mask"]
+        assert [t["name"] for t in model["io"]["inputs"]][:3] == ["input_ids", "position_ids", "attention_mask"]
         assert model["special_tokens"]["eos_token_ids"] == [tokenizer.eos_token_id]
 
     special = manifest["special_tokens"]

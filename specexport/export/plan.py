@@ -20,7 +20,7 @@ from specexport.export.registry import get_adapter
 from specexport.io_spec import HeadsIO, ModelIO
 
 TOKENIZER_EXTRA = ("tokenizer_config.json", "special_tokens_map.json", "merges.txt", "added_tokens.json",
-                   "generation_config.json")
+                   "generation_config.json", "chat_template.jinja")
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,8 @@ def _fingerprint(path: Path, options: dict) -> str:
 # The code that decides what an exported graph contains: a change to any of these files changes every
 # fingerprint, so a graph made by older exporter code is never reused (hashing the sources, rather than a
 # constant bumped by hand, cannot be forgotten; the price is that a comment edit also rebuilds).
-GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/to_onnx.py", "export/registry.py",
+GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gqa.py", "export/to_onnx.py",
+                 "export/registry.py",
                  "export/adapters/*.py")
 QUANTIZER_SOURCES = ("export/quantize.py", "export/quality.py")
 HEADS_SOURCES = ("io_spec.py", "export/medusa.py", "export/medusa_tree.py", "export/to_onnx.py")

@@ -68,7 +68,7 @@ def sampled_sequences(session, io: ModelIO, *, start: int | None, length: int, c
     rng = np.random.default_rng(seed)
     seqs = np.empty((count, length), np.int64)                                 # [B, L]
     seqs[:, 0] = start if start is not None else rng.integers(0, io.vocab_size, count)
-    past = [np.zeros((count, 0, io.num_kv_heads, io.head_dim), np.float32)] * (2 * io.num_layers)
+    past = io.empty_caches(count)
     for t in range(length - 1):
         logits, past = _step(session, io, seqs[:, t:t + 1], np.full((count, 1), t), past)   # [B, 1, V]
         z = logits[:, -1].astype(np.float64) / temperature                     # [B, V]
@@ -80,7 +80,7 @@ def sampled_sequences(session, io: ModelIO, *, start: int | None, length: int, c
 
 def prefill_logits(session, io: ModelIO, ids: np.ndarray) -> np.ndarray:
     """[T, V] logits of one sequence prefilled from an empty cache."""
-    past = [np.zeros((1, 0, io.num_kv_heads, io.head_dim), np.float32)] * (2 * io.num_layers)
+    past = io.empty_caches()
     logits, _ = _step(session, io, ids[None], np.arange(len(ids))[None], past)
     return logits[0]
 
@@ -98,11 +98,10 @@ def measure_quality(reference, quantized, io: ModelIO, sequences: list[np.ndarra
 
 
 def _step(session, io: ModelIO, tokens: np.ndarray, positions: np.ndarray, past: list):
-    """One graph call on [B, T] tokens after `past`; returns logits [B, T, V] and past + the new K/V."""
+    """One graph call on [B, T] tokens after `past`; returns logits [B, T, V] and the caches with the new K/V."""
     feeds = io.feeds(tokens, positions=positions, past=past)
     outs = dict(zip(io.output_names, session.run(None, feeds)))
-    new = [outs[n] for i in range(io.num_layers) for n in io.present_names(i)]
-    return outs["logits"], [np.concatenate([p, k], axis=1) for p, k in zip(past, new)]
+    return outs["logits"], io.presents(outs)
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

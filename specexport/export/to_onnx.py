@@ -11,7 +11,7 @@ from specexport._optional import require
 from specexport.errors import SpecexportError
 from specexport.io_spec import DYNAMIC_AXES, ModelIO
 
-OPSET = 23          # RotaryEmbedding, Attention (torch.onnx.ops), RMSNorm -> RMSNormalization (ENVIRONMENT.md)
+OPSET = 23          # RotaryEmbedding (torch.onnx.ops), RMSNorm -> RMSNormalization (ENVIRONMENT.md); attention: gqa.py
 
 
 def load_hf_model(path: Path):
@@ -23,25 +23,27 @@ def load_hf_model(path: Path):
     return model.eval()
 
 
-def example_inputs(io: ModelIO, *, batch: int = 2, tokens: int = 3, past: int = 4, seed: int = 0):
-    """Inputs to trace with. Every dynamic size is >= 2, so the exporter keeps the axis dynamic."""
+def example_inputs(io: ModelIO, *, batch: int = 2, tokens: int = 3, past: int = 4, capacity: int = 16, seed: int = 0):
+    """Inputs to trace with. Every dynamic size is >= 2 and they all differ, so the exporter keeps each
+    axis dynamic and its own."""
     torch = require("torch")
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, io.vocab_size, (batch, tokens), generator=gen)
     pos = (torch.arange(tokens) + past).expand(batch, tokens).contiguous()
-    mask = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool)).expand(batch, tokens, tokens).contiguous()
+    mask = torch.ones(batch, tokens, past + tokens, dtype=torch.bool)
+    mask[:, :, past:] = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool))
     rows = torch.arange(tokens - 2, tokens).expand(batch, 2).contiguous()       # R = 2 < T: stays its own axis
-    kv_shape = (batch, past, io.num_kv_heads, io.head_dim)
-    past_kv = tuple(torch.randn(kv_shape, generator=gen) for _ in range(2 * io.num_layers))
-    return ids, pos, mask, rows, past_kv
+    kv_shape = (batch, io.num_kv_heads, capacity, io.head_dim)
+    caches = tuple(torch.randn(kv_shape, generator=gen) for _ in range(2 * io.num_layers))
+    return ids, pos, mask, rows, caches
 
 
 def dynamic_shapes(io: ModelIO):
     """torch.export dynamic_shapes derived from the IO table: one Dim per symbol, shared by all inputs."""
     torch = require("torch")
-    dims = {s: torch.export.Dim(s, min=0 if s == "past" else 1) for s in DYNAMIC_AXES}
+    dims = {s: torch.export.Dim(s, min=1) for s in DYNAMIC_AXES}
     per_input = [{i: dims[a] for i, a in enumerate(t.axes) if isinstance(a, str)} for t in io.inputs]
-    return (*per_input[:4], tuple(per_input[4:]))      # forward(input_ids, position_ids, tree_mask, logits_rows, *past)
+    return (*per_input[:4], tuple(per_input[4:]))      # forward(input_ids, position_ids, attention_mask, logits_rows, *caches)
 
 
 def onnx_from_module(module, io: ModelIO, onnx_path: Path) -> list[Path]:
@@ -51,13 +53,15 @@ def onnx_from_module(module, io: ModelIO, onnx_path: Path) -> list[Path]:
     fixed (the exporter specializes sizes 0 and 1, so we trace with sizes >= 2 and check).
     """
     torch = require("torch")
-    ids, pos, mask, rows, past = example_inputs(io)
+    from specexport.export import gqa
+
+    ids, pos, mask, rows, caches = example_inputs(io)
     with torch.no_grad(), quiet_exporter():
         torch.onnx.export(
-            module, (ids, pos, mask, rows, *past), str(onnx_path),
+            module, (ids, pos, mask, rows, *caches), str(onnx_path),
             input_names=io.input_names, output_names=io.output_names,
             dynamic_shapes=dynamic_shapes(io), dynamo=True, opset_version=OPSET,
-            external_data=True, verbose=False, optimize=True,
+            external_data=True, verbose=False, optimize=True, custom_translation_table=gqa.translation_table(),
         )
     check_graph_io(onnx_path, io)
     return [p for p in (onnx_path, onnx_path.with_name(onnx_path.name + ".data")) if p.exists()]

@@ -99,23 +99,21 @@ def onnx_logits(onnx_path, io: ModelIO, case: ParityCase, *, session=None) -> di
         # times only, so it skips that and keeps the build's peak memory near two copies of the weights.
         opts.add_session_config_entry("session.disable_prepacking", "1")
         session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
-    past = [np.zeros((1, 0, io.num_kv_heads, io.head_dim), np.float32)] * (2 * io.num_layers)
+    past = io.empty_caches()
 
     def run(tokens, positions, mask, rows=None):
         feeds = io.feeds(tokens[None], positions=positions, mask=mask, past=past, rows=rows)
         outs = dict(zip(io.output_names, session.run(None, feeds)))
-        return outs["logits"][0], [outs[n] for i in range(io.num_layers) for n in io.present_names(i)]
+        return outs["logits"][0], io.presents(outs)
 
     n, seq = case.n_prompt, case.seq
     out = {}
     out["prefill_last"], _ = run(seq[:n], np.arange(n), np.tril(np.ones((n, n), bool)), rows=[n - 1])
-    out["prefill"], new = run(seq[:n], np.arange(n), np.tril(np.ones((n, n), bool)))
-    past = [np.concatenate([p, k], axis=1) for p, k in zip(past, new)]
+    out["prefill"], past = run(seq[:n], np.arange(n), np.tril(np.ones((n, n), bool)))
     rows = []
     for s in range(n, case.context):
-        logits, new = run(seq[s:s + 1], np.array([s]), np.ones((1, 1), bool))
+        logits, past = run(seq[s:s + 1], np.array([s]), np.ones((1, 1), bool))
         rows.append(logits[0])
-        past = [np.concatenate([p, k], axis=1) for p, k in zip(past, new)]
     out["decode"] = np.stack(rows)
     if len(case.parents):
         mask = ancestor_mask(case.parents)

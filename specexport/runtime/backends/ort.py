@@ -1,15 +1,15 @@
-"""ONNX Runtime backend (CPU): one session per model, static KV buffers bound without copies.
+"""ONNX Runtime backend (CPU): one session per model, static KV buffers updated in place.
 
 Buffers (allocated once, never resized; B = 1):
-    k[i], v[i]   [1, capacity, Hkv, D] float32   per layer; rows [0, length) are the committed cache
+    k[i], v[i]   [1, Hkv, capacity, D] float32   per layer; rows [0, length) are the committed cache
     logits       [1, max_tokens, V]    float32   output rows of the last forward (1 row after a prefill)
     hidden       [1, max_tokens, H]    float32
     aux          [1, max_tokens, k*H]  float32   only when the graph exports aux hidden states
+    mask         max_tokens x (capacity + max_tokens) bool, flat: each forward's [1, T, length + T] view
 
-Each forward binds the committed prefix k[i][:, :length] as `past_key.i` (a zero-copy view: the
-buffers are sequence-major) and binds `present_key.i` to the scratch rows k[i][:, length:length+T],
-so the graph writes the new tokens' K/V straight into place. Committing a chain costs nothing;
-committing a tree path copies only the accepted rows. Attention costs `length`, not `capacity`.
+Each forward binds the same cache k[i] as `past_key.i` and `present_key.i` (graph contract 3): the
+graph writes the new tokens' K/V at rows length..length+T-1 in place and attends over length + T rows,
+not the capacity. Committing a chain costs nothing; committing a tree path copies only the accepted rows.
 """
 from __future__ import annotations
 
@@ -35,14 +35,14 @@ class OrtBackend(Backend):
         self.binding = self.session.io_binding()
         self._bind_in, self._bind_out, self._run = _binding_calls(ort, self.session, self.binding)
         self._kv_names = [(*io.past_names(i), *io.present_names(i)) for i in range(io.num_layers)]
-        kv_shape = (1, capacity, io.num_kv_heads, io.head_dim)
-        self.k = [np.zeros(kv_shape, np.float32) for _ in range(io.num_layers)]     # [1, C, Hkv, D]
-        self.v = [np.zeros(kv_shape, np.float32) for _ in range(io.num_layers)]     # [1, C, Hkv, D]
-        self.row_bytes = io.num_kv_heads * io.head_dim * 4
+        self.kv_shape = (1, io.num_kv_heads, capacity, io.head_dim)
+        self.k = [np.zeros(self.kv_shape, np.float32) for _ in range(io.num_layers)]     # [1, Hkv, C, D]
+        self.v = [np.zeros(self.kv_shape, np.float32) for _ in range(io.num_layers)]     # [1, Hkv, C, D]
         self.logits = np.zeros((1, max_tokens, io.vocab_size), np.float32)           # [1, Tmax, V]
         self.hidden = np.zeros((1, max_tokens, io.hidden_size), np.float32)          # [1, Tmax, H]
         aux_width = len(io.aux_hidden_layers) * io.hidden_size
         self.aux = np.zeros((1, max_tokens, aux_width), np.float32) if aux_width else None
+        self._mask = np.ones(max_tokens * (capacity + max_tokens), dtype=bool)
         # the buffers never move: their addresses are taken once (arr.ctypes builds an object per use)
         self._kv_ptrs = [(k.ctypes.data, v.ctypes.data) for k, v in zip(self.k, self.v)]
         self._out_ptrs = (self.logits.ctypes.data, self.hidden.ctypes.data,
@@ -54,23 +54,23 @@ class OrtBackend(Backend):
     def _forward(self, tokens, depths, tree_mask, last_only) -> StepOutput:
         T, P = len(tokens), self.length
         bind_in, bind_out = self._bind_in, self._bind_out
-        positions = P + (self._arange[:T] if depths is None else np.asarray(depths, dtype=np.int64))
-        mask = np.ascontiguousarray(self._causal[:T, :T] if tree_mask is None else tree_mask, dtype=bool)
         # numpy inputs are bound by address: each must be a live, contiguous local until _run
         tokens = np.ascontiguousarray(tokens)
+        positions = P + (self._arange[:T] if depths is None else np.asarray(depths, dtype=np.int64))
+        mask = self._mask[:T * (P + T)].reshape(1, T, P + T)        # a view of the flat buffer
+        mask[0, :, :P] = True
+        mask[0, :, P:] = self._causal[:T, :T] if tree_mask is None else tree_mask
         bind_in("input_ids", tokens.reshape(1, T))
         bind_in("position_ids", positions.reshape(1, T))
-        bind_in("tree_mask", mask.reshape(1, T, T))
+        bind_in("attention_mask", mask)
         R = 1 if last_only else T                       # prefill: the next token's logits only
         bind_in("logits_rows", self._arange[T - R:T].reshape(1, R))
-        past_shape, new_shape = (1, P, self.io.num_kv_heads, self.io.head_dim), (1, T, self.io.num_kv_heads,
-                                                                                  self.io.head_dim)
-        offset = P * self.row_bytes
+        shape = self.kv_shape
         for (kp, vp), (pk, pv, nk, nv) in zip(self._kv_ptrs, self._kv_names):
-            bind_in(pk, past_shape, kp)
-            bind_in(pv, past_shape, vp)
-            bind_out(nk, new_shape, kp + offset)
-            bind_out(nv, new_shape, vp + offset)
+            bind_in(pk, shape, kp)
+            bind_in(pv, shape, vp)
+            bind_out(nk, shape, kp)                     # the same memory: updated in place
+            bind_out(nv, shape, vp)
         logits_ptr, hidden_ptr, aux_ptr = self._out_ptrs
         bind_out("logits", (1, R, self.io.vocab_size), logits_ptr)
         bind_out("hidden_states", (1, T, self.io.hidden_size), hidden_ptr)
@@ -84,7 +84,7 @@ class OrtBackend(Backend):
         dest = self.length + np.arange(len(keep))
         src = self.length + keep
         for buf in (*self.k, *self.v):
-            buf[0, dest] = buf[0, src]          # fancy indexing copies the source rows first
+            buf[0, :, dest] = buf[0, :, src]    # fancy indexing copies the source rows first
 
     @property
     def kv_bytes(self) -> int:
