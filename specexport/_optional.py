@@ -21,6 +21,9 @@ _EXTRA = {
     "tensorrt": "trt",
     "modelopt": "quant",
     "tokenizers": "ort",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "jinja2": "serve",
 }
 
 

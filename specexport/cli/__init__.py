@@ -21,7 +21,7 @@ def cli():
 
 
 def _register() -> None:
-    from specexport.cli import bench, build, distill, generate, heads, inspect  # noqa: F401  (commands register on import)
+    from specexport.cli import bench, build, distill, generate, heads, inspect, serve  # noqa: F401  (commands register on import)
 
 
 def main(argv: list[str] | None = None) -> int:
