@@ -1,6 +1,8 @@
 """specexport serve OUTPUT_DIR: an OpenAI-compatible HTTP server on a build (the [serve] extra)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from specexport.cli import cli
@@ -27,3 +29,29 @@ def serve(output_dir, host, port, method, precision, draft_precision, threads, n
 
     run(output_dir, host=host, port=port, method=method, name=name, log_level=log_level, precision=precision,
         draft_precision=draft_precision, threads=threads)
+
+
+@cli.command("export-triton")
+@click.argument("output_dir", type=click.Path(file_okay=False))
+@click.option("--out", "repo", required=True, type=click.Path(file_okay=False),
+              help="The Triton model repository to write the model folder into (created if missing).")
+@click.option("--name", default=None, help="The model's name in the repository (default: the build's name).")
+@click.option("--instances", default=1, show_default=True, type=int,
+              help="Model instances Triton runs (each its own process and Pipeline, decoding in parallel).")
+@click.option("--reference", is_flag=True,
+              help="Point at the build by its absolute path instead of copying it into the repository.")
+@click.option("--method", default="auto", show_default=True, help="The default method (a request may pass `method`).")
+@click.option("--precision", default="fp32", show_default=True)
+@click.option("--draft-precision", default=None)
+@click.option("--threads", default=None, type=int, help="Target intra-op threads per instance (default: all cores).")
+@click.option("--force", is_flag=True, help="Replace the model folder if it exists.")
+@click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
+def export_triton(output_dir, repo, name, instances, reference, method, precision, draft_precision, threads, force,
+                  verbose):
+    """Write a Triton Inference Server model repository (Python backend, decoupled) that runs OUTPUT_DIR."""
+    from specexport.serve.triton import write_repository
+
+    folder = write_repository(output_dir, repo, name=name, instances=instances, copy=not reference, method=method,
+                              precision=precision, draft_precision=draft_precision, threads=threads, force=force)
+    click.echo(f"wrote {folder} ({instances} instance{'s' if instances > 1 else ''}); run: tritonserver "
+               f"--model-repository {Path(repo).resolve()}")
