@@ -20,15 +20,18 @@ from specexport.cli import cli
 @click.option("--draft-precision", default=None, help="The draft's precision (default: --precision).")
 @click.option("--threads", default=None, type=int, help="Target's ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--name", default=None, help="The model name clients use (default: the build's name).")
+@click.option("--spin/--no-spin", default=True, show_default=True,
+              help="Let ONNX Runtime's idle threads spin between forwards (benchmarks/serve_bench.py on the demo, "
+                   "2 cores: the server's overhead per request was 28 ms with spinning, 97 ms without).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
-def serve(output_dir, host, port, method, precision, draft_precision, threads, name, log_level, verbose):
+def serve(output_dir, host, port, method, precision, draft_precision, threads, name, spin, log_level, verbose):
     """Serve the build in OUTPUT_DIR: /v1/models, /v1/completions, /v1/chat/completions, /health."""
     from specexport.serve import serve as run
 
     run(output_dir, host=host, port=port, method=method, name=name, log_level=log_level, precision=precision,
-        draft_precision=draft_precision, threads=threads)
+        draft_precision=draft_precision, threads=threads, spin=spin)
 
 
 @cli.command("export-triton")

@@ -3,8 +3,8 @@
 Each layer's attention is one GroupQueryAttention node with the layer's cache [B, Hkv, C, D] as both
 `past_key` and `present_key` (the runtime binds the same buffer to both: ORT writes the T new rows at
 P..P+T-1 in place and attends over the P+T valid rows, not the capacity C), the tree mask as an
-additive `attention_bias` [B, 1, T, P+T], and `seqlens_k` / `total_sequence_length` derived in the
-graph from the bias's width. Without a shared buffer (a plain session.run) ORT returns a new cache of
+additive `attention_bias` [B, 1, T, P+T], and `seqlens_k` / `total_sequence_length` derived once in
+the graph from the mask's width (lengths()). Without a shared buffer (a plain session.run) ORT returns a new cache of
 max(C, P+T) rows: feeding an empty cache and then each call's output back works too.
 
 Why this op (issue 10 item 6a, benchmarks/inplace_kv.py): the standard ONNX Attention has to attend
@@ -29,16 +29,26 @@ DOMAIN = "com.microsoft"
 
 @torch.library.custom_op("specexport::group_query_attention", mutates_args=())
 def group_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_k: torch.Tensor,
-                          cache_v: torch.Tensor, bias: torch.Tensor, num_heads: int, kv_num_heads: int,
+                          cache_v: torch.Tensor, seqlens_k: torch.Tensor, total_length: torch.Tensor,
+                          bias: torch.Tensor, num_heads: int, kv_num_heads: int,
                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [B, T, Hq*D], k/v [B, T, Hkv*D], caches [B, Hkv, C, D], bias [B, 1, T, P+T] ->
-    (attention output [B, T, Hq*D], cache_k, cache_v with rows P..P+T-1 written)."""
+    """q [B, T, Hq*D], k/v [B, T, Hkv*D], caches [B, Hkv, C, D], seqlens_k int32 [B] (P+T-1),
+    total_length int32 [] (P+T), bias [B, 1, T, P+T] -> (attention output [B, T, Hq*D], cache_k,
+    cache_v with rows P..P+T-1 written). See lengths() for the two length inputs."""
     raise NotImplementedError("export only: becomes com.microsoft::GroupQueryAttention in the ONNX graph")
 
 
 @group_query_attention.register_fake
-def _(q, k, v, cache_k, cache_v, bias, num_heads, kv_num_heads, scale):
+def _(q, k, v, cache_k, cache_v, seqlens_k, total_length, bias, num_heads, kv_num_heads, scale):
     return torch.empty_like(q), torch.empty_like(cache_k), torch.empty_like(cache_v)
+
+
+def lengths(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(seqlens_k int32 [B], total_sequence_length int32 []) from attention_mask [B, T, P+T]: computed
+    once per graph, not per layer (per-layer Shape/Expand/Cast nodes were 4% of the demo's kernel time)."""
+    total = attention_mask.shape[-1]
+    seqlens_k = torch.full((attention_mask.shape[0],), total - 1, dtype=torch.int32)
+    return seqlens_k, seqlens_k[0] + 1
 
 
 def translation_table() -> dict:
@@ -47,14 +57,10 @@ def translation_table() -> dict:
     return {torch.ops.specexport.group_query_attention.default: _to_onnx}
 
 
-def _to_onnx(q, k, v, cache_k, cache_v, bias, num_heads: int, kv_num_heads: int, scale: float):
+def _to_onnx(q, k, v, cache_k, cache_v, seqlens_k, total_length, bias, num_heads: int, kv_num_heads: int,
+             scale: float):
     import onnxscript
-    from onnxscript import opset23 as op
 
-    total = op.Shape(bias, start=3, end=4)                                   # [1]: P + T
-    batch = op.Shape(q, start=0, end=1)
-    seqlens_k = op.Cast(op.Expand(op.Sub(total, op.Constant(value_ints=[1])), batch), to=6)   # int32 [B]
-    total_length = op.Cast(op.Squeeze(total), to=6)                          # int32 scalar
     ms = onnxscript.values.Opset(DOMAIN, 1)
     return ms.GroupQueryAttention(q, k, v, cache_k, cache_v, seqlens_k, total_length, None, None, None, bias,
                                   num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale)

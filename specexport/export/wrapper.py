@@ -24,7 +24,7 @@ No global monkeypatching: the HF model is only read.
 from __future__ import annotations
 
 from specexport._optional import require
-from specexport.export.gqa import group_query_attention
+from specexport.export.gqa import group_query_attention, lengths
 
 torch = require("torch")
 nn = torch.nn
@@ -51,11 +51,12 @@ class StaticKVDecoder(nn.Module):
         cos, sin = cos[..., :half], sin[..., :half]                 # [B, T, D/2]
         zero = torch.zeros((), dtype=torch.float32)
         bias = torch.where(attention_mask, zero, torch.finfo(torch.float32).min).unsqueeze(1)   # [B, 1, T, P+T]
+        seqlens_k, total = lengths(attention_mask)                  # int32 [B] = P+T-1, int32 [] = P+T
         aux, presents = [], []
         for i, layer in enumerate(self.decoder_layers):
             if i in self.aux_hidden_layers:
                 aux.append(h)
-            h, k, v = self._layer(layer, h, cos, sin, bias, caches[2 * i], caches[2 * i + 1])
+            h, k, v = self._layer(layer, h, cos, sin, (seqlens_k, total, bias), caches[2 * i], caches[2 * i + 1])
             presents += [k, v]
         h = self.norm(h)                                            # [B, T, H]
         rows = torch.gather(h, 1, logits_rows.unsqueeze(-1).expand(-1, -1, h.shape[-1]))   # [B, R, H]
@@ -65,7 +66,8 @@ class StaticKVDecoder(nn.Module):
             outs.append(torch.cat(aux, dim=-1).float())             # [B, T, k*H]
         return (*outs, *presents)
 
-    def _layer(self, layer, h, cos, sin, bias, cache_k, cache_v):
+    def _layer(self, layer, h, cos, sin, visible, cache_k, cache_v):
+        """visible: (seqlens_k, total length, additive mask bias), shared by every layer."""
         attn, arch = layer.self_attn, self.arch
         B, T, _ = h.shape
         hq, hkv, d = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -76,7 +78,7 @@ class StaticKVDecoder(nn.Module):
             k = attn.k_norm(k.view(B, T, hkv, d)).view(B, T, hkv * d)
         q = onnx_ops.rotary_embedding(q, cos, sin, num_heads=hq)    # [B, T, Hq*D]
         k = onnx_ops.rotary_embedding(k, cos, sin, num_heads=hkv)   # [B, T, Hkv*D]
-        out, cache_k, cache_v = group_query_attention(q, k, v, cache_k, cache_v, bias, hq, hkv, float(attn.scaling))
+        out, cache_k, cache_v = group_query_attention(q, k, v, cache_k, cache_v, *visible, hq, hkv, float(attn.scaling))
         h = h + attn.o_proj(out)                                    # out [B, T, Hq*D]
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h, cache_k, cache_v

@@ -96,7 +96,7 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None):
         if body.method not in (None, "auto", "vanilla", *pipe.methods):
             raise RequestError(f"method: {body.method!r} is not available; available: "
                                f"{', '.join(('auto', 'vanilla', *pipe.methods))}", param="method")
-        job = worker.submit(ids, body.stream_kwargs(max_new))
+        job = worker.submit(ids, body.stream_kwargs(max_new), stream=body.stream)
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": name}
         try:
@@ -121,6 +121,8 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None):
                 job.cancel()
             if event.kind == "error":
                 raise RequestError(event.text, status=event.status, kind="server_error")
+            if event.kind != "done":                # cancelled: only when its client went away
+                return Response(status_code=499)
             return _full_response(meta, event, len(ids), chat)
         return StreamingResponse(_sse(job, first, meta, len(ids), chat, body.include_usage),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -159,8 +161,17 @@ async def _sse(job, first: Event, meta: dict, prompt_tokens: int, chat: bool, in
                          "logprobs": None})
         event = first
         while event.kind == "text":
-            yield chunk(piece(event.text))
-            event = await job.events.get()
+            text = event.text
+            while not job.events.empty():           # pieces that queued while the last one was sent:
+                event = job.events.get_nowait()     # one chunk (a slow client gets fewer, larger ones)
+                if event.kind != "text":
+                    break
+                text += event.text
+            else:
+                event = None
+            yield chunk(piece(text))
+            if event is None:
+                event = await job.events.get()
         if event.kind == "done":
             end = piece("")
             end["finish_reason"] = event.output.finish_reason

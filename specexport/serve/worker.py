@@ -36,6 +36,7 @@ class Job:
     prompt_ids: list[int]
     options: dict               # Pipeline.stream keyword arguments
     loop: asyncio.AbstractEventLoop
+    stream: bool = True         # False: only the final event (nobody reads the pieces)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -54,8 +55,8 @@ class ModelWorker:
         self._lock = threading.Lock()
         self.pending = 0            # queued or running jobs
 
-    def submit(self, prompt_ids: list[int], options: dict) -> Job:
-        job = Job(prompt_ids, options, asyncio.get_running_loop())
+    def submit(self, prompt_ids: list[int], options: dict, *, stream: bool = True) -> Job:
+        job = Job(prompt_ids, options, asyncio.get_running_loop(), stream=stream)
         with self._lock:
             self.pending += 1
         self._executor.submit(self._run, job)
@@ -88,7 +89,8 @@ class ModelWorker:
             for piece in stream:
                 if job.cancelled.is_set():
                     return Event("cancelled")
-                job.emit(Event("text", text=piece))
+                if job.stream:
+                    job.emit(Event("text", text=piece))
         finally:
             stream.close()
         used = self._auto_choice()["method"] if method == "auto" else method
