@@ -51,6 +51,8 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None):
         first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        if not where and ":" in message and message.split(":")[0].isidentifier():
+            where = message.split(":")[0]           # a whole-body check names its field first
         return JSONResponse(error_body(f"{where}: {message}" if where and not message.startswith(where) else message,
                                        param=where or None), status_code=400)
 
