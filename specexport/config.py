@@ -14,8 +14,10 @@ Relative paths resolve against the YAML file's folder.
     parity_tolerance: 1.0e-4          # optional: max|Δlogits| / max|logits| gate for fp32
     eval_text: data/heldout.txt       # optional: held-out text for the quantized graphs' quality gate
     quality_gates: {int4: {min_top1: 0.8, max_kl: 0.2}}   # optional: per quantized precision
+    quantization: {int8: {scheme: static_qdq}}   # optional: how int8/int4 are made (export/quantize.py)
     # per model, optional: aux_hidden_layers: [2, 8, 13] or "eagle3" (layers whose inputs are exported)
     # per model, optional: precisions: [int4] (overrides the top-level list for that model)
+    # per model, optional: quantization: {int8: {scheme: dynamic}} (over the top-level one)
     medusa: {path: heads/medusa, top_k: 10}   # optional: Medusa heads for the target (published formats)
 """
 from __future__ import annotations
@@ -33,10 +35,10 @@ QUANTIZED = ("int8", "int4")             # checked against fp32 by a quality gat
 BACKENDS = ("onnxruntime",)          # tensorrt comes with the engine issue
 MODEL_ROLES = ("target", "draft")
 TOP_KEYS = {"name", "target", "draft", "max_seq_len", "precisions", "backends", "output",
-            "max_verify_tokens", "parity_tolerance", "eval_text", "quality_gates", "medusa"}
+            "max_verify_tokens", "parity_tolerance", "eval_text", "quality_gates", "medusa", "quantization"}
 HEAD_KINDS = ("medusa",)                 # heads on the target's hidden states, built as their own graphs
 HEADS_KEYS = {"path", "top_k"}
-MODEL_KEYS = {"path", "aux_hidden_layers", "precisions"}
+MODEL_KEYS = {"path", "aux_hidden_layers", "precisions", "quantization"}
 # Quality gates of the quantized graphs against the fp32 graph, on held-out text: the share of positions
 # whose argmax agrees (min_top1) and the mean KL(p_fp32 || p_quant) of the next-token distribution (max_kl).
 DEFAULT_QUALITY_GATES = {"int8": {"min_top1": 0.90, "max_kl": 0.05}, "int4": {"min_top1": 0.80, "max_kl": 0.20}}
@@ -52,6 +54,7 @@ class ModelConfig:
     path: Path
     aux_hidden_layers: tuple[int, ...] | str = ()   # explicit layer ids, or "eagle3"
     precisions: tuple[str, ...] = ("fp32",)         # what this model is built in; always fp32 first
+    quantization: dict = field(default_factory=dict)   # precision -> scheme settings (quantize.SCHEMES)
 
 
 @dataclass(frozen=True)
@@ -121,10 +124,11 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
         raise SpecexportError(f"output: expected a folder path (a string), got {raw['output']!r}")
     output = Path(raw["output"]) if raw.get("output") else Path("engines") / name
     precisions = _precisions(raw.get("precisions", ["fp32"]), "precisions")
+    schemes = _quantization(raw.get("quantization"), "quantization", None)
     cfg = BuildConfig(
         name=name,
-        target=_model(raw["target"], "target", base, precisions),
-        draft=_model(raw["draft"], "draft", base, precisions) if raw.get("draft") is not None else None,
+        target=_model(raw["target"], "target", base, precisions, schemes),
+        draft=_model(raw["draft"], "draft", base, precisions, schemes) if raw.get("draft") is not None else None,
         max_seq_len=max_seq_len,
         precisions=precisions,
         backends=_choices(raw.get("backends", ["onnxruntime"]), "backends", BACKENDS),
@@ -233,7 +237,7 @@ def _with_folder(raw, key: str, allowed: set, base: Path, example: str) -> tuple
     return raw, path, _show(raw["path"])
 
 
-def _model(raw, role: str, base: Path, precisions: tuple[str, ...]) -> ModelConfig:
+def _model(raw, role: str, base: Path, precisions: tuple[str, ...], schemes: dict) -> ModelConfig:
     raw, path, shown = _with_folder(raw, role, MODEL_KEYS, base, f"models/{role}")
     if not (path / "config.json").is_file():
         raise SpecexportError(f"{role}.path: {shown} has no config.json")
@@ -248,7 +252,47 @@ def _model(raw, role: str, base: Path, precisions: tuple[str, ...]) -> ModelConf
         aux = tuple(sorted(set(aux)))
     if raw.get("precisions") is not None:
         precisions = _precisions(raw["precisions"], f"{role}.precisions")
-    return ModelConfig(role=role, path=path.resolve(), aux_hidden_layers=aux, precisions=precisions)
+    schemes = _quantization(raw.get("quantization"), f"{role}.quantization", schemes)
+    return ModelConfig(role=role, path=path.resolve(), aux_hidden_layers=aux, precisions=precisions,
+                       quantization=schemes)
+
+
+def _quantization(raw, where: str, defaults: dict | None) -> dict:
+    """{int8: {scheme, options...}, int4: {...}}: `defaults` (or each scheme's own) with the YAML's choices."""
+    from specexport.export.quantize import SCHEMES, default_scheme
+
+    out = {p: dict(s) for p, s in (defaults or {p: default_scheme(p) for p in QUANTIZED}).items()}
+    if raw is None:
+        return out
+    if not isinstance(raw, dict):
+        raise SpecexportError(f"{where}: expected a mapping like {{int8: {{scheme: static_qdq}}}}, got {raw!r}")
+    for precision, choice in raw.items():
+        if precision not in QUANTIZED:
+            raise SpecexportError(f"{where}.{_show(precision)}: unknown key; allowed: {', '.join(QUANTIZED)}")
+        if not isinstance(choice, dict):
+            raise SpecexportError(f"{where}.{precision}: expected a mapping like {{scheme: matmulnbits, "
+                                  f"block_size: 32}}, got {choice!r}")
+        scheme = choice.get("scheme", out[precision]["scheme"])
+        if scheme not in SCHEMES or precision not in SCHEMES[scheme][0]:
+            ok = [k for k, (ps, _) in SCHEMES.items() if precision in ps]
+            raise SpecexportError(f"{where}.{precision}.scheme: {scheme!r} cannot make {precision}; supported: "
+                                  f"{', '.join(ok)}")
+        options = SCHEMES[scheme][1]
+        settings = {"scheme": scheme, **{k: (out[precision].get(k, d) if scheme == out[precision]["scheme"] else d)
+                                          for k, (d, _) in options.items()}}
+        for key, value in choice.items():
+            if key == "scheme":
+                continue
+            if key not in options:
+                allowed = ", ".join(["scheme", *options]) or "scheme"
+                raise SpecexportError(f"{where}.{precision}.{_show(key)}: unknown key for scheme {scheme}; "
+                                      f"allowed: {allowed}")
+            if value not in options[key][1] or isinstance(value, bool):
+                raise SpecexportError(f"{where}.{precision}.{key}: expected one of "
+                                      f"{', '.join(map(str, options[key][1]))}, got {value!r}")
+            settings[key] = value
+        out[precision] = settings
+    return out
 
 
 def _heads(raw, kind: str, base: Path) -> HeadsConfig:

@@ -183,6 +183,43 @@ def test_quantized_graph_computes_each_row_independently(built_quant):
         assert np.abs(full[:4] - alone).max() <= 1e-4 * np.abs(full).max(), precision
 
 
+def test_quantization_schemes_build_are_recorded_and_decode_losslessly(rebuild, quant_fields):
+    """static QDQ for the targets' int8 (calibrated on sequences the gate never sees), dynamic int8 for the
+    draft (its rows may depend on each other: only a target's must not), a MatMulNBits option for int4."""
+    draft = {**quant_fields["draft"], "quantization": {"int8": {"scheme": "dynamic"}}}
+    code, out = rebuild(quantization={"int8": {"scheme": "static_qdq"}, "int4": {"block_size": 128}}, draft=draft,
+                        quality_gates={**GATES, "int8": {"min_top1": 0.6, "max_kl": 0.05}})
+    assert code == 0
+    models = read_manifest(out)["models"]
+    target, drafted = models["target"]["precisions"], models["draft"]["precisions"]
+    assert target["int8"]["quantization"]["scheme"] == "static_qdq"
+    assert target["int8"]["quantization"]["calibration"] == {"method": "MinMax", "sequences": 4}
+    assert target["int8"]["row_dependence"] <= 1e-4 and target["int8"]["quantization"]["row_independent"]
+    assert target["int4"]["quantization"]["block_size"] == 128 and drafted["int4"]["quantization"]["block_size"] == 128
+    assert drafted["int8"]["quantization"]["scheme"] == "dynamic" and not drafted["int8"]["quantization"]["row_independent"]
+    assert drafted["int8"]["row_dependence"] > 1e-4                 # measured, and allowed for a draft
+
+    def ops(entry):
+        return {n.op_type for n in onnx.load(str(out / entry["dir"] / "model.onnx"), load_external_data=False).graph.node}
+
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops(target["int8"]) and "MatMulNBits" not in ops(target["int8"])
+    assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops(drafted["int8"])
+    with specexport.load(out, precision="int8") as pipe:
+        for prompt in PROMPTS:
+            vanilla = pipe.generate(prompt, max_new_tokens=60, method="vanilla").token_ids
+            for gamma in (2, 5):
+                assert pipe.generate(prompt, max_new_tokens=60, method="draft", gamma=gamma).token_ids == vanilla
+
+
+def test_a_target_whose_rows_depend_on_each_other_is_refused(rebuild, capsys):
+    capsys.readouterr()
+    code, out = rebuild(precisions=["int8"], quantization={"int8": {"scheme": "dynamic"}})
+    assert code == 2
+    line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
+    assert "target int8 (dynamic): a token's logits depend on the other tokens of the same pass" in line
+    assert read_manifest(out)["models"]["target"]["precisions"]["int8"]["quantization"]["scheme"] == "matmulnbits"
+
+
 def test_per_model_precisions_and_clear_runtime_errors(rebuild, quant_fields, capsys):
     code, out = rebuild(draft={**quant_fields["draft"], "precisions": ["int4"]})
     assert code == 0
@@ -223,8 +260,14 @@ def test_per_model_precisions_and_clear_runtime_errors(rebuild, quant_fields, ca
     (lambda f: f.update(quality_gates=[0.9]), r"quality_gates: expected a mapping", "quality_gates"),
     (lambda f: f.update(eval_text="missing.txt"), r"eval_text: missing\.txt does not exist", "eval_text"),
     (lambda f: f.update(eval_text=5), r"eval_text: expected a text file path", "eval_text"),
+    (lambda f: f.update(quantization={"int4": {"scheme": "dynamic"}}),
+     r"quantization\.int4\.scheme: 'dynamic' cannot make int4; supported: matmulnbits", "quantization.int4.scheme"),
+    (lambda f: f.update(quantization={"int8": {"block_size": 100}}),
+     r"quantization\.int8\.block_size: expected one of 16, 32, 64, 128, 256, got 100", "quantization.int8.block_size"),
+    (lambda f: f["target"].update(quantization={"int8": {"scheme": "static_qdq", "accuracy_level": 4}}),
+     r"target\.quantization\.int8\.accuracy_level: unknown key for scheme static_qdq", "target.quantization.int8"),
 ], ids=["precision", "model-precision", "gate-key", "gate-fp32", "gate-top1", "gate-kl", "gate-type",
-        "eval-missing", "eval-type"])
+        "eval-missing", "eval-type", "scheme-precision", "scheme-option", "scheme-key"])
 def test_config_errors(tiny_checkpoints, tmp_path, write_yaml, capsys, edit, match, key):
     fields = dict(name="q", target={"path": tiny_checkpoints["llama"]}, max_seq_len=64, output=tmp_path / "out")
     edit(fields)

@@ -164,8 +164,8 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
     """Quantize the model's fp32 graph, check it against that graph (quality gate), rename into place.
 
     `samples` caches this model's eval sequences between its quantized precisions."""
-    from specexport.export.quality import measure_quality, runtime_session
-    from specexport.export.quantize import QUANTIZERS, describe, quantize_graph
+    from specexport.export.quality import ROW_TOLERANCE, measure_quality, row_dependence, runtime_session
+    from specexport.export.quantize import describe, quantize_graph
     from specexport.export.to_onnx import check_graph_io
     from specexport.export.validate import compare, onnx_logits, parity_case
 
@@ -173,16 +173,21 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
     source = fp32_dir / "model.onnx"
     partial, final = folders.new(mp.role, precision)
     start = time.perf_counter()
-    gate, settings = plan.config.quality_gates[precision], QUANTIZERS[precision]
+    gate, scheme = plan.config.quality_gates[precision], mp.config.quantization[precision]
+    options = ", ".join(f"{k} {v}" for k, v in scheme.items() if k != "scheme")
     try:
-        with reporter.stage(f"quantize {mp.role} {precision} from fp32 "
-                            f"(MatMulNBits {settings['bits']}-bit, block {settings['block_size']})"):
-            names = [f.name for f in quantize_graph(source, partial / "model.onnx", precision)]
-            check_graph_io(partial / "model.onnx", mp.io)
-        reference, quantized = runtime_session(source), runtime_session(partial / "model.onnx")
+        reference = runtime_session(source)
         sequences, text = _eval_sequences(plan, mp, reference, reporter, samples)
+        calibration = _calibration_sequences(plan, mp, reference) if scheme["scheme"] == "static_qdq" else []
+        with reporter.stage(f"quantize {mp.role} {precision} from fp32 ({scheme['scheme']}"
+                            f"{', ' + options if options else ''})"):
+            names = [f.name for f in quantize_graph(source, partial / "model.onnx", precision, scheme, io=mp.io,
+                                                    calibration=calibration)]
+            check_graph_io(partial / "model.onnx", mp.io)
+        quantized = runtime_session(partial / "model.onnx")
         with reporter.stage(f"check {mp.role} {precision} against fp32 on {text['label']}"):
             quality = measure_quality(reference, quantized, mp.io, sequences)
+            rows = row_dependence(quantized, mp.io, sequences[0])
             case = parity_case(mp.io, max_seq_len=plan.config.max_seq_len,
                                max_verify_tokens=plan.config.max_verify_tokens)
             parity = compare(onnx_logits(source, mp.io, case, session=reference),
@@ -193,13 +198,20 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
             raise ParityError(f"{mp.role} {precision}: quality gate against fp32 failed: {'; '.join(failures)}. "
                               f"Measured {quality.describe()}, on {text['description']}. The gate is "
                               f"quality_gates.{precision} in the model.yaml")
-        reporter.note(f"  {mp.role} {precision}: {quality.describe()}")
+        if mp.role == "target" and rows > ROW_TOLERANCE:
+            raise ParityError(f"target {precision} ({scheme['scheme']}): a token's logits depend on the other tokens "
+                              f"of the same pass (relative {rows:.1e} > {ROW_TOLERANCE:.0e}), so verifying several "
+                              f"tokens would disagree with one-token decoding and speculative output would differ "
+                              f"from this graph's own vanilla output. Choose another quantization.{precision}.scheme "
+                              f"for the target (a draft may keep it: draft: {{quantization: ...}})")
+        reporter.note(f"  {mp.role} {precision}: {quality.describe()}, row dependence {rows:.1e}")
         folders.publish(partial, final)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     entry = {
         **_files_entry(out, final, names),
-        "quantization": describe(precision),
+        "quantization": describe(precision, scheme, calibration_sequences=len(calibration)),
+        "row_dependence": rows,
         "top1_agreement": quality.top1_agreement,
         "mean_kl": quality.mean_kl,
         "quality_gate": dict(gate),
@@ -212,6 +224,16 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
         "build_seconds": round(time.perf_counter() - start, 2),
     }
     return StageResult(mp.role, precision, entry, skipped=False)
+
+
+def _calibration_sequences(plan: Plan, mp: ModelPlan, fp32_session) -> list:
+    """Activation-range calibration data for static quantization: sequences sampled from the fp32 graph
+    with another seed than the quality gate's, so the gate stays on data the calibration never saw."""
+    from specexport.export.quality import EVAL_LENGTH, EVAL_SEQUENCES, SAMPLE_SEED, sampled_sequences
+
+    return sampled_sequences(fp32_session, mp.io, start=mp.arch.bos_token_id,
+                             length=min(EVAL_LENGTH, plan.config.max_seq_len), count=EVAL_SEQUENCES,
+                             seed=SAMPLE_SEED + 1)
 
 
 def _eval_sequences(plan: Plan, mp: ModelPlan, fp32_session, reporter: Reporter, samples: dict):

@@ -65,9 +65,7 @@ class Plan:
         if precision == "fp32":
             return mp.fingerprint
         from specexport.export.quality import SETTINGS
-        from specexport.export.quantize import QUANTIZERS
-
-        options = {"model": mp.fingerprint, "precision": precision, "quantizer": QUANTIZERS[precision],
+        options = {"model": mp.fingerprint, "precision": precision, "quantizer": mp.config.quantization[precision],
                    "gate": self.config.quality_gates[precision], "quality": SETTINGS,
                    "quantizer_code": source_hash(QUANTIZER_SOURCES),
                    "eval": hashlib.sha256(json.dumps(self.eval_ids).encode()).hexdigest()}

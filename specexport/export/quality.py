@@ -21,6 +21,7 @@ EVAL_SEQUENCES = 4          # sequences per quality check
 EVAL_LENGTH = 128           # tokens per sequence (at most max_seq_len)
 SAMPLE_SEED = 0             # sequences sampled from the fp32 graph when there is no eval_text
 SAMPLE_TEMPERATURE = 1.0
+ROW_TOLERANCE = 1e-4        # a target graph's rows must not depend on each other more than this (relative)
 SETTINGS = {"sequences": EVAL_SEQUENCES, "length": EVAL_LENGTH, "seed": SAMPLE_SEED,
             "temperature": SAMPLE_TEMPERATURE}     # part of the stage fingerprint
 
@@ -95,6 +96,18 @@ def measure_quality(reference, quantized, io: ModelIO, sequences: list[np.ndarra
         kls.append((np.exp(lp) * (lp - lq)).sum(-1))
     agree, kls = np.concatenate(agree), np.concatenate(kls)
     return QualityReport(float(agree.mean()), float(max(kls.mean(), 0.0)), len(agree), len(sequences))
+
+
+def row_dependence(session, io: ModelIO, ids: np.ndarray, rows: int = 12) -> float:
+    """max|Δ| / max|logits| of the last of `rows` tokens: computed inside one pass of all of them vs as a
+    one-token step after the others. fp32 and MatMulNBits graphs: ~1e-6; one activation scale per call
+    (dynamic quantization) makes it ~1e-1, and a verify pass then disagrees with decoding."""
+    ids = np.asarray(ids[:rows], np.int64)
+    together, _ = _step(session, io, ids[None], np.arange(len(ids))[None], io.empty_caches())
+    _, past = _step(session, io, ids[None, :-1], np.arange(len(ids) - 1)[None], io.empty_caches())
+    alone, _ = _step(session, io, ids[None, -1:], np.array([[len(ids) - 1]]), past)
+    ref = together[0, -1]
+    return float(np.abs(ref - alone[0, -1]).max() / max(float(np.abs(ref).max()), 1e-30))
 
 
 def _step(session, io: ModelIO, tokens: np.ndarray, positions: np.ndarray, past: list):

@@ -1,17 +1,20 @@
-"""fp32 ONNX graph -> weight-only quantized graph (int8 / int4) with onnxruntime's quantization tools.
+"""fp32 ONNX graph -> quantized graph (int8 / int4) with onnxruntime's quantization tools, by scheme.
 
-Both precisions replace every MatMul with a constant weight (attention projections, MLP, lm_head) by
-`com.microsoft.MatMulNBits` (MatMulNBitsQuantizer, blocks of 32 along K, asymmetric, accuracy_level 4:
-activations are quantized to int8 per block of each row and multiplied in int8). Embeddings, norms
-and attention stay fp32, and so does the IO table.
-
-Why MatMulNBits for int8 too, not `quantize_dynamic`: dynamic quantization computes one activation
-scale per tensor (DynamicQuantizeLinear), so a token's logits depend on the other tokens in the same
-call. A verification pass over γ+1 tokens then disagrees with one-token decoding (measured on the tiny
-llama: relative logit change 9e-2 for a row computed alone vs with 4 others; greedy speculative output
-differed from vanilla greedy in 15 of 20 runs). MatMulNBits quantizes each row on its own (row
-dependence 5e-7, as fp32), so greedy speculative decoding stays token-for-token equal to vanilla
-decoding on the same graph. Its speed at T = 1..5 matched dynamic int8 in our CPU measurement.
+Schemes (`quantization: {int8: {scheme: ..., ...}}` in model.yaml; SCHEMES has each one's options):
+  matmulnbits  every MatMul with a constant weight (attention projections, MLP, lm_head) becomes
+               `com.microsoft.MatMulNBits` (MatMulNBitsQuantizer: asymmetric blocks of `block_size`
+               along K; `accuracy_level` 4 quantizes activations to int8 per block of each row and
+               multiplies in int8, 1 dequantizes the weights and multiplies in fp32). int8 and int4.
+               The default for both.
+  static_qdq   int8 only: QuantizeLinear/DequantizeLinear around every weight MatMul (`quantize_static`,
+               uint8 activations with per-tensor scales calibrated with MinMax on the build's held-out
+               sequences, int8 per-channel weights); ORT fuses each group into an int8 kernel.
+  dynamic      int8 only: DynamicQuantizeLinear + MatMulInteger (`quantize_dynamic`). One activation
+               scale per call, so a token's logits depend on the other tokens of the pass (relative
+               9e-2 on the tiny llama): verifying γ+1 tokens disagrees with one-token decoding and
+               speculative output differs from the graph's own vanilla output. The build refuses it
+               for a target (the row-independence check in build.py); a draft may use it.
+Embeddings, norms and attention stay fp32, and so does the IO table.
 """
 from __future__ import annotations
 
@@ -21,29 +24,79 @@ from pathlib import Path
 
 from specexport._optional import require
 
-QUANTIZERS = {   # MatMulNBitsQuantizer keyword arguments per precision (also recorded in the manifest)
-    "int8": {"bits": 8, "block_size": 32, "is_symmetric": False, "accuracy_level": 4},
-    "int4": {"bits": 4, "block_size": 32, "is_symmetric": False, "accuracy_level": 4},
+BITS = {"int8": 8, "int4": 4}
+# scheme -> (precisions it can make, {option: (default, allowed values or a type)})
+SCHEMES = {
+    "matmulnbits": (("int8", "int4"), {"block_size": (32, (16, 32, 64, 128, 256)), "accuracy_level": (4, (0, 1, 2, 3, 4))}),
+    "static_qdq": (("int8",), {}),
+    "dynamic": (("int8",), {}),
 }
-TOOL = "onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer"
+DEFAULT_SCHEME = "matmulnbits"
+ROW_INDEPENDENT = {"matmulnbits": True, "static_qdq": True, "dynamic": False}
+TOOLS = {
+    "matmulnbits": ("onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer", "MatMulNBits"),
+    "static_qdq": ("onnxruntime.quantization.quantize_static", "QuantizeLinear/DequantizeLinear + MatMul (U8S8)"),
+    "dynamic": ("onnxruntime.quantization.quantize_dynamic", "DynamicQuantizeLinear + MatMulInteger"),
+}
 
 
-def quantize_graph(source: Path, dest: Path, precision: str) -> list[Path]:
-    """Write the `precision` version of the fp32 graph `source` to `dest` (+ `dest`.data); returns the files."""
+def default_scheme(precision: str) -> dict:
+    return {"scheme": DEFAULT_SCHEME, **{k: d for k, (d, _) in SCHEMES[DEFAULT_SCHEME][1].items()}}
+
+
+def quantize_graph(source: Path, dest: Path, precision: str, scheme: dict | None = None, *, io=None,
+                   calibration=()) -> list[Path]:
+    """Write the `precision` version of the fp32 graph `source` to `dest` (+ `dest`.data); returns the files.
+    static_qdq calibrates on `calibration` (token sequences, fed through `io`)."""
+    scheme = scheme or default_scheme(precision)
+    kind = scheme["scheme"]
     onnx = require("onnx")
-    nbits = require("onnxruntime.quantization.matmul_nbits_quantizer")
-    model = onnx.load(str(source))                  # with its external weights
+    q = require("onnxruntime.quantization")
     with _quiet_quantizer():
-        quantizer = nbits.MatMulNBitsQuantizer(model, **QUANTIZERS[precision])
-        quantizer.process()
-        # External data keeps the graph under protobuf's 2 GB limit; the runtime loads it by relative path.
-        quantizer.model.save_model_to_file(str(dest), use_external_data_format=True)
+        if kind == "matmulnbits":
+            nbits = require("onnxruntime.quantization.matmul_nbits_quantizer")
+            quantizer = nbits.MatMulNBitsQuantizer(onnx.load(str(source)), bits=BITS[precision], is_symmetric=False,
+                                                   block_size=scheme["block_size"],
+                                                   accuracy_level=scheme["accuracy_level"])
+            quantizer.process()
+            # External data keeps the graph under protobuf's 2 GB limit; the runtime loads it by relative path.
+            quantizer.model.save_model_to_file(str(dest), use_external_data_format=True)
+        elif kind == "dynamic":
+            q.quantize_dynamic(str(source), str(dest), op_types_to_quantize=["MatMul"], weight_type=q.QuantType.QInt8,
+                               per_channel=False, use_external_data_format=True)
+        else:
+            feeds = [io.feeds(s[None]) for s in calibration]
+            if not feeds:
+                raise ValueError("static_qdq needs calibration sequences")
+            q.quantize_static(str(source), str(dest), _Reader(q, feeds), quant_format=q.QuantFormat.QDQ,
+                              op_types_to_quantize=["MatMul"], activation_type=q.QuantType.QUInt8,
+                              weight_type=q.QuantType.QInt8, per_channel=True, use_external_data_format=True,
+                              calibrate_method=q.CalibrationMethod.MinMax)
     return [p for p in (dest, dest.with_name(dest.name + ".data")) if p.exists()]
 
 
-def describe(precision: str) -> dict:
+def _Reader(q, feeds):
+    """onnxruntime's CalibrationDataReader over a list of feed dicts (a factory: the base class needs
+    onnxruntime.quantization, imported lazily)."""
+    class Reader(q.CalibrationDataReader):
+        def __init__(self):
+            self._it = iter(feeds)
+
+        def get_next(self):
+            return next(self._it, None)
+
+    return Reader()
+
+
+def describe(precision: str, scheme: dict | None = None, *, calibration_sequences: int = 0) -> dict:
     """The manifest's `quantization` record of a precision."""
-    return {"tool": TOOL, "op": "MatMulNBits", **QUANTIZERS[precision], "source_precision": "fp32"}
+    scheme = scheme or default_scheme(precision)
+    tool, op = TOOLS[scheme["scheme"]]
+    out = {"tool": tool, "op": op, "bits": BITS[precision], **scheme, "source_precision": "fp32",
+           "row_independent": ROW_INDEPENDENT[scheme["scheme"]]}
+    if scheme["scheme"] == "static_qdq":
+        out["calibration"] = {"method": "MinMax", "sequences": calibration_sequences}
+    return out
 
 
 @contextlib.contextmanager
