@@ -194,10 +194,12 @@ def test_quantization_schemes_build_are_recorded_and_decode_losslessly(rebuild, 
     target, drafted = models["target"]["precisions"], models["draft"]["precisions"]
     assert target["int8"]["quantization"]["scheme"] == "static_qdq"
     assert target["int8"]["quantization"]["calibration"] == {"method": "MinMax", "sequences": 4}
-    assert target["int8"]["row_dependence"] <= 1e-4 and target["int8"]["quantization"]["row_independent"]
+    assert target["int8"]["row_dependence"]["two_tokens"] <= 1e-4 and target["int8"]["quantization"]["row_independent"]
+    assert target["int8"]["min_tokens"] == 1                         # static Q/DQ: one-row passes agree too
     assert target["int4"]["quantization"]["block_size"] == 128 and drafted["int4"]["quantization"]["block_size"] == 128
     assert drafted["int8"]["quantization"]["scheme"] == "dynamic" and not drafted["int8"]["quantization"]["row_independent"]
-    assert drafted["int8"]["row_dependence"] > 1e-4                 # measured, and allowed for a draft
+    assert drafted["int8"]["row_dependence"]["two_tokens"] > 1e-4   # measured, and allowed for a draft
+    assert drafted["int8"]["min_tokens"] == 1
 
     def ops(entry):
         return {n.op_type for n in onnx.load(str(out / entry["dir"] / "model.onnx"), load_external_data=False).graph.node}

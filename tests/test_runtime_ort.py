@@ -79,11 +79,11 @@ def test_greedy_equals_hf_for_every_gamma(pipe, hf_target):
             assert out.stats.proposed > 0
 
 
-def _backend(build, role, capacity=CAPACITY, max_tokens=64):
+def _backend(build, role, capacity=CAPACITY, max_tokens=64, **options):
     m = json.loads((build / "manifest.json").read_text())
     io = ModelIO.from_dict(m["models"][role]["io"])
     return OrtBackend(build / m["models"][role]["precisions"]["fp32"]["dir"], io=io, capacity=capacity,
-                      max_tokens=max_tokens, threads=1)
+                      max_tokens=max_tokens, threads=1, **options)
 
 
 def test_draft_equal_to_target_accepts_everything(built_long):
@@ -112,6 +112,41 @@ def test_public_binding_fallback_gives_the_same_logits(built_long):
         a, b = np.array(fast.forward(step).logits), np.array(public.forward(step).logits)
         np.testing.assert_array_equal(a, b)
         fast.commit(len(step)), public.commit(len(step))
+
+
+def test_min_tokens_pads_small_calls_and_changes_no_result(built_long, tmp_path):
+    """A graph whose one-row kernels compute differently (MatMulNBits accuracy_level 4) runs with at least
+    2 rows a call: the padding must be invisible (same logits, KV, commits, trees, capacity end)."""
+    import shutil
+
+    plain, padded = _backend(built_long, "target"), _backend(built_long, "target", min_tokens=2)
+    seen = []
+    rows = padded._rows
+    padded._rows = lambda tokens, *a, **k: (seen.append(len(tokens)), rows(tokens, *a, **k))[1]
+    for step, phase in ((np.array([1, 40, 41]), "prefill"), (np.array([42]), "prefill"), (np.array([43]), "decode"),
+                        (np.array([44, 45]), "decode"), (np.array([46]), "decode")):
+        a, b = plain.forward(step, phase=phase), padded.forward(step, phase=phase)
+        assert a.logits.shape == b.logits.shape and a.hidden.shape == b.hidden.shape
+        np.testing.assert_allclose(np.array(a.logits), np.array(b.logits), rtol=1e-5, atol=1e-5)
+        plain.commit(len(step)), padded.commit(len(step))
+    assert min(seen) == 2 and len(seen) == 5
+    tree = Tree(np.array([-1]))                                    # a one-node "tree" (root only) pads too
+    a = plain.forward(np.array([47]), depths=tree.depths, tree_mask=tree.mask)
+    b = padded.forward(np.array([47]), depths=tree.depths, tree_mask=tree.mask)
+    np.testing.assert_allclose(np.array(a.logits), np.array(b.logits), rtol=1e-5, atol=1e-5)
+    # the pipeline reads min_tokens from the manifest; greedy output is unchanged, up to the capacity
+    copy = tmp_path / "build"
+    shutil.copytree(built_long, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["models"]["target"]["precisions"]["fp32"]["min_tokens"] = 2
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with specexport.load(copy) as p, specexport.load(built_long) as q:
+        assert p.target.min_tokens == 2 and q.target.min_tokens == 1
+        prompt = list(range(3, 3 + CAPACITY - 12))
+        for method in ("vanilla", "draft", "lookup"):
+            want = q.generate(prompt_ids=prompt, max_new_tokens=40, method=method)
+            got = p.generate(prompt_ids=prompt, max_new_tokens=40, method=method)
+            assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason == "length"
 
 
 def test_tree_commit_compacts_the_accepted_path(built_long):

@@ -158,9 +158,12 @@ class Pipeline:
         if stage["backend"] != self.backend_kind:
             raise SpecexportError(f"backend: {self.backend_kind!r} was not built; built: {stage['backend']}")
         check_files(self.dir, stage["files"])      # cheap: sizes; a truncated or missing file names itself
+        options = dict(self._options)
+        if stage.get("min_tokens", 1) > 1:          # the build measured this graph's one-row kernels differ
+            options["min_tokens"] = stage["min_tokens"]
         return open_backend(self.backend_kind, self.dir / stage["dir"], io=ModelIO.from_dict(entry["io"]),
                             capacity=self.capacity, max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
-                            threads=self._threads[role], **self._options)
+                            threads=self._threads[role], **options)
 
     # -- public API -----------------------------------------------------------------------
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationOutput:

@@ -25,7 +25,7 @@ from specexport.runtime.backends.base import Backend, StepOutput
 
 class OrtBackend(Backend):
     def __init__(self, model_dir, *, io: ModelIO, capacity: int, max_tokens: int, threads: int | None = None,
-                 spin: bool = True, session_options: dict | None = None):
+                 spin: bool = True, session_options: dict | None = None, min_tokens: int = 1):
         super().__init__(capacity=capacity, max_tokens=max_tokens, vocab_size=io.vocab_size)
         ort = require("onnxruntime")
         path = Path(model_dir) / "model.onnx"
@@ -35,14 +35,17 @@ class OrtBackend(Backend):
         self.binding = self.session.io_binding()
         self._bind_in, self._bind_out, self._run = _binding_calls(ort, self.session, self.binding)
         self._kv_names = [(*io.past_names(i), *io.present_names(i)) for i in range(io.num_layers)]
-        self.kv_shape = (1, io.num_kv_heads, capacity, io.head_dim)
+        # min_tokens > 1: every call runs at least this many rows (padding after the real ones): the build
+        # found the graph's one-row kernels compute differently from its multi-row ones (build.py).
+        self.min_tokens = max(1, min(int(min_tokens), max_tokens))
+        self.kv_shape = (1, io.num_kv_heads, capacity + self.min_tokens - 1, io.head_dim)   # room for the padding
         self.k = [np.zeros(self.kv_shape, np.float32) for _ in range(io.num_layers)]     # [1, Hkv, C, D]
         self.v = [np.zeros(self.kv_shape, np.float32) for _ in range(io.num_layers)]     # [1, Hkv, C, D]
         self.logits = np.zeros((1, max_tokens, io.vocab_size), np.float32)           # [1, Tmax, V]
         self.hidden = np.zeros((1, max_tokens, io.hidden_size), np.float32)          # [1, Tmax, H]
         aux_width = len(io.aux_hidden_layers) * io.hidden_size
         self.aux = np.zeros((1, max_tokens, aux_width), np.float32) if aux_width else None
-        self._mask = np.ones(max_tokens * (capacity + max_tokens), dtype=bool)
+        self._mask = np.ones(max_tokens * (self.kv_shape[2] + max_tokens), dtype=bool)
         # the buffers never move: their addresses are taken once (arr.ctypes builds an object per use)
         self._kv_ptrs = [(k.ctypes.data, v.ctypes.data) for k, v in zip(self.k, self.v)]
         self._out_ptrs = (self.logits.ctypes.data, self.hidden.ctypes.data,
@@ -52,6 +55,29 @@ class OrtBackend(Backend):
         self.last_aux: np.ndarray | None = None                                     # [T, k*H] view
 
     def _forward(self, tokens, depths, tree_mask, last_only) -> StepOutput:
+        T = len(tokens)
+        if T < self.min_tokens:
+            return self._padded(tokens, depths, tree_mask, last_only)
+        return self._rows(tokens, depths, tree_mask, last_only)
+
+    def _padded(self, tokens, depths, tree_mask, last_only) -> StepOutput:
+        """T real rows + copies of the last token after them. The real rows cannot see the padding (it
+        comes later, and the mask below keeps it so for trees); its K/V lands in scratch rows that no
+        commit keeps."""
+        T, pad = len(tokens), self.min_tokens - len(tokens)
+        tokens = np.concatenate([tokens, np.full(pad, tokens[-1], dtype=np.int64)])
+        if depths is not None:
+            depths = np.concatenate([np.asarray(depths, np.int64), depths[-1] + 1 + np.arange(pad)])
+        if tree_mask is not None:
+            mask = np.eye(T + pad, dtype=bool)
+            mask[:T, :T] = tree_mask
+            tree_mask = mask
+        out = self._rows(tokens, depths, tree_mask, last_only=False)
+        if self.last_aux is not None:
+            self.last_aux = self.last_aux[:T]
+        return StepOutput(out.logits[T - 1:T] if last_only else out.logits[:T], out.hidden[:T])
+
+    def _rows(self, tokens, depths, tree_mask, last_only) -> StepOutput:
         T, P = len(tokens), self.length
         bind_in, bind_out = self._bind_in, self._bind_out
         # numpy inputs are bound by address: each must be a live, contiguous local until _run
