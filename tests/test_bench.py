@@ -216,7 +216,8 @@ def test_report_rows_and_files(bench_report):
     adaptive = [r for r in rows if r["draft_stop"]]
     assert [(r["gamma"], r["draft_stop"]) for r in adaptive] == [(2, 0.5)]
     md = (work / "report" / "report.md").read_text()
-    assert md.count("| fp32 |") == 4 and "95% CI" in md and "threads" in md.lower()
+    assert md.count("| fp32 |") == 4 + 3 and "95% CI" in md and "threads" in md.lower()     # rows + where the time goes
+    assert "## Where the time goes" in md and "capped by" in md
     assert (work / "report" / "speedup_vs_gamma.png").stat().st_size > 0
     assert saved["settings"]["target_threads"]["fp32"] and saved["settings"]["thread_probe_tokens_per_s"]["fp32"]
     # this bench measured fewer tokens than the build's short bench (3 prompts x 32): its choice is not stored
@@ -416,3 +417,17 @@ def test_method_auto_uses_the_stored_choice_on_these_graphs_only(bench_report, t
     (out / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(SpecexportError, match="method: 'auto' needs a measured choice"):
         specexport.load(out).generate(prompt_ids=[1, 5], method="auto")
+
+
+def test_where_the_time_goes_arithmetic():
+    """A row's ideal with a free draft and with free verification, and which one caps it (by hand)."""
+    from specexport.report.accounting import where_time_goes
+    from specexport.runtime.loop import DecodeStats
+
+    s = DecodeStats(delivered=31, forwards={("target", 5): 10, ("draft", 1): 40})
+    w = where_time_goes([s], c_vanilla1=1.0, c_target={1: 1.0, 5: 1.5}, c_draft={1: 0.1})
+    assert w["draft_step_ratio"] == pytest.approx(0.1) and w["verify_step_ratio"] == pytest.approx(1.5)
+    assert w["ideal_free_draft"] == pytest.approx(30 / 15) and w["ideal_free_verify"] == pytest.approx(30 / 14)
+    assert w["capped_by"] == "verify"
+    cheap_verify = where_time_goes([s], c_vanilla1=1.0, c_target={1: 1.0, 5: 1.05}, c_draft={1: 0.3})
+    assert cheap_verify["capped_by"] == "draft"

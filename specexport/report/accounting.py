@@ -16,6 +16,9 @@ Definitions (every row; `cells` are the (round, prompt) pairs, each run once per
                   differs by forward size. With medians the tail landed in "overhead", most of all for
                   vanilla's small forwards, and efficiency reached 1.023 on a 110M model whose loop
                   costs 1.5% of a step; with means it is the ratio of the two sides' forward shares.
+    free draft    the ideal with every draft (or heads) forward free: what the verify passes alone allow
+    free verify   the ideal with every target pass costing one decode step, c_target(1): what the
+                  draft's cost alone allows. The smaller of the two names what caps the row.
     efficiency    speedup / ideal: what the loop around the forwards loses, relative to vanilla's loop.
                   Above 1.02 means the baseline lost more outside its forwards than the speculative run
                   did, or the two sides ran on different machines in effect: a bug to find.
@@ -71,6 +74,23 @@ def ideal_speedup(runs, *, c_vanilla1: float, c_target: dict, c_draft: dict) -> 
     tokens = sum(max(s.delivered - 1, 0) for s in runs)
     cost = sum(ideal_cost(s, c_target, c_draft) for s in runs)
     return tokens * c_vanilla1 / cost if tokens and cost > 0 else None
+
+
+def where_time_goes(runs, *, c_vanilla1: float, c_target: dict, c_draft: dict) -> dict:
+    """The row's draft cost per target step, its verify passes' mean cost in steps, the ideal with a
+    free draft and with free verification, and which of the two caps it."""
+    free_draft = ideal_speedup(runs, c_vanilla1=c_vanilla1, c_target=c_target, c_draft={t: 0.0 for t in c_draft})
+    free_verify = ideal_speedup(runs, c_vanilla1=c_vanilla1, c_target={t: c_vanilla1 for t in c_target}, c_draft=c_draft)
+    target = [(T, n) for s in runs for (role, T), n in s.forwards.items() if role == "target"]
+    passes = sum(n for _, n in target)
+    verify = sum(n * c_target[T] for T, n in target) / (passes * c_vanilla1) if passes else None
+    capped = None
+    if free_draft and free_verify:
+        capped = "verify" if free_draft < free_verify else "draft"
+    drafted = any(role != "target" for s in runs for (role, _) in s.forwards)
+    return {"draft_step_ratio": c_draft.get(1, 0.0) / c_vanilla1 if drafted and c_draft else 0.0,
+            "verify_step_ratio": verify, "ideal_free_draft": free_draft, "ideal_free_verify": free_verify,
+            "capped_by": capped}
 
 
 def acceptance_figures(runs, gamma: int, adaptive: bool) -> dict:

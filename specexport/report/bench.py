@@ -34,7 +34,8 @@ METHODS = ("vanilla", "draft", "lookup", "medusa")
 PEER_SETTLE_S = 0.1
 ROW_KEYS = ("precision", "draft_precision", "method", "gamma", "tokens_per_s", "ttft_ms", "tpot_ms_p50", "tpot_ms_p90",
             "acceptance_rate", "acceptance_per_position", "mean_accepted_tokens", "speedup_vs_vanilla",
-            "speedup_ci95", "ideal_speedup", "efficiency")
+            "speedup_ci95", "ideal_speedup", "efficiency", "draft_step_ratio", "verify_step_ratio",
+            "ideal_free_draft", "ideal_free_verify", "capped_by")
 
 
 class Config(NamedTuple):
@@ -324,18 +325,22 @@ def _row(c: Config, runs, costs) -> dict:
     tps = acc.throughput(st)
     base = acc.throughput(vanilla) if vanilla else None
     speedup = tps / base if tps and base else None
+    where = dict.fromkeys(("draft_step_ratio", "verify_step_ratio", "ideal_free_draft", "ideal_free_verify",
+                           "capped_by"))
     if method == VANILLA:
         ideal, interval = 1.0, [1.0, 1.0]
     else:
         ideal = acc.ideal_speedup(st, c_vanilla1=c1, c_target=cost["target"], c_draft=cost["draft"]) if c1 else None
         interval = acc.speedup_interval(st, vanilla) if vanilla else None
+        if c1:
+            where = acc.where_time_goes(st, c_vanilla1=c1, c_target=cost["target"], c_draft=cost["draft"])
     return {
         "precision": tp, "draft_precision": dp, "method": method, "gamma": g, "draft_stop": stop, "tree": c.tree,
         "tokens_per_s": tps, **acc.timing_figures(st),
         # conditional acceptance per position needs chains of a fixed length: not adaptive, lookup or tree rows
         **acc.acceptance_figures(st, g, bool(stop) or method == "lookup" or c.tree is not None),
         "speedup_vs_vanilla": speedup, "speedup_ci95": interval, "ideal_speedup": ideal,
-        "efficiency": speedup / ideal if speedup and ideal else None,
+        "efficiency": speedup / ideal if speedup and ideal else None, **where,
     }
 
 

@@ -39,6 +39,20 @@ def render_markdown(report: dict) -> str:
                      f"{_f(r['tpot_ms_p90'], '.3f')} | {_f(r['acceptance_rate'], '.3f')} | "
                      f"{_f(r['mean_accepted_tokens'], '.2f')} | {_speedup(r)} | "
                      f"{_f(r['ideal_speedup'], '.2f')}x | {_f(r['efficiency'], '.2f')} |")
+    lines += ["", "## Where the time goes", "",
+              "Draft: the draft's (or heads') cost of one call in target decode steps. Verify: a target pass's "
+              "mean cost in decode steps over the passes the row made. The ideal with a free draft and with "
+              "free verification (every pass at one step's cost); the smaller one names what caps the row.", "",
+              "| target | draft | method | γ | draft / step | verify pass / step | ideal | ideal, free draft "
+              "| ideal, free verify | capped by |", "|" + "---|" * 10]
+    for r in report["rows"]:
+        if r["method"] == "vanilla" or r.get("ideal_free_draft") is None:
+            continue
+        g = f"tree {r['tree']}" if r.get("tree") else (r["gamma"] or "-")
+        lines.append(f"| {r['precision']} | {r['draft_precision'] or '-'} | {r['method']} | {g} | "
+                     f"{_f(r['draft_step_ratio'], '.2f')} | {_f(r['verify_step_ratio'], '.2f')} | "
+                     f"{_f(r['ideal_speedup'], '.2f')}x | {_f(r['ideal_free_draft'], '.2f')}x | "
+                     f"{_f(r['ideal_free_verify'], '.2f')}x | {r['capped_by'] or '-'} |")
     lines += ["", "## γ chosen for `--gamma auto`", ""]
     for key, c in report["gamma_auto"].items():
         verdict = "vanilla (speculation predicted to lose)" if c["gamma"] == 0 else f"γ = {c['gamma']}"
