@@ -4,7 +4,8 @@
 
 Makes each scheme's graph from the build's fp32 target graph (in a temporary folder), then for each:
   - row independence: a token's logits computed inside a 12-token pass vs as a 1-token step after
-    the other 11 (relative difference; a scheme whose rows depend on each other makes speculative
+    the other 11 (quality.row_dependence; the build also checks 2-token passes and pads one-token
+    calls of a target whose 1-token figure fails, `min_tokens`) (relative difference; a scheme whose rows depend on each other makes speculative
     output differ from its own vanilla output, so it cannot be a lossless target);
   - quality against fp32 (top-1 agreement, mean KL) on 4 x 64 tokens sampled from the fp32 graph;
   - the cost curve c(T)/c(1), T = 1..16, at `--context` committed tokens: every scheme and size
@@ -12,13 +13,12 @@ Makes each scheme's graph from the build's fp32 target graph (in a temporary fol
 
 Schemes: MatMulNBits (8 and 4 bits, block 32 or 128, accuracy_level 4 = int8 compute or 1 = fp32
 compute), dynamic U8S8 (`quantize_dynamic`: DynamicQuantizeLinear + MatMulInteger), static QDQ U8S8
-(`quantize_static`, MinMax on 4 sampled sequences, per-tensor activations, per-channel weights).
+(`quantize_static`, MinMax on 4 sampled sequences other than the quality check's, per-tensor
+activations, per-channel weights): the build's own schemes (export/quantize.py), with their options.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import statistics
 import tempfile
 import time
@@ -26,61 +26,29 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport.export.quality import measure_quality, row_dependence, runtime_session, sampled_sequences
+from specexport.export.quality import (
+    measure_quality,
+    row_dependence,
+    runtime_session,
+    sampled_sequences,
+)
+from specexport.export.quantize import quantize_graph
 from specexport.io_spec import ModelIO
 from specexport.manifest import read_manifest, stage_dir
 from specexport.runtime.backends.ort import OrtBackend
 
 SIZES = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
-SCHEMES = {
-    "nbits8-b32-a4": ("nbits", {"bits": 8, "block_size": 32, "accuracy_level": 4}),
-    "nbits8-b32-a1": ("nbits", {"bits": 8, "block_size": 32, "accuracy_level": 1}),
-    "nbits8-b128-a4": ("nbits", {"bits": 8, "block_size": 128, "accuracy_level": 4}),
-    "nbits4-b32-a4": ("nbits", {"bits": 4, "block_size": 32, "accuracy_level": 4}),
-    "nbits4-b128-a4": ("nbits", {"bits": 4, "block_size": 128, "accuracy_level": 4}),
-    "nbits4-b32-a1": ("nbits", {"bits": 4, "block_size": 32, "accuracy_level": 1}),
-    "nbits8-b128-a1": ("nbits", {"bits": 8, "block_size": 128, "accuracy_level": 1}),
-    "dynamic-u8s8": ("dynamic", {}),
-    "static-qdq-u8s8": ("static", {}),
+SCHEMES = {   # name -> (precision, the model.yaml quantization settings: export/quantize.py)
+    "nbits8-b32-a4": ("int8", {"scheme": "matmulnbits", "block_size": 32, "accuracy_level": 4}),
+    "nbits8-b32-a1": ("int8", {"scheme": "matmulnbits", "block_size": 32, "accuracy_level": 1}),
+    "nbits8-b128-a4": ("int8", {"scheme": "matmulnbits", "block_size": 128, "accuracy_level": 4}),
+    "nbits8-b128-a1": ("int8", {"scheme": "matmulnbits", "block_size": 128, "accuracy_level": 1}),
+    "nbits4-b32-a4": ("int4", {"scheme": "matmulnbits", "block_size": 32, "accuracy_level": 4}),
+    "nbits4-b128-a4": ("int4", {"scheme": "matmulnbits", "block_size": 128, "accuracy_level": 4}),
+    "nbits4-b32-a1": ("int4", {"scheme": "matmulnbits", "block_size": 32, "accuracy_level": 1}),
+    "dynamic-u8s8": ("int8", {"scheme": "dynamic"}),
+    "static-qdq-u8s8": ("int8", {"scheme": "static_qdq"}),
 }
-
-
-@contextlib.contextmanager
-def quiet():
-    previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
-    try:
-        yield
-    finally:
-        logging.disable(previous)
-
-
-def make(kind: str, options: dict, source: Path, dest: Path, io: ModelIO, calibration: list[np.ndarray]) -> None:
-    import onnx
-    from onnxruntime import quantization as q
-
-    with quiet():
-        if kind == "nbits":
-            from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-            quantizer = MatMulNBitsQuantizer(onnx.load(str(source)), is_symmetric=False, **options)
-            quantizer.process()
-            quantizer.model.save_model_to_file(str(dest), use_external_data_format=True)
-        elif kind == "dynamic":
-            q.quantize_dynamic(str(source), str(dest), op_types_to_quantize=["MatMul"], weight_type=q.QuantType.QInt8,
-                               per_channel=False, use_external_data_format=True)
-        else:
-            class Reader(q.CalibrationDataReader):
-                def __init__(self):
-                    self.feeds = iter([io.feeds(s[None]) for s in calibration])
-
-                def get_next(self):
-                    return next(self.feeds, None)
-
-            q.quantize_static(str(source), str(dest), Reader(), quant_format=q.QuantFormat.QDQ,
-                              op_types_to_quantize=["MatMul"], activation_type=q.QuantType.QUInt8,
-                              weight_type=q.QuantType.QInt8, per_channel=True, use_external_data_format=True,
-                              calibrate_method=q.CalibrationMethod.MinMax)
 
 
 def main():
@@ -97,23 +65,24 @@ def main():
     reference = runtime_session(source)
     bos = m["special_tokens"]["bos_token_id"]
     sequences = sampled_sequences(reference, io, start=bos, length=64, count=4)
+    calibration = sampled_sequences(reference, io, start=bos, length=64, count=4, seed=1)   # not the gate's
     probe = sequences[0][:12]
-    rows, backends = {"fp32": {"row": row_dependence(reference, io, probe)}}, {}
+    rows, backends = {"fp32": {"row": row_dependence(reference, io, probe, last=1)}}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            kind, options = SCHEMES[name]
+            precision, scheme = SCHEMES[name]
             dest = Path(tmp) / name / "model.onnx"
             dest.parent.mkdir()
             start = time.perf_counter()
             try:
-                make(kind, options, source, dest, io, sequences)
+                quantize_graph(source, dest, precision, scheme, io=io, calibration=calibration)
             except Exception as err:                    # report and go on: a scheme may not apply
                 rows[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
                 continue
             session = runtime_session(dest)
             quality = measure_quality(reference, session, io, sequences)
             size = sum(f.stat().st_size for f in dest.parent.iterdir()) / 2 ** 20
-            rows[name] = {"row": row_dependence(session, io, probe), "top1": quality.top1_agreement,
+            rows[name] = {"row": row_dependence(session, io, probe, last=1), "top1": quality.top1_agreement,
                           "kl": quality.mean_kl, "mib": size, "seconds": time.perf_counter() - start}
             del session
             backends[name] = OrtBackend(dest.parent, io=io, capacity=args.context + 32, max_tokens=max(SIZES), spin=False)
