@@ -18,6 +18,7 @@ Relative paths resolve against the YAML file's folder.
     # per model, optional: aux_hidden_layers: [2, 8, 13] or "eagle3" (layers whose inputs are exported)
     # per model, optional: precisions: [int4] (overrides the top-level list for that model)
     # per model, optional: quantization: {int8: {scheme: dynamic}} (over the top-level one)
+    # draft, optional: vocab: 8192 (the target's most frequent tokens) or vocab: ids.json (a list of ids)
     medusa: {path: heads/medusa, top_k: 10}   # optional: Medusa heads for the target (published formats)
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ TOP_KEYS = {"name", "target", "draft", "max_seq_len", "precisions", "backends", 
             "max_verify_tokens", "parity_tolerance", "eval_text", "quality_gates", "medusa", "quantization"}
 HEAD_KINDS = ("medusa",)                 # heads on the target's hidden states, built as their own graphs
 HEADS_KEYS = {"path", "top_k"}
-MODEL_KEYS = {"path", "aux_hidden_layers", "precisions", "quantization"}
+MODEL_KEYS = {"path", "aux_hidden_layers", "precisions", "quantization", "vocab"}
 # Quality gates of the quantized graphs against the fp32 graph, on held-out text: the share of positions
 # whose argmax agrees (min_top1) and the mean KL(p_fp32 || p_quant) of the next-token distribution (max_kl).
 DEFAULT_QUALITY_GATES = {"int8": {"min_top1": 0.90, "max_kl": 0.05}, "int4": {"min_top1": 0.80, "max_kl": 0.20}}
@@ -55,6 +56,7 @@ class ModelConfig:
     aux_hidden_layers: tuple[int, ...] | str = ()   # explicit layer ids, or "eagle3"
     precisions: tuple[str, ...] = ("fp32",)         # what this model is built in; always fp32 first
     quantization: dict = field(default_factory=dict)   # precision -> scheme settings (quantize.SCHEMES)
+    vocab: int | Path | None = None                 # draft only: its output vocabulary, N most frequent or a file
 
 
 @dataclass(frozen=True)
@@ -254,7 +256,25 @@ def _model(raw, role: str, base: Path, precisions: tuple[str, ...], schemes: dic
         precisions = _precisions(raw["precisions"], f"{role}.precisions")
     schemes = _quantization(raw.get("quantization"), f"{role}.quantization", schemes)
     return ModelConfig(role=role, path=path.resolve(), aux_hidden_layers=aux, precisions=precisions,
-                       quantization=schemes)
+                       quantization=schemes, vocab=_vocab(raw.get("vocab"), role, base))
+
+
+def _vocab(value, role: str, base: Path):
+    """draft.vocab: an int N >= 2 (the N tokens the target produces most) or a file of target ids."""
+    if value is None:
+        return None
+    if role != "draft":
+        raise SpecexportError(f"{role}.vocab: only a draft can have a reduced output vocabulary")
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 2:
+            raise SpecexportError(f"draft.vocab: expected at least 2 tokens, got {value}")
+        return value
+    if not isinstance(value, str):
+        raise SpecexportError(f"draft.vocab: expected a token count or a file of target ids, got {value!r}")
+    path = Path(value) if Path(value).is_absolute() else base / value
+    if not path.is_file():
+        raise SpecexportError(f"draft.vocab: {_show(value)} does not exist or is not a file")
+    return path.resolve()
 
 
 def _quantization(raw, where: str, defaults: dict | None) -> dict:

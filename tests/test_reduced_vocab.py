@@ -151,3 +151,44 @@ def test_reduced_vocab_checks_its_ids():
         ReducedVocab(inner, np.array([0, 0, 2, 3]), V)
     with pytest.raises(SpecexportError, match="distinct target ids"):
         ReducedVocab(inner, np.array([0, 2, 3, 9]), V)
+
+
+# -- exported: draft: {vocab: N | file} ------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["most frequent", "file"])
+def test_reduced_vocabulary_draft_builds_and_decodes_greedily_equal(kind, tiny_checkpoints, write_yaml, run_build,
+                                                                     tmp_path):
+    import json
+
+    import specexport
+    from specexport.manifest import read_manifest
+
+    vocab = 96
+    if kind == "file":
+        (tmp_path / "ids.json").write_text(json.dumps(list(range(0, 2 * vocab, 2))))   # every other id
+        vocab = str(tmp_path / "ids.json")
+    cfg = write_yaml(tmp_path / "model.yaml", name="rv", target={"path": tiny_checkpoints["llama"]},
+                     draft={"path": tiny_checkpoints["llama-draft"], "vocab": vocab}, max_seq_len=128,
+                     precisions=["fp32", "int8"], quality_gates={"int8": {"min_top1": 0.6, "max_kl": 0.05}},
+                     output=tmp_path / "out")
+    assert run_build(cfg) == 0
+    manifest = read_manifest(tmp_path / "out")
+    draft, target = manifest["models"]["draft"], manifest["models"]["target"]
+    ids = draft["vocab_ids"]
+    assert len(ids) == 96 and ids == sorted(set(ids)) and draft["io"]["vocab_size"] == 96
+    assert draft["vocab_size"] == target["vocab_size"] == target["io"]["vocab_size"] > 96
+    if kind == "file":
+        assert ids == list(range(0, 192, 2)) and draft["vocab_source"] == {"file": vocab}
+    else:
+        assert set(target["special_tokens"]["eos_token_ids"]) <= set(ids)
+        assert draft["vocab_source"]["most_frequent"] == 96
+    assert draft["precisions"]["fp32"]["parity_max_rel_error"] <= 1e-4        # gated on those columns
+    with specexport.load(tmp_path / "out") as pipe, specexport.load(tmp_path / "out", precision="int8") as q8:
+        assert pipe.draft.forward(np.array([1, 40])).logits.shape == (2, target["vocab_size"])
+        pipe.draft.reset()
+        for p in (pipe, q8):
+            for prompt in ("def fib(n):", "import os\nclass A:", "x = [1, 2"):
+                vanilla = p.generate(prompt, max_new_tokens=60, method="vanilla").token_ids
+                for gamma in (2, 4):
+                    out = p.generate(prompt, max_new_tokens=60, method="draft", gamma=gamma)
+                    assert out.token_ids == vanilla, (prompt, gamma)

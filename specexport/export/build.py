@@ -12,6 +12,7 @@ fp32 graph was rebuilt has its quantized graphs rebuilt too.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import platform
 import secrets
@@ -21,6 +22,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
+import numpy as np
 
 from specexport import __version__
 from specexport.errors import ParityError, SpecexportError
@@ -74,7 +77,7 @@ def run_build(plan: Plan, *, force: bool = False, reporter: Reporter | None = No
         remove_unreferenced(out, previous)                 # what failed or killed builds left behind
         folders = StageFolders(out)
         try:
-            results = _run_stages(plan, previous, force, folders, reporter)
+            results, plan = _run_stages(plan, previous, force, folders, reporter)   # plan: with measured vocab ids
             heads = {hp.role: _heads_stage(plan, hp, previous, force, folders, reporter, results) for hp in plan.heads}
             with reporter.stage("copy tokenizer"):
                 tokenizer = _tokenizer_stage(plan, out, previous, folders)
@@ -87,11 +90,14 @@ def run_build(plan: Plan, *, force: bool = False, reporter: Reporter | None = No
     return manifest
 
 
-def _run_stages(plan: Plan, previous: dict, force: bool, folders: StageFolders, reporter: Reporter) -> list:
+def _run_stages(plan: Plan, previous: dict, force: bool, folders: StageFolders, reporter: Reporter) -> tuple:
     out = plan.config.output
     results = []
-    for mp in plan.models:
+    for i, mp in enumerate(plan.models):
         old = previous.get("models", {}).get(mp.role, {})
+        if isinstance(mp.config.vocab, int) and mp.vocab_ids is None:
+            mp = _with_measured_vocab(plan, mp, old, results, reporter)
+            plan = dataclasses.replace(plan, models=(*plan.models[:i], mp, *plan.models[i + 1:]))
         fp32_rebuilt, samples, fp32_dir = False, {}, None
         for precision in mp.config.precisions:              # fp32 first: the others are made from it
             entry = old.get("precisions", {}).get(precision)
@@ -109,7 +115,39 @@ def _run_stages(plan: Plan, previous: dict, force: bool, folders: StageFolders, 
             if precision == "fp32":
                 fp32_dir = result.entry["dir"]
             results.append(result)
-    return results
+    return results, plan
+
+
+def _with_measured_vocab(plan: Plan, mp: ModelPlan, old: dict, results: list, reporter: Reporter) -> ModelPlan:
+    """draft.vocab = N: the N target ids the target produces most often (its previous ids when the
+    draft and the target are unchanged)."""
+    if old.get("fingerprint") == mp.fingerprint and old.get("vocab_ids"):
+        return dataclasses.replace(mp, vocab_ids=tuple(old["vocab_ids"]))
+    from specexport.export.quality import runtime_session
+
+    target_dir = next(r.entry["dir"] for r in results if r.role == "target" and r.precision == "fp32")
+    with reporter.stage(f"measure the draft's {mp.config.vocab} tokens on the target's continuations"):
+        ids = frequent_ids(runtime_session(plan.config.output / target_dir / "model.onnx"), plan.target,
+                           mp.config.vocab, plan.eval_ids)
+    return dataclasses.replace(mp, vocab_ids=ids)
+
+
+VOCAB_SEQUENCES, VOCAB_LENGTH, VOCAB_SEED = 32, 128, 2
+
+
+def frequent_ids(target_session, target: ModelPlan, n: int, eval_ids=None) -> tuple[int, ...]:
+    """The n target ids most frequent in sequences sampled from the target graph (32 x 128 tokens,
+    temperature 1, seeded) and in eval_text: the EOS ids first, then by count, ties and any shortfall
+    by ascending id (a token the draft cannot propose still comes out through the verifier)."""
+    from specexport.export.quality import sampled_sequences
+
+    seqs = sampled_sequences(target_session, target.io, start=target.arch.bos_token_id, length=VOCAB_LENGTH,
+                             count=VOCAB_SEQUENCES, seed=VOCAB_SEED)
+    tokens = np.concatenate([*seqs, np.asarray(eval_ids or [], np.int64)])
+    counts = np.bincount(tokens, minlength=target.io.vocab_size).astype(np.float64)
+    counts[list(target.eos_token_ids)] = np.inf
+    order = np.lexsort((np.arange(len(counts)), -counts))               # by count desc, then id
+    return tuple(sorted(int(i) for i in order[:n]))
 
 
 # Checkpoints above this size export in a child process: torch.onnx.export keeps about one extra copy
@@ -133,6 +171,8 @@ def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter,
             case = parity_case(mp.io, max_seq_len=plan.config.max_seq_len,
                                max_verify_tokens=plan.config.max_verify_tokens)
             reference = reference_logits(load_hf_model(mp.config.path), case)
+            if mp.vocab_ids is not None:       # a reduced-vocabulary draft: its logits are these columns
+                reference = {k: v[:, list(mp.vocab_ids)] for k, v in reference.items()}
             gc.collect()                   # free the PyTorch weights before ORT loads its copy
             report = compare(reference, onnx_logits(partial / "model.onnx", mp.io, case))
         tolerance = plan.config.parity_tolerance
@@ -237,7 +277,7 @@ def _calibration_sequences(plan: Plan, mp: ModelPlan, fp32_session) -> list:
     with another seed than the quality gate's, so the gate stays on data the calibration never saw."""
     from specexport.export.quality import EVAL_LENGTH, EVAL_SEQUENCES, SAMPLE_SEED, sampled_sequences
 
-    return sampled_sequences(fp32_session, mp.io, start=mp.arch.bos_token_id,
+    return sampled_sequences(fp32_session, mp.io, start=mp.arch.bos_token_id, ids=mp.vocab_ids,
                              length=min(EVAL_LENGTH, plan.config.max_seq_len), count=EVAL_SEQUENCES,
                              seed=SAMPLE_SEED + 1)
 
@@ -255,7 +295,8 @@ def _eval_sequences(plan: Plan, mp: ModelPlan, fp32_session, reporter: Reporter,
         return text_sequences(plan.eval_ids, bos=bos, length=length), text
     if "sequences" not in samples:
         with reporter.stage(f"sample eval sequences from the {mp.role} fp32 graph"):
-            samples["sequences"] = sampled_sequences(fp32_session, mp.io, start=bos, length=length)
+            samples["sequences"] = sampled_sequences(fp32_session, mp.io, start=bos, length=length,
+                                                     ids=mp.vocab_ids)
     text = {"source": "sampled", "seed": SAMPLE_SEED, "temperature": SAMPLE_TEMPERATURE,
             "description": f"sequences sampled from the {mp.role} fp32 graph (no eval_text; seed {SAMPLE_SEED}, "
                            f"temperature {SAMPLE_TEMPERATURE})", "label": "sampled sequences"}
@@ -280,7 +321,7 @@ def export_model(mp: ModelPlan, onnx_path: Path) -> list[str]:
     from specexport.export.wrapper import StaticKVDecoder
 
     module = StaticKVDecoder(load_hf_model(mp.config.path), get_adapter(mp.arch.model_type), mp.arch,
-                             aux_hidden_layers=mp.io.aux_hidden_layers)
+                             aux_hidden_layers=mp.io.aux_hidden_layers, vocab_rows=mp.vocab_ids)
     return [f.name for f in onnx_from_module(module, mp.io, onnx_path)]
 
 
@@ -427,6 +468,11 @@ def _manifest(plan: Plan, results: list[StageResult], tokenizer: dict, previous:
                                "pad_token_id": mp.arch.pad_token_id},
             "io": mp.io.to_dict(),
             "precisions": {r.precision: r.entry for r in results if r.role == mp.role},
+            **({"vocab_ids": list(mp.vocab_ids),
+                "vocab_source": ({"file": str(mp.config.vocab)} if not isinstance(mp.config.vocab, int) else
+                                 {"most_frequent": mp.config.vocab, "sequences": VOCAB_SEQUENCES,
+                                  "length": VOCAB_LENGTH, "seed": VOCAB_SEED, "eval_text": plan.eval_ids is not None})}
+               if mp.vocab_ids is not None else {}),
         }
     manifest = {
         "schema_version": SCHEMA_VERSION,

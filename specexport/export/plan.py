@@ -6,6 +6,7 @@ stage so an unchanged stage can be skipped on rerun.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ class ModelPlan:
     io: ModelIO
     eos_token_ids: tuple[int, ...]
     fingerprint: str                    # hash of everything the export + parity stage depends on
+    vocab_ids: tuple[int, ...] | None = None   # a reduced-vocabulary draft's target ids (None: all; or
+                                               # not known yet: draft.vocab = N is measured by the build)
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,9 @@ def plan_build(cfg: BuildConfig) -> Plan:
     if cfg.draft is not None:
         draft = _plan_model(cfg.draft, cfg)
         _check_same_vocabulary(target, draft, vocab, _tokenizer_vocab(cfg.draft))
+        if isinstance(cfg.draft.vocab, int):     # its ids are measured on the target: a new target, new ids
+            both = hashlib.sha256(f"{draft.fingerprint}:{target.fingerprint}".encode()).hexdigest()[:16]
+            draft = dataclasses.replace(draft, fingerprint=both)
         models.append(draft)
     tok_files = tuple(cfg.target.path / f for f in (*TOKENIZER_FILES, *TOKENIZER_EXTRA)
                       if (cfg.target.path / f).is_file())
@@ -137,8 +143,9 @@ def _plan_model(mc: ModelConfig, cfg: BuildConfig) -> ModelPlan:
     arch = arch_spec_from_hf(hf_config)
     check_supported(arch, max_seq_len=cfg.max_seq_len, where=f"{mc.role} ({mc.path.name})")
     aux = _aux_layers(mc, arch)
+    vocab_ids, out_vocab = _draft_vocab(mc, arch.vocab_size)
     io = ModelIO(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                 hidden_size=arch.hidden_size, vocab_size=arch.vocab_size, aux_hidden_layers=aux)
+                 hidden_size=arch.hidden_size, vocab_size=out_vocab, aux_hidden_layers=aux)
     gen = mc.path / "generation_config.json"
     eos = arch.eos_token_ids
     if gen.is_file():    # what HF generate() stops on: generation_config first, then config
@@ -150,8 +157,31 @@ def _plan_model(mc: ModelConfig, cfg: BuildConfig) -> ModelPlan:
         "adapter": type(adapter).__name__, "aux": list(aux),
         "max_seq_len": cfg.max_seq_len, "max_verify_tokens": cfg.max_verify_tokens,
         "parity_tolerance": cfg.parity_tolerance, "versions": tool_versions(),
+        "vocab": list(vocab_ids) if vocab_ids is not None else mc.vocab,
     })
-    return ModelPlan(role=mc.role, config=mc, arch=arch, io=io, eos_token_ids=eos, fingerprint=fingerprint)
+    return ModelPlan(role=mc.role, config=mc, arch=arch, io=io, eos_token_ids=eos, fingerprint=fingerprint,
+                     vocab_ids=vocab_ids)
+
+
+def _draft_vocab(mc: ModelConfig, full: int) -> tuple[tuple[int, ...] | None, int]:
+    """(the ids of a given vocabulary file, or None; the graph's output vocabulary size)."""
+    if mc.vocab is None:
+        return None, full
+    if isinstance(mc.vocab, int):
+        if mc.vocab >= full:
+            raise SpecexportError(f"draft.vocab: {mc.vocab} is not smaller than the vocabulary ({full})")
+        return None, mc.vocab
+    text = mc.vocab.read_text()
+    try:
+        ids = json.loads(text) if text.lstrip().startswith("[") else [int(t) for t in text.split()]
+    except ValueError:
+        raise SpecexportError(f"draft.vocab: {mc.vocab} is neither a JSON list of token ids nor one id per "
+                              f"line") from None
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise SpecexportError(f"draft.vocab: {mc.vocab}: expected integer token ids")
+    if min(ids) < 0 or max(ids) >= full or len(set(ids)) != len(ids) or len(ids) < 2:
+        raise SpecexportError(f"draft.vocab: {mc.vocab}: expected at least 2 distinct ids in 0..{full - 1}")
+    return tuple(sorted(ids)), len(ids)
 
 
 def _aux_layers(mc: ModelConfig, arch: ArchSpec) -> tuple[int, ...]:

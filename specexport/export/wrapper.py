@@ -32,7 +32,7 @@ onnx_ops = torch.onnx.ops
 
 
 class StaticKVDecoder(nn.Module):
-    def __init__(self, model, adapter, arch, *, aux_hidden_layers=()):
+    def __init__(self, model, adapter, arch, *, aux_hidden_layers=(), vocab_rows=None):
         super().__init__()
         self.model = model
         self.adapter = adapter
@@ -42,6 +42,8 @@ class StaticKVDecoder(nn.Module):
         self.decoder_layers = adapter.layers(model)
         self.norm = adapter.final_norm(model)
         self.head = adapter.lm_head(model)
+        if vocab_rows is not None:          # a reduced-vocabulary draft: project onto these target ids only
+            self.head = _rows_of(self.head, vocab_rows)
         self.rotary = adapter.rotary(model)
 
     def forward(self, input_ids, position_ids, attention_mask, logits_rows, *caches):
@@ -82,3 +84,15 @@ class StaticKVDecoder(nn.Module):
         h = h + attn.o_proj(out)                                    # out [B, T, Hq*D]
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         return h, cache_k, cache_v
+
+
+def _rows_of(head, rows):
+    """A copy of the linear `head` that computes only the given output rows (no tying to the embedding:
+    the embedding keeps every row, the projection does not)."""
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    small = nn.Linear(head.in_features, len(index), bias=head.bias is not None)
+    with torch.no_grad():
+        small.weight.copy_(head.weight[index])
+        if head.bias is not None:
+            small.bias.copy_(head.bias[index])
+    return small

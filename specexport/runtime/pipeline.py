@@ -161,9 +161,14 @@ class Pipeline:
         options = dict(self._options)
         if stage.get("min_tokens", 1) > 1:          # the build measured this graph's one-row kernels differ
             options["min_tokens"] = stage["min_tokens"]
-        return open_backend(self.backend_kind, self.dir / stage["dir"], io=ModelIO.from_dict(entry["io"]),
-                            capacity=self.capacity, max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
-                            threads=self._threads[role], **options)
+        backend = open_backend(self.backend_kind, self.dir / stage["dir"], io=ModelIO.from_dict(entry["io"]),
+                               capacity=self.capacity, max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
+                               threads=self._threads[role], **options)
+        if entry.get("vocab_ids") is not None:      # a draft over part of the vocabulary: target ids out
+            from specexport.runtime.backends.vocab import ReducedVocab
+
+            backend = ReducedVocab(backend, entry["vocab_ids"], models["target"]["vocab_size"])
+        return backend
 
     # -- public API -----------------------------------------------------------------------
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationOutput:
