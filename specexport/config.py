@@ -188,9 +188,14 @@ def _eval_text(value, base: Path) -> Path | None:
         return None
     if not isinstance(value, str):
         raise SpecexportError(f"eval_text: expected a text file path (a string), got {value!r}")
+    return _existing_file(value, "eval_text", base)
+
+
+def _existing_file(value: str, key: str, base: Path) -> Path:
+    """A file named in the YAML (relative to its folder), resolved; else an error naming the key."""
     path = Path(value) if Path(value).is_absolute() else base / value
     if not path.is_file():
-        raise SpecexportError(f"eval_text: {_show(value)} does not exist or is not a file")
+        raise SpecexportError(f"{key}: {_show(value)} does not exist or is not a file")
     return path.resolve()
 
 
@@ -271,10 +276,7 @@ def _vocab(value, role: str, base: Path):
         return value
     if not isinstance(value, str):
         raise SpecexportError(f"draft.vocab: expected a token count or a file of target ids, got {value!r}")
-    path = Path(value) if Path(value).is_absolute() else base / value
-    if not path.is_file():
-        raise SpecexportError(f"draft.vocab: {_show(value)} does not exist or is not a file")
-    return path.resolve()
+    return _existing_file(value, "draft.vocab", base)
 
 
 def _quantization(raw, where: str, defaults: dict | None) -> dict:

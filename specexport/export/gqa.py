@@ -7,7 +7,7 @@ additive `attention_bias` [B, 1, T, P+T], and `seqlens_k` / `total_sequence_leng
 the graph from the mask's width (lengths()). Without a shared buffer (a plain session.run) ORT returns a new cache of
 max(C, P+T) rows: feeding an empty cache and then each call's output back works too.
 
-Why this op (issue 10 item 6a, benchmarks/inplace_kv.py): the standard ONNX Attention has to attend
+Why this op (issue 10 item 6a; measured with benchmarks/inplace_kv.py as of commit 2c45591): the standard ONNX Attention has to attend
 over a concatenation of past and new K/V, and every layer of every step copied the whole committed
 prefix to build it. On SmolLM2-135M at 512 committed tokens that made a decode step 15 % slower
 (40.9 vs 34.6 ms) and a 2-10 token verify pass 11-24 % slower; the cost grew with the context.
