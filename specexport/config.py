@@ -18,7 +18,8 @@ Relative paths resolve against the YAML file's folder.
     # per model, optional: aux_hidden_layers: [2, 8, 13] or "eagle3" (layers whose inputs are exported)
     # per model, optional: precisions: [int4] (overrides the top-level list for that model)
     # per model, optional: quantization: {int8: {scheme: dynamic}} (over the top-level one)
-    # draft, optional: vocab: 8192 (the target's most frequent tokens) or vocab: ids.json (a list of ids)
+    # draft, optional: vocab: 8192 (the target's most frequent tokens) or vocab: ids.json (a list of ids);
+    #   a draft folder with a draft_vocab.json (written by distill-draft --draft-vocab) uses it by default
     medusa: {path: heads/medusa, top_k: 10}   # optional: Medusa heads for the target (published formats)
 """
 from __future__ import annotations
@@ -261,13 +262,18 @@ def _model(raw, role: str, base: Path, precisions: tuple[str, ...], schemes: dic
         precisions = _precisions(raw["precisions"], f"{role}.precisions")
     schemes = _quantization(raw.get("quantization"), f"{role}.quantization", schemes)
     return ModelConfig(role=role, path=path.resolve(), aux_hidden_layers=aux, precisions=precisions,
-                       quantization=schemes, vocab=_vocab(raw.get("vocab"), role, base))
+                       quantization=schemes, vocab=_vocab(raw.get("vocab"), role, base, path))
 
 
-def _vocab(value, role: str, base: Path):
-    """draft.vocab: an int N >= 2 (the N tokens the target produces most) or a file of target ids."""
+DRAFT_VOCAB_FILE = "draft_vocab.json"    # in a draft checkpoint: the ids it was trained to propose
+
+
+def _vocab(value, role: str, base: Path, path: Path):
+    """draft.vocab: an int N >= 2 (the N tokens the target produces most) or a file of target ids;
+    absent, a draft trained for a reduced vocabulary (its folder has draft_vocab.json) uses that."""
     if value is None:
-        return None
+        trained = path / DRAFT_VOCAB_FILE
+        return trained.resolve() if role == "draft" and trained.is_file() else None
     if role != "draft":
         raise SpecexportError(f"{role}.vocab: only a draft can have a reduced output vocabulary")
     if isinstance(value, int) and not isinstance(value, bool):

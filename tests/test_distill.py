@@ -75,3 +75,29 @@ def test_distill_needs_prompts_or_corpus(tiny_checkpoints, tmp_path):
     with pytest.raises(SpecexportError, match="exactly one of them"):
         distill_draft(_cfg(tiny_checkpoints["llama"], tmp_path / "x", None))
     assert main(["distill-draft", str(tmp_path), "--out", str(tmp_path / "y"), "--corpus", str(tmp_path)]) == 1
+
+
+def test_reduced_vocabulary_draft_trains_builds_and_decodes(tiny_checkpoints, corpus, tmp_path, write_yaml,
+                                                            run_build):
+    """--draft-vocab N: the draft learns over its N ids, draft_vocab.json is written, and the build uses it
+    without being told (the manifest names the file), its graph has N logits, greedy equals vanilla."""
+    import specexport
+    from specexport.config import DRAFT_VOCAB_FILE
+
+    report = distill_draft(_cfg(tiny_checkpoints["llama"], tmp_path / "d", corpus, draft_vocab=48))
+    ids = json.loads((tmp_path / "d" / DRAFT_VOCAB_FILE).read_text())
+    assert len(ids) == 48 == report["draft_vocab"]["size"] and ids == sorted(set(ids))
+    assert report["kl_after"] < 0.9 * report["kl_before"], report
+    assert 0 < report["draft_vocab"]["target_mass"] < 1
+    cfg = write_yaml(tmp_path / "m.yaml", name="rv", target={"path": tiny_checkpoints["llama"]},
+                     draft={"path": tmp_path / "d"}, max_seq_len=96, output=tmp_path / "build")
+    assert run_build(cfg) == 0
+    draft = json.loads((tmp_path / "build" / "manifest.json").read_text())["models"]["draft"]
+    assert draft["vocab_ids"] == ids and draft["vocab_source"]["file"].endswith(DRAFT_VOCAB_FILE)
+    pipe = specexport.load(tmp_path / "build")
+    for prompt in ([1, 40, 41], [1, 7, 300, 9]):
+        vanilla = pipe.generate(prompt_ids=prompt, max_new_tokens=40, method="vanilla")
+        spec = pipe.generate(prompt_ids=prompt, max_new_tokens=40, method="draft", gamma=3)
+        assert spec.token_ids == vanilla.token_ids and spec.stats.proposed > 0
+    with pytest.raises(SpecexportError, match="--draft-vocab"):
+        distill_draft(_cfg(tiny_checkpoints["llama"], tmp_path / "x", corpus, draft_vocab=1))

@@ -34,11 +34,14 @@ def self_distillation_options(command):
 @click.option("--layers", default=2, show_default=True, help="Draft decoder layers.")
 @click.option("--hidden-size", default=None, type=int, help="Draft width (default: the target's).")
 @click.option("--intermediate-size", default=None, type=int, help="Draft MLP width (default: scaled).")
+@click.option("--draft-vocab", default=None, type=int,
+              help="Propose from the N tokens most frequent in the target's continuations only (a smaller "
+                   "lm_head: cheaper drafting with a large vocabulary); written as draft_vocab.json.")
 @self_distillation_options
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
 @click.option("-v", "--verbose", is_flag=True)
-def distill_draft(target, out, layers, hidden_size, intermediate_size, prompts, corpus, num_prompts, prompt_tokens,
-                  new_tokens, steps, batch_size, lr, seed, checkpoint_every, device, verbose):
+def distill_draft(target, out, layers, hidden_size, intermediate_size, draft_vocab, prompts, corpus, num_prompts,
+                  prompt_tokens, new_tokens, steps, batch_size, lr, seed, checkpoint_every, device, verbose):
     """Self-distill a small draft from TARGET (a HF checkpoint folder) into --out."""
     from rich.console import Console
 
@@ -48,9 +51,14 @@ def distill_draft(target, out, layers, hidden_size, intermediate_size, prompts, 
                         hidden_size=hidden_size, intermediate_size=intermediate_size,
                         prompts=tuple(Path(p) for p in prompts), corpus=Path(corpus) if corpus else None,
                         num_prompts=num_prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens, steps=steps,
-                        batch_size=batch_size, lr=lr, seed=seed, checkpoint_every=checkpoint_every, device=device)
+                        batch_size=batch_size, lr=lr, seed=seed, checkpoint_every=checkpoint_every, device=device,
+                        draft_vocab=draft_vocab)
     console = Console(stderr=True)
     report = run(cfg, console=console)
     console.print(f"[green]✓[/] draft written to {cfg.out} ({report['draft']['parameters']:,} parameters); "
                   f"greedy agreement with the target on held-out prompts: {report['agreement_before']:.3f} before, "
                   f"{report['agreement_after']:.3f} after (KL {report['kl_before']:.3f} -> {report['kl_after']:.3f})")
+    if report["draft_vocab"]:
+        console.print(f"  it proposes from {report['draft_vocab']['size']:,} tokens (draft_vocab.json, used by the "
+                      f"build), which hold {report['draft_vocab']['target_mass']:.3f} of the target's probability "
+                      f"on held-out text")

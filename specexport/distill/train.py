@@ -5,7 +5,11 @@
 
 State lives beside the output, in .<out name>.distill/: data.pt (prompts and target sequences, made
 once) and state.pt (the draft, optimizer and step, saved every `checkpoint_every` steps, atomically).
-A rerun with the same options resumes from state.pt; the batch order is a function of (seed, step),
+With --draft-vocab N the draft proposes from the N tokens most frequent in those sequences (EOS
+always in): its logits are computed for those rows of its lm_head only, it learns the target's
+distribution renormalised over them (the q that maximises acceptance, sum_S min(p, q), when q is
+zero elsewhere), and the ids are written as draft_vocab.json beside the weights, which the build
+then uses as the draft's output vocabulary. A rerun with the same options resumes from state.pt; the batch order is a function of (seed, step),
 so a resumed run ends with the same weights as an uninterrupted one. The output is an ordinary HF
 checkpoint folder, written whole into a temporary folder and renamed into place: an interrupted run
 never leaves a checkpoint that looks complete.
@@ -48,6 +52,7 @@ class DistillConfig:
     seed: int = 0
     checkpoint_every: int = 50
     device: str | None = None               # default: cuda when available, else cpu
+    draft_vocab: int | None = None          # propose from the N most frequent tokens only (None: all)
 
     def fingerprint(self) -> str:
         keep = {k: str(v) for k, v in asdict(self).items() if k not in ("steps", "checkpoint_every", "device")}
@@ -68,6 +73,8 @@ def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
     for p in target.parameters():
         p.requires_grad_(False)
     data = _load_or_make_data(cfg, target, tokenizer, state_dir, console)
+    vocab = _vocab_ids(cfg, data, target)
+    ids = None if vocab is None else torch.tensor(vocab, device=device)
     draft = _init_draft(cfg, target).to(device)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
     step, history = 0, []
@@ -80,7 +87,7 @@ def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
             step, history = state["step"], state["history"]
             _say(console, f"resuming from step {step}")
     heldout = data["heldout"]
-    before = evaluate(target, _init_draft(cfg, target).to(device), heldout)
+    before = evaluate(target, _init_draft(cfg, target).to(device), heldout, ids)
     train = data["train"]
     total_tokens = 0
     start = time.perf_counter()
@@ -88,7 +95,7 @@ def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
     try:
         while step < cfg.steps:
             batch = _batch(train, step, cfg, device)
-            loss = _kl_step(target, draft, opt, batch, lr=_lr(cfg, step))
+            loss = _kl_step(target, draft, opt, batch, lr=_lr(cfg, step), ids=ids)
             step += 1
             total_tokens += int(batch[1].sum())
             history.append(round(loss, 5))
@@ -99,8 +106,8 @@ def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
                 on_step(step)
     finally:
         progress(None, None, None)
-    after = evaluate(target, draft, heldout)
-    return _write_outputs(cfg, draft, tokenizer, before, after, history)
+    after = evaluate(target, draft, heldout, ids)
+    return _write_outputs(cfg, draft, tokenizer, before, after, history, vocab)
 
 
 # -- pieces ----------------------------------------------------------------------------------
@@ -110,6 +117,8 @@ def _check(cfg: DistillConfig) -> None:
         raise SpecexportError(f"target: {cfg.target} has no config.json")
     if (cfg.corpus is None) == (not cfg.prompts):
         raise SpecexportError("give prompts (--prompts FILE) or a corpus (--corpus DIR), exactly one of them")
+    if cfg.draft_vocab is not None and cfg.draft_vocab < 2:
+        raise SpecexportError(f"--draft-vocab: expected >= 2 tokens, got {cfg.draft_vocab}")
     for name in ("layers", "steps", "batch_size", "num_prompts", "prompt_tokens", "new_tokens", "checkpoint_every"):
         if getattr(cfg, name) < 1:
             raise SpecexportError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(cfg, name)}")
@@ -161,26 +170,68 @@ def _greedy_heldout(target, prompts, new_tokens):
     return out
 
 
-def evaluate(target, draft, heldout) -> dict:
+def _vocab_ids(cfg: DistillConfig, data: dict, target) -> tuple[int, ...] | None:
+    """--draft-vocab N: the N ids most frequent in the training sequences, EOS always in."""
+    if cfg.draft_vocab is None:
+        return None
+    from specexport.runtime.backends.vocab import most_frequent_ids
+
+    vocab_size = target.config.vocab_size
+    if cfg.draft_vocab >= vocab_size:
+        raise SpecexportError(f"--draft-vocab: {cfg.draft_vocab} is not smaller than the target's vocabulary "
+                              f"({vocab_size})")
+    tokens = np.concatenate([np.asarray(s, np.int64) for s in data["train"]])
+    return most_frequent_ids(tokens, cfg.draft_vocab, vocab_size, always=_eos_ids(target))
+
+
+def draft_logits(draft, input_ids, attention_mask=None, ids=None):
+    """The draft's logits, over the rows `ids` of its lm_head only when given ([B, S, len(ids)]):
+    the full projection is what a reduced vocabulary saves, in training as in the graph."""
+    if ids is None:
+        return draft(input_ids, attention_mask=attention_mask).logits
+    hidden = getattr(draft, draft.base_model_prefix)(input_ids, attention_mask=attention_mask).last_hidden_state
+    head = draft.get_output_embeddings()
+    bias = None if head.bias is None else head.bias[ids]
+    return require("torch").nn.functional.linear(hidden, head.weight[ids], bias)
+
+
+def _log_probs(target, draft, input_ids, attention_mask, ids):
+    """(log p_target, log q_draft) per position; with `ids`, p renormalised over them."""
+    torch = require("torch")
+    with torch.no_grad():
+        p_logits = target(input_ids, attention_mask=attention_mask).logits.float()
+    if ids is not None:
+        p_logits = p_logits[..., ids]
+    q_logits = draft_logits(draft, input_ids, attention_mask, ids).float()
+    return torch.log_softmax(p_logits, -1), torch.log_softmax(q_logits, -1)
+
+
+def evaluate(target, draft, heldout, ids=None) -> dict:
     """On the target's greedy continuations of held-out prompts (teacher-forced):
     agreement = share of positions where the draft's argmax equals the target's (the greedy acceptance
-    rate of a one-token proposal); kl = mean KL(p_target ‖ q_draft) per position."""
+    rate of a one-token proposal); kl = mean KL(p_target ‖ q_draft) per position (with a reduced
+    vocabulary p is renormalised over it, and subset_mass is the target's mean probability on it:
+    the most a one-token proposal can be accepted under sampling)."""
     torch = require("torch")
     device = next(draft.parameters()).device
     hits = total = 0
-    kl_sum = 0.0
+    kl_sum = mass_sum = 0.0
     was_training = draft.training
     draft.eval()
     with torch.no_grad():
         for seq, n_prompt in heldout:
-            ids = torch.tensor([seq], device=device)
-            p_log = torch.log_softmax(target(ids).logits[0, n_prompt - 1:-1].float(), -1)   # [S, V]
-            q_log = torch.log_softmax(draft(ids).logits[0, n_prompt - 1:-1].float(), -1)    # [S, V]
-            hits += int((p_log.argmax(-1) == q_log.argmax(-1)).sum())
+            tokens = torch.tensor([seq], device=device)
+            p_full = torch.log_softmax(target(tokens).logits[0, n_prompt - 1:-1].float(), -1)     # [S, V]
+            q_log = torch.log_softmax(draft_logits(draft, tokens, ids=ids)[0, n_prompt - 1:-1].float(), -1)
+            p_log = p_full if ids is None else torch.log_softmax(p_full[:, ids], -1)            # [S, Vd]
+            q_top = q_log.argmax(-1) if ids is None else ids[q_log.argmax(-1)]
+            hits += int((p_full.argmax(-1) == q_top).sum())
             kl_sum += float((p_log.exp() * (p_log - q_log)).sum())
-            total += p_log.shape[0]
+            mass_sum += float(p_full.exp().sum() if ids is None else p_full[:, ids].exp().sum())
+            total += p_full.shape[0]
     draft.train(was_training)
-    return {"agreement": hits / max(total, 1), "kl": kl_sum / max(total, 1)}
+    n = max(total, 1)
+    return {"agreement": hits / n, "kl": kl_sum / n, "subset_mass": mass_sum / n}
 
 
 def _init_draft(cfg: DistillConfig, target):
@@ -235,12 +286,10 @@ def _batch(train, step: int, cfg: DistillConfig, device):
     return ids.to(device), mask.to(device)
 
 
-def _kl_step(target, draft, opt, batch, *, lr: float) -> float:
+def _kl_step(target, draft, opt, batch, *, lr: float, ids=None) -> float:
     torch = require("torch")
-    ids, mask = batch
-    with torch.no_grad():
-        p_log = torch.log_softmax(target(ids, attention_mask=mask).logits.float(), -1)     # [B, S, V]
-    q_log = torch.log_softmax(draft(ids, attention_mask=mask).logits.float(), -1)        # [B, S, V]
+    tokens, mask = batch
+    p_log, q_log = _log_probs(target, draft, tokens, mask, ids)                            # [B, S, V|Vd]
     kl = (p_log.exp() * (p_log - q_log)).sum(-1)                                         # [B, S]
     loss = (kl * mask).sum() / mask.sum()
     for group in opt.param_groups:
@@ -282,16 +331,21 @@ def _state_dir(out: Path) -> Path:
     return state
 
 
-def _write_outputs(cfg, draft, tokenizer, before, after, history) -> dict:
+def _write_outputs(cfg, draft, tokenizer, before, after, history, vocab=None) -> dict:
+    from specexport.config import DRAFT_VOCAB_FILE
+
     partial = cfg.out.parent / f".{cfg.out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     draft.eval().save_pretrained(partial)
+    if vocab is not None:      # the build reads it as draft.vocab unless model.yaml names another
+        (partial / DRAFT_VOCAB_FILE).write_text(json.dumps(list(vocab)))
     tokenizer.save_pretrained(partial)
     gen = cfg.target / "generation_config.json"
     if gen.is_file():
         (partial / "generation_config.json").write_text(gen.read_text())
     report = {"agreement_before": before["agreement"], "agreement_after": after["agreement"],
               "kl_before": before["kl"], "kl_after": after["kl"], "steps": cfg.steps,
+              "draft_vocab": None if vocab is None else {"size": len(vocab), "target_mass": after["subset_mass"]},
               "final_loss": history[-1] if history else None, "loss_first": history[:1],
               "draft": {"layers": cfg.layers, "hidden_size": draft.config.hidden_size,
                         "parameters": sum(p.numel() for p in draft.parameters())},

@@ -143,11 +143,10 @@ def frequent_ids(target_session, target: ModelPlan, n: int, eval_ids=None) -> tu
 
     seqs = sampled_sequences(target_session, target.io, start=target.arch.bos_token_id, length=VOCAB_LENGTH,
                              count=VOCAB_SEQUENCES, seed=VOCAB_SEED)
+    from specexport.runtime.backends.vocab import most_frequent_ids
+
     tokens = np.concatenate([*seqs, np.asarray(eval_ids or [], np.int64)])
-    counts = np.bincount(tokens, minlength=target.io.vocab_size).astype(np.float64)
-    counts[list(target.eos_token_ids)] = np.inf
-    order = np.lexsort((np.arange(len(counts)), -counts))               # by count desc, then id
-    return tuple(sorted(int(i) for i in order[:n]))
+    return most_frequent_ids(tokens, n, target.io.vocab_size, always=target.eos_token_ids)
 
 
 # Checkpoints above this size export in a child process: torch.onnx.export keeps about one extra copy

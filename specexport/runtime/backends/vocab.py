@@ -17,6 +17,15 @@ from specexport.errors import SpecexportError
 from specexport.runtime.backends.base import StepOutput
 
 
+def most_frequent_ids(tokens, n: int, vocab_size: int, always=()) -> tuple[int, ...]:
+    """The n ids most frequent in `tokens`, sorted: `always` (e.g. the EOS ids) first, then by count,
+    ties and any shortfall by ascending id. Shared by the build (draft.vocab: N) and distill-draft."""
+    counts = np.bincount(np.asarray(tokens, np.int64).ravel(), minlength=vocab_size).astype(np.float64)
+    counts[list(always)] = np.inf
+    order = np.lexsort((np.arange(len(counts)), -counts))               # by count desc, then id
+    return tuple(sorted(int(i) for i in order[:n]))
+
+
 class ReducedVocab:
     """Wraps a Backend whose logits cover `ids`; everything else (KV state, commit, rollback, timings)
     is the wrapped backend's."""
