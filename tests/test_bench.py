@@ -91,15 +91,17 @@ def _charge(backend, clock, costs, *, shift_argmax=False):
     backend._forward, backend.commit = timed_forward, timed_commit
 
 
-def _fake_bench(build, tmp_path, *, wrong_draft: bool):
+def _fake_bench(build, tmp_path, *, wrong_draft: bool, target_costs=None):
     """Run the real bench on the tiny build with the draft = the target model (greedy: every
-    proposal accepted) or a draft that is always wrong, every time on the fake clock."""
+    proposal accepted) or a draft that is always wrong, every time on the fake clock; target_costs
+    {precision: costs} charges other precisions other costs (C_T by default)."""
     clock = FakeClock()
     manifest = read_manifest(build)
+    target_costs = target_costs or {"fp32": C_T}
 
     def open_pipeline(precision, threads, spin):
         pipe = specexport.load(build, precision=precision, threads=threads, spin=spin)
-        _charge(pipe.target, clock, C_T)
+        _charge(pipe.target, clock, target_costs[precision])
         entry = manifest["models"]["target"]
         draft = open_backend("onnxruntime", stage_dir(build, manifest, "target", precision),
                              io=ModelIO.from_dict(entry["io"]), capacity=pipe.capacity,
@@ -109,7 +111,7 @@ def _fake_bench(build, tmp_path, *, wrong_draft: bool):
         return pipe
 
     cfg = BenchConfig(output_dir=build, prompts=("def f(x):", "import os"), gammas=(4,), max_new_tokens=N, rounds=2,
-                      out=tmp_path / "report", threads=1, peers=False, plots=False)
+                      out=tmp_path / "report", threads=1, peers=False, plots=False, precisions=tuple(target_costs))
     return run_bench(cfg, log=lambda m: None, clock=clock, open_pipeline=open_pipeline)
 
 
@@ -148,6 +150,31 @@ def test_bench_figures_equal_the_closed_form_when_every_proposal_is_accepted(fak
     assert report["step_costs_ms"]["fp32/fp32"]["target"] == pytest.approx(
         {"1": 10.0, "4": 13.0, "5": 14.0})
     assert report["step_costs_ms"]["fp32/fp32"]["draft"] == pytest.approx({"1": 1.0, "2": 1.5})
+
+
+def test_a_quantized_row_is_also_compared_with_the_fp32_vanilla(fake_build, tmp_path):
+    """An 'int8' target (the fp32 graph listed again, charged half the cost) has its speedup over its own
+    vanilla and over the fp32 vanilla, both with intervals; fp32 rows have no second figure."""
+    build = tmp_path / "b"
+    shutil.copytree(fake_build, build)
+    manifest = json.loads((build / "manifest.json").read_text())
+    for model in manifest["models"].values():
+        model["precisions"]["int8"] = model["precisions"]["fp32"]
+    (build / "manifest.json").write_text(json.dumps(manifest))
+    half = {t: c / 2 for t, c in C_T.items()}
+    rows = {(r["precision"], r["method"]): r
+            for r in _fake_bench(build, tmp_path, wrong_draft=False, target_costs={"fp32": C_T, "int8": half})["rows"]
+            if r["draft_precision"] in (None, r["precision"])}
+    fp32_vanilla = 1 / (C_T[1] + OVERHEAD)
+    assert rows[("int8", "vanilla")]["tokens_per_s"] == pytest.approx(1 / (half[1] + OVERHEAD))
+    for method in ("vanilla", "draft"):
+        r = rows[("int8", method)]
+        assert r["speedup_vs_fp32_vanilla"] == pytest.approx(r["tokens_per_s"] / fp32_vanilla)
+        assert r["speedup_vs_fp32_ci95"] == pytest.approx([r["speedup_vs_fp32_vanilla"]] * 2)
+        assert rows[("fp32", method)]["speedup_vs_fp32_vanilla"] is None
+    assert rows[("int8", "draft")]["speedup_vs_fp32_vanilla"] > rows[("int8", "draft")]["speedup_vs_vanilla"] > 1
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert f"{rows[('int8', 'draft')]['speedup_vs_fp32_vanilla']:.2f}x [" in md
 
 
 def test_bench_figures_equal_the_closed_form_when_no_proposal_is_accepted(fake_build, tmp_path):

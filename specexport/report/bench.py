@@ -35,7 +35,7 @@ PEER_SETTLE_S = 0.1
 ROW_KEYS = ("precision", "draft_precision", "method", "gamma", "tokens_per_s", "ttft_ms", "tpot_ms_p50", "tpot_ms_p90",
             "acceptance_rate", "acceptance_per_position", "mean_accepted_tokens", "speedup_vs_vanilla",
             "speedup_ci95", "ideal_speedup", "efficiency", "draft_step_ratio", "verify_step_ratio",
-            "ideal_free_draft", "ideal_free_verify", "capped_by")
+            "ideal_free_draft", "ideal_free_verify", "capped_by", "speedup_vs_fp32_vanilla", "speedup_vs_fp32_ci95")
 
 
 class Config(NamedTuple):
@@ -325,6 +325,8 @@ def _row(c: Config, runs, costs) -> dict:
     tps = acc.throughput(st)
     base = acc.throughput(vanilla) if vanilla else None
     speedup = tps / base if tps and base else None
+    fp32 = runs.get(Config(VANILLA, "fp32", None, 0))      # a quantized row against the fp32 target's vanilla
+    fp32_tps = acc.throughput(fp32) if fp32 and tp != "fp32" else None
     where = dict.fromkeys(("draft_step_ratio", "verify_step_ratio", "ideal_free_draft", "ideal_free_verify",
                            "capped_by"))
     if method == VANILLA:
@@ -341,6 +343,8 @@ def _row(c: Config, runs, costs) -> dict:
         **acc.acceptance_figures(st, g, bool(stop) or method == "lookup" or c.tree is not None),
         "speedup_vs_vanilla": speedup, "speedup_ci95": interval, "ideal_speedup": ideal,
         "efficiency": speedup / ideal if speedup and ideal else None, **where,
+        "speedup_vs_fp32_vanilla": tps / fp32_tps if tps and fp32_tps else None,
+        "speedup_vs_fp32_ci95": acc.speedup_interval(st, fp32) if fp32_tps else None,
     }
 
 

@@ -8,11 +8,12 @@ def _f(v, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def _speedup(r: dict) -> str:
-    s, ci = r["speedup_vs_vanilla"], r.get("speedup_ci95")
+def _speedup(r: dict, key: str = "speedup_vs_vanilla", ci_key: str = "speedup_ci95") -> str:
+    s, ci = r.get(key), r.get(ci_key)
     if s is None:
         return "-"
-    return f"{s:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci and r["method"] != "vanilla" else "")
+    return f"{s:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci and (r["method"] != "vanilla" or key != "speedup_vs_vanilla")
+                          else "")
 
 
 def render_markdown(report: dict) -> str:
@@ -25,11 +26,12 @@ def render_markdown(report: dict) -> str:
              "TTFT) and count delivered tokens only. Speedup: tok/s over vanilla's on the same target session, "
              f"with a 95% paired-bootstrap interval over (prompt, round) cells ({st['bootstrap_resamples']} "
              "resamples). Ideal: the speedup if only the forwards cost time, from the forwards the rounds "
-             "actually made and the mean in-run cost of each size; efficiency = speedup / ideal.", "",
+             "actually made and the mean in-run cost of each size; efficiency = speedup / ideal. vs fp32: a "
+             "quantized target's row over the fp32 target's vanilla tok/s, interval alike.", "",
              f"Threads: {threads} (the fastest for vanilla of those tried; speculative rows use the same "
              f"session); draft {st['draft_threads']} thread.", "",
              "| target | draft | method | γ | tok/s | TTFT ms | TPOT p50 | TPOT p90 | acceptance | tokens/pass "
-             "| speedup [95% CI] | ideal | efficiency |", "|" + "---|" * 13]
+             "| speedup [95% CI] | ideal | efficiency | vs fp32 vanilla [95% CI] |", "|" + "---|" * 14]
     for r in report["rows"]:
         g = (f"≤{r['gamma']}, stop {r['draft_stop']:g}" if r["draft_stop"] else
              f"tree {r['tree']} (depth {r['gamma']})" if r.get("tree") else
@@ -38,7 +40,8 @@ def render_markdown(report: dict) -> str:
                      f"{_f(r['tokens_per_s'], '.1f')} | {_f(r['ttft_ms'], '.2f')} | {_f(r['tpot_ms_p50'], '.3f')} | "
                      f"{_f(r['tpot_ms_p90'], '.3f')} | {_f(r['acceptance_rate'], '.3f')} | "
                      f"{_f(r['mean_accepted_tokens'], '.2f')} | {_speedup(r)} | "
-                     f"{_f(r['ideal_speedup'], '.2f')}x | {_f(r['efficiency'], '.2f')} |")
+                     f"{_f(r['ideal_speedup'], '.2f')}x | {_f(r['efficiency'], '.2f')} | "
+                     f"{_speedup(r, 'speedup_vs_fp32_vanilla', 'speedup_vs_fp32_ci95')} |")
     lines += ["", "## Where the time goes", "",
               "Draft: the draft's (or heads') cost of one call in target decode steps. Verify: a target pass's "
               "mean cost in decode steps over the passes the row made. The ideal with a free draft and with "
