@@ -48,6 +48,13 @@ SCHEMES = {   # name -> (precision, the model.yaml quantization settings: export
     "nbits4-b32-a1": ("int4", {"scheme": "matmulnbits", "block_size": 32, "accuracy_level": 1}),
     "dynamic-u8s8": ("int8", {"scheme": "dynamic"}),
     "static-qdq-u8s8": ("int8", {"scheme": "static_qdq"}),
+    "static-qdq-fp32head": ("int8", {"scheme": "static_qdq", "lm_head": "fp32"}),
+    "static-qdq-pct": ("int8", {"scheme": "static_qdq", "calibrate": "percentile"}),
+    "static-qdq-sq5": ("int8", {"scheme": "static_qdq", "smooth_alpha": 0.5}),
+    "static-qdq-sq5-fp32head": ("int8", {"scheme": "static_qdq", "smooth_alpha": 0.5, "lm_head": "fp32"}),
+    "static-qdq-sq8-fp32head": ("int8", {"scheme": "static_qdq", "smooth_alpha": 0.8, "lm_head": "fp32"}),
+    "static-qdq-sq5-pct-fp32head": ("int8", {"scheme": "static_qdq", "smooth_alpha": 0.5, "calibrate": "percentile",
+                                             "lm_head": "fp32"}),
 }
 
 

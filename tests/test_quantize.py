@@ -184,16 +184,19 @@ def test_quantized_graph_computes_each_row_independently(built_quant):
 
 
 def test_quantization_schemes_build_are_recorded_and_decode_losslessly(rebuild, quant_fields):
-    """static QDQ for the targets' int8 (calibrated on sequences the gate never sees), dynamic int8 for the
-    draft (its rows may depend on each other: only a target's must not), a MatMulNBits option for int4."""
+    """static QDQ for the targets' int8 (SmoothQuant, percentile calibration on sequences the gate never
+    sees, lm_head left fp32), dynamic int8 for the draft (its rows may depend on each other: only a
+    target's must not), a MatMulNBits option for int4."""
     draft = {**quant_fields["draft"], "quantization": {"int8": {"scheme": "dynamic"}}}
-    code, out = rebuild(quantization={"int8": {"scheme": "static_qdq"}, "int4": {"block_size": 128}}, draft=draft,
+    static = {"scheme": "static_qdq", "smooth_alpha": 0.5, "calibrate": "percentile", "lm_head": "fp32"}
+    code, out = rebuild(quantization={"int8": static, "int4": {"block_size": 128}}, draft=draft,
                         quality_gates={**GATES, "int8": {"min_top1": 0.6, "max_kl": 0.05}})
     assert code == 0
     models = read_manifest(out)["models"]
     target, drafted = models["target"]["precisions"], models["draft"]["precisions"]
     assert target["int8"]["quantization"]["scheme"] == "static_qdq"
-    assert target["int8"]["quantization"]["calibration"] == {"method": "MinMax", "sequences": 4}
+    assert target["int8"]["quantization"]["calibration"] == {"method": "Percentile", "CalibPercentile": 99.999,
+                                                             "sequences": 4, "smoothquant_alpha": 0.5}
     assert target["int8"]["row_dependence"]["two_tokens"] <= 1e-4 and target["int8"]["quantization"]["row_independent"]
     assert target["int8"]["min_tokens"] == 1                         # static Q/DQ: one-row passes agree too
     assert target["int4"]["quantization"]["block_size"] == 128 and drafted["int4"]["quantization"]["block_size"] == 128
@@ -205,6 +208,10 @@ def test_quantization_schemes_build_are_recorded_and_decode_losslessly(rebuild, 
         return {n.op_type for n in onnx.load(str(out / entry["dir"] / "model.onnx"), load_external_data=False).graph.node}
 
     assert {"QuantizeLinear", "DequantizeLinear"} <= ops(target["int8"]) and "MatMulNBits" not in ops(target["int8"])
+    graph = onnx.load(str(out / target["int8"]["dir"] / "model.onnx"), load_external_data=False).graph
+    made = {o: n for n in graph.node for o in n.output}
+    assert made["logits"].input[1] not in made       # lm_head: its fp32 weights, no DequantizeLinear
+    assert not list(out.rglob(".*.smooth"))                                 # the scratch folder is gone
     assert {"DynamicQuantizeLinear", "MatMulInteger"} <= ops(drafted["int8"])
     with specexport.load(out, precision="int8") as pipe:
         for prompt in PROMPTS:
@@ -361,3 +368,31 @@ def test_bench_runs_each_mixed_row_with_the_draft_it_names(built_quant, tmp_path
     costs = report["step_costs_ms"]
     assert costs["fp32/fp32"]["target"] == costs["fp32/int4"]["target"] == costs["fp32/-"]["target"]
     assert set(report["gamma_auto"]) >= {"fp32/fp32", "fp32/int4", "int4/int4", "int4/fp32"}
+
+
+def test_smoothquant_rewrite_is_exact_in_fp32(built_quant, tmp_path):
+    """X/s @ diag(s)W = X @ W: the smoothed fp32 graph gives the original logits; norms take the 1/s
+    where they can (q/k/v, gate/up inputs) and a Mul is inserted where they cannot (o_proj, down_proj,
+    lm_head)."""
+    from specexport.export import smooth
+    from specexport.export.quality import runtime_session
+    from specexport.manifest import stage_dir
+
+    m = read_manifest(built_quant)
+    io = ModelIO.from_dict(m["models"]["target"]["io"])
+    source = stage_dir(built_quant, m, "target", "fp32") / "model.onnx"
+    ids = np.array([1, 40, 41, 300, 7, 9, 12, 5], np.int64)
+    feeds = [io.feeds(ids[None])]
+    model = onnx.load(str(source))
+    act_max = smooth.activation_channel_max(source, feeds, list(smooth.weight_matmuls(model)), tmp_path)
+    assert all(v.ndim == 1 and (v > 0).all() for v in act_max.values())
+    counts = smooth.smooth(model, act_max, 0.5)
+    layers = io.num_layers
+    # lm_head reads the rows the graph projects (a Gather after the final norm): a Mul there too
+    assert counts["folded_into_norms"] == 2 * layers and counts["mul_inserted"] == 2 * layers + 1
+    onnx.save(model, str(tmp_path / "s.onnx"), save_as_external_data=True, location="s.onnx.data")
+    before = runtime_session(source).run(["logits"], feeds[0])[0]
+    after = runtime_session(tmp_path / "s.onnx").run(["logits"], feeds[0])[0]
+    assert np.abs(after - before).max() <= 1e-4 * np.abs(before).max()
+    weights = [n.input[1] for nodes in smooth.weight_matmuls(model).values() for n in nodes]
+    assert len(weights) == 7 * layers + 1 and all("_smooth" in w for w in weights)      # every MatMul rescaled

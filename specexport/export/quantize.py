@@ -7,8 +7,11 @@ Schemes (`quantization: {int8: {scheme: ..., ...}}` in model.yaml; SCHEMES has e
                multiplies in int8, 1 dequantizes the weights and multiplies in fp32). int8 and int4.
                The default for both.
   static_qdq   int8 only: QuantizeLinear/DequantizeLinear around every weight MatMul (`quantize_static`,
-               uint8 activations with per-tensor scales calibrated with MinMax on the build's held-out
-               sequences, int8 per-channel weights); ORT fuses each group into an int8 kernel.
+               uint8 activations with per-tensor scales calibrated on sequences sampled from the fp32
+               graph, int8 per-channel weights); ORT fuses each group into an int8 kernel. Options:
+               `calibrate` (minmax, percentile 99.999, entropy: onnxruntime's calibrators),
+               `smooth_alpha` (SmoothQuant before calibration, export/smooth.py; 0 = off) and
+               `lm_head: fp32` (leave the output projection unquantized).
   dynamic      int8 only: DynamicQuantizeLinear + MatMulInteger (`quantize_dynamic`). One activation
                scale per call, so a token's logits depend on the other tokens of the pass (relative
                9e-2 on the tiny llama): verifying γ+1 tokens disagrees with one-token decoding and
@@ -28,7 +31,9 @@ BITS = {"int8": 8, "int4": 4}
 # scheme -> (precisions it can make, {option: (default, allowed values or a type)})
 SCHEMES = {
     "matmulnbits": (("int8", "int4"), {"block_size": (32, (16, 32, 64, 128, 256)), "accuracy_level": (4, (0, 1, 2, 3, 4))}),
-    "static_qdq": (("int8",), {}),
+    "static_qdq": (("int8",), {"smooth_alpha": (0.0, (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)),
+                               "calibrate": ("minmax", ("minmax", "percentile", "entropy")),
+                               "lm_head": ("int8", ("int8", "fp32"))}),
     "dynamic": (("int8",), {}),
 }
 DEFAULT_SCHEME = "matmulnbits"
@@ -65,14 +70,45 @@ def quantize_graph(source: Path, dest: Path, precision: str, scheme: dict | None
             q.quantize_dynamic(str(source), str(dest), op_types_to_quantize=["MatMul"], weight_type=q.QuantType.QInt8,
                                per_channel=False, use_external_data_format=True)
         else:
-            feeds = [io.feeds(s[None]) for s in calibration]
-            if not feeds:
-                raise ValueError("static_qdq needs calibration sequences")
-            q.quantize_static(str(source), str(dest), _Reader(q, feeds), quant_format=q.QuantFormat.QDQ,
-                              op_types_to_quantize=["MatMul"], activation_type=q.QuantType.QUInt8,
-                              weight_type=q.QuantType.QInt8, per_channel=True, use_external_data_format=True,
-                              calibrate_method=q.CalibrationMethod.MinMax)
+            _static_qdq(q, source, dest, scheme, [io.feeds(s[None]) for s in calibration])
     return [p for p in (dest, dest.with_name(dest.name + ".data")) if p.exists()]
+
+
+CALIBRATORS = {"minmax": ("MinMax", {}), "percentile": ("Percentile", {"CalibPercentile": 99.999}),
+               "entropy": ("Entropy", {})}
+
+
+def _static_qdq(q, source: Path, dest: Path, scheme: dict, feeds: list) -> None:
+    """quantize_static on the fp32 graph, or on its SmoothQuant rewrite (made in a scratch folder
+    beside dest, removed afterwards)."""
+    import shutil
+
+    onnx = require("onnx")
+    if not feeds:
+        raise ValueError("static_qdq needs calibration sequences")
+    scratch = dest.parent / f".{dest.name}.smooth"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    try:
+        exclude = [n.name for n in onnx.load(str(source), load_external_data=False).graph.node
+                   if n.op_type == "MatMul" and "logits" in n.output] if scheme.get("lm_head") == "fp32" else []
+        if scheme.get("smooth_alpha"):
+            from specexport.export import smooth
+
+            model = onnx.load(str(source))
+            act_max = smooth.activation_channel_max(source, feeds, list(smooth.weight_matmuls(model)), scratch)
+            smooth.smooth(model, act_max, scheme["smooth_alpha"])
+            source = scratch / "smoothed.onnx"
+            onnx.save(model, str(source), save_as_external_data=True, location="smoothed.onnx.data")
+            del model
+        method, extra = CALIBRATORS[scheme.get("calibrate", "minmax")]
+        q.quantize_static(str(source), str(dest), _Reader(q, feeds), quant_format=q.QuantFormat.QDQ,
+                          op_types_to_quantize=["MatMul"], activation_type=q.QuantType.QUInt8,
+                          weight_type=q.QuantType.QInt8, per_channel=True, use_external_data_format=True,
+                          calibrate_method=getattr(q.CalibrationMethod, method), nodes_to_exclude=exclude,
+                          extra_options=extra)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _Reader(q, feeds):
@@ -95,7 +131,9 @@ def describe(precision: str, scheme: dict | None = None, *, calibration_sequence
     out = {"tool": tool, "op": op, "bits": BITS[precision], **scheme, "source_precision": "fp32",
            "row_independent": ROW_INDEPENDENT[scheme["scheme"]]}
     if scheme["scheme"] == "static_qdq":
-        out["calibration"] = {"method": "MinMax", "sequences": calibration_sequences}
+        method, extra = CALIBRATORS[scheme.get("calibrate", "minmax")]
+        out["calibration"] = {"method": method, **extra, "sequences": calibration_sequences,
+                              "smoothquant_alpha": scheme.get("smooth_alpha", 0.0)}
     return out
 
 
