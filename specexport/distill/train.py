@@ -144,8 +144,12 @@ def _load_or_make_data(cfg, target, tokenizer, state_dir: Path, console) -> dict
         raise SpecexportError("prompts: need at least 2 prompts (one is held out for evaluation)")
     eos = tuple(_eos_ids(target))
     _say(console, f"generating {len(train_p)} target continuations of up to {cfg.new_tokens} tokens")
-    seqs = distill_data.generate_sequences(target, train_p, new_tokens=cfg.new_tokens, batch_size=cfg.batch_size,
-                                           seed=cfg.seed, eos_ids=eos)
+    bar = _progress(console, len(train_p), 0, label="generate")
+    try:
+        seqs = distill_data.generate_sequences(target, train_p, new_tokens=cfg.new_tokens, batch_size=cfg.batch_size,
+                                               seed=cfg.seed, eos_ids=eos, progress=lambda n: bar(n, None, None))
+    finally:
+        bar(None, None, None)
     data = {"fingerprint": cfg.fingerprint(), "train": seqs, "heldout": _greedy_heldout(target, held, cfg.new_tokens)}
     atomic_save(data, path)
     return data
@@ -385,6 +389,6 @@ def _progress(console, total: int, done: int, label: str = "distill"):
         if step is None:
             bar.stop()
             return
-        bar.update(task, completed=step, info=f"loss {loss:.4f}  {tps:,.0f} tok/s")
+        bar.update(task, completed=step, info="" if loss is None else f"loss {loss:.4f}  {tps:,.0f} tok/s")
 
     return update
