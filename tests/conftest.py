@@ -6,7 +6,12 @@ architecture (`build_arch`), the llama one being `built_llama` (target + draft).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# The tree-attention kernel runs in Triton's interpreter here (no GPU), which must be chosen before
+# anything imports triton (torch may, during export).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import yaml

@@ -1,0 +1,98 @@
+"""The verify step's tree-attention kernel (specexport/plugins/tree_attention.py): in Triton's
+interpreter against torch's scaled_dot_product_attention (an independent implementation) on masks
+from random trees over a committed prefix, and its PTX for every listed GPU architecture."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from specexport.errors import SpecexportError
+from specexport.runtime.tree import Tree
+
+triton = pytest.importorskip("triton")
+torch = pytest.importorskip("torch")
+ta = pytest.importorskip("specexport.plugins.tree_attention")
+
+
+def tree_mask(rng, size: int, prefix: int) -> np.ndarray:
+    """[T, P + T]: every tree token sees the committed prefix, its ancestors and itself."""
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, size)]
+    return np.concatenate([np.ones((size, prefix), bool), Tree(np.array(parents)).mask], axis=1)
+
+
+def sdpa(q, k, v, mask, scale=None):
+    """torch's attention with GQA on [T, H, D] arrays (float64)."""
+    tq, tk, tv = (torch.from_numpy(a.astype(np.float64)).transpose(0, 1)[None] for a in (q, k, v))   # [1, H, *, D]
+    out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, attn_mask=torch.from_numpy(mask)[None, None],
+                                                           scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1).numpy()
+
+
+CASES = [  # (T, Hq, Hkv, D, committed prefix, dtype)
+    (1, 4, 4, 32, 0, np.float32),       # decode, no prefix, MHA
+    (6, 9, 3, 64, 45, np.float32),      # SmolLM2's heads, S = 51: not a multiple of the block
+    (16, 8, 2, 64, 70, np.float16),     # a 16-token tree, fp16
+    (11, 6, 1, 48, 21, np.float32),     # MQA, head_dim not a power of two
+    (3, 4, 2, 16, 100, np.float16),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-H{c[1]}/{c[2]}-D{c[3]}-P{c[4]}-{np.dtype(c[5]).name}")
+def test_kernel_matches_torch_attention_on_tree_masks(case):
+    t, hq, hkv, d, prefix, dtype = case
+    rng = np.random.default_rng(t * 100 + prefix)
+    s = prefix + t
+    q, k, v = (rng.standard_normal(shape).astype(dtype) for shape in ((t, hq, d), (s, hkv, d), (s, hkv, d)))
+    mask = tree_mask(rng, t, prefix)
+    expected = sdpa(q, k, v, mask)
+    tol = 2e-3 if dtype == np.float16 else 2e-5
+    got = ta.run(q, k, v, mask)
+    assert got.dtype == dtype and got.shape == (t, hq, d)
+    assert np.abs(got.astype(np.float64) - expected).max() < tol
+    assert np.abs(ta.reference(q, k, v, mask).astype(np.float64) - expected).max() < tol
+    # the mask matters: attending to everything gives another answer (unless the tree is a full chain
+    # with no prefix at T = 1)
+    if mask.sum() < mask.size:
+        assert np.abs(ta.run(q, k, v, np.ones_like(mask)).astype(np.float64) - expected).max() > 10 * tol
+
+
+def test_scale_and_a_row_with_nothing_to_attend_to():
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((4, 2, 16), (9, 2, 16), (9, 2, 16)))
+    mask = tree_mask(rng, 4, 5)
+    assert np.abs(ta.run(q, k, v, mask, scale=0.3) - sdpa(q, k, v, mask, scale=0.3)).max() < 2e-5
+    mask[2] = False
+    out = ta.run(q, k, v, mask)
+    assert (out[2] == 0).all() and (ta.reference(q, k, v, mask)[2] == 0).all()
+
+
+def test_bad_inputs_name_what_was_expected():
+    q = np.zeros((2, 4, 8), np.float32)
+    kv = np.zeros((5, 3, 8), np.float32)
+    with pytest.raises(SpecexportError, match="multiple of Hkv"):
+        ta.run(q, kv, kv, np.ones((2, 5), bool))
+    kv = np.zeros((5, 2, 8), np.float32)
+    with pytest.raises(SpecexportError, match=r"mask: expected \[T, S\] = \[2, 5\]"):
+        ta.run(q, kv, kv, np.ones((2, 4), bool))
+    with pytest.raises(SpecexportError, match="fp16 or fp32"):
+        ta.run(q.astype(np.float64), kv, kv, np.ones((2, 5), bool))
+    with pytest.raises(SpecexportError, match="arch"):
+        ta.compile_ptx("hopper")
+
+
+def test_ptx_compiles_for_every_listed_architecture():
+    for arch in ta.ARCHS:
+        ptx = ta.compile_ptx(arch)
+        assert f".target {arch}" in ptx and ".entry tree_attention_kernel" in ptx, arch
+    info = ta.compile_kernel("sm_87", dtype="fp32", num_q_heads=8, num_kv_heads=8, head_dim=128, scale=0.1)
+    assert ".target sm_87" in info["ptx"] and info["num_warps"] == ta.NUM_WARPS and info["block_m"] == ta.BLOCK_M
+
+
+def test_importing_the_module_needs_no_triton():
+    code = ("import sys; import specexport.plugins.tree_attention as t; "
+            "assert 'triton' not in sys.modules, 'triton imported'; print(t.ARCHS)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
