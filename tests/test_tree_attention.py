@@ -96,3 +96,27 @@ def test_importing_the_module_needs_no_triton():
             "assert 'triton' not in sys.modules, 'triton imported'; print(t.ARCHS)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_tensorrt_plugin_is_lazy_and_fails_in_one_line_without_tensorrt():
+    """The plugin module imports neither TensorRT nor triton; without TensorRT, register() says so in one
+    line; the ONNX node it parses from carries the namespace, aot and the attributes."""
+    code = ("import sys; import specexport.plugins.trt_plugin as p; "
+            "assert not {'tensorrt', 'triton'} & set(sys.modules), 'imported at module import'; "
+            "node = p.plugin_node(['q', 'k', 'v', 'm'], ['o'], num_kv_heads=3, scale=0.125); "
+            "attrs = {a.name: a for a in node.attribute}; "
+            "assert node.op_type == 'tree_attention' and attrs['plugin_namespace'].s == b'specexport'; "
+            "assert attrs['aot'].i == 1 and attrs['num_kv_heads'].i == 3 and attrs['scale'].f == 0.125; "
+            "import importlib.util; print('trt' if importlib.util.find_spec('tensorrt') else 'none')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    from specexport.plugins import trt_plugin
+
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("TensorRT is importable here: register() would register")
+    except (ImportError, OSError):
+        pass
+    with pytest.raises(SpecexportError, match="TensorRT is not available") as err:
+        trt_plugin.register()
+    assert "\n" not in str(err.value)

@@ -72,7 +72,7 @@ def run(q, k, v, mask, *, scale=None) -> np.ndarray:
     kernel = _kernel(interpret=device == "cpu")
     g = hq // hkv
     grid = (hkv, _cdiv(t * g, BLOCK_M))
-    kernel[grid](tq, tk, tv, tm, out, t, s, **_constexprs(hq, hkv, d, scale))
+    kernel[grid](tq, tk, tv, tm, t, s, out, **_constexprs(hq, hkv, d, scale))
     return out.cpu().numpy()
 
 
@@ -102,7 +102,8 @@ def compile_kernel(arch: str, *, dtype: str = "fp16", num_q_heads: int = 9, num_
     from triton.compiler import ASTSource
 
     ptr = f"*{dtype}"
-    signature = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "mask_ptr": "*i8", "out_ptr": ptr, "T": "i32", "S": "i32",
+    # TensorRT's AOT plugins launch kernels as (input pointers, extra int scalars, output pointers)
+    signature = {"q_ptr": ptr, "k_ptr": ptr, "v_ptr": ptr, "mask_ptr": "*i8", "T": "i32", "S": "i32", "out_ptr": ptr,
                  **dict.fromkeys(_constexprs(num_q_heads, num_kv_heads, head_dim, scale), "constexpr")}
     source = ASTSource(fn=_kernel(interpret=False), signature=signature,
                        constexprs=_constexprs(num_q_heads, num_kv_heads, head_dim, scale))
@@ -183,7 +184,7 @@ def _kernel(*, interpret: bool):
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, T, S, HQ: tl.constexpr, HKV: tl.constexpr,
+    def tree_attention_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, T, S, out_ptr, HQ: tl.constexpr, HKV: tl.constexpr,
                               D: tl.constexpr, BLOCK_D: tl.constexpr, SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
                               BLOCK_N: tl.constexpr):
         G: tl.constexpr = HQ // HKV
