@@ -34,7 +34,7 @@ from specexport.errors import SpecexportError
 
 PRECISIONS = ("fp32", "int8", "int4")   # int8/int4: weight-only MatMulNBits made from fp32 (export/quantize.py)
 QUANTIZED = ("int8", "int4")             # checked against fp32 by a quality gate (export/quality.py)
-BACKENDS = ("onnxruntime",)          # tensorrt comes with the engine issue
+BACKENDS = ("onnxruntime", "tensorrt")   # tensorrt: refused by the build where TensorRT is absent (_tensorrt.py)
 MODEL_ROLES = ("target", "draft")
 TOP_KEYS = {"name", "target", "draft", "max_seq_len", "precisions", "backends", "output",
             "max_verify_tokens", "parity_tolerance", "eval_text", "quality_gates", "medusa", "quantization"}

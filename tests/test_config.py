@@ -109,7 +109,10 @@ def test_missing_config_file(tmp_path, capsys):
      "max_verify_tokens"),
     (lambda f: f.update(precisions=["fp8"]), r"precisions: 'fp8' is not supported; supported: fp32, int8, int4",
      "precisions"),
-    (lambda f: f.update(backends=["tensorrt"]), r"backends: 'tensorrt' is not supported", "backends"),
+    (lambda f: f.update(backends=["onnxruntime", "tensorrt"]), r"backends: tensorrt: TensorRT is not installed here "
+     r"\(.*\)\. TensorRT engines need an NVIDIA GPU", "TensorRT"),    # this machine has no TensorRT
+    (lambda f: f.update(backends=["tpu"]), r"backends: 'tpu' is not supported; supported: onnxruntime, tensorrt",
+     "backends"),
     (lambda f: f.update(parity_tolerance=-1), r"parity_tolerance: expected a positive number", "parity_tolerance"),
     (lambda f: f.update(name="a/b"), r"name: expected a folder-safe string", "name"),
     (lambda f: f["target"].update(aux_hidden_layers="all"), r"target\.aux_hidden_layers: expected a list",
@@ -120,7 +123,8 @@ def test_missing_config_file(tmp_path, capsys):
     (lambda f: f.update(target={"path": 5}), r"target\.path: ", "target.path"),
     (lambda f: f.update(output=5), r"output: ", "output"),
 ], ids=["unknown-key", "unknown-model-key", "missing-max_seq_len", "missing-name", "missing-path",
-        "zero-max_seq_len", "str-max_seq_len", "max_verify_tokens", "precision", "backend", "tolerance", "name",
+        "zero-max_seq_len", "str-max_seq_len", "max_verify_tokens", "precision", "tensorrt-absent", "backend",
+        "tolerance", "name",
         "aux-type", "aux-range", "path-not-a-string", "output-not-a-string"])
 def test_bad_keys_and_values(good, tmp_path, write_yaml, check_error, edit, match, key):
     edit(good)

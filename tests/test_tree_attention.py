@@ -120,3 +120,16 @@ def test_tensorrt_plugin_is_lazy_and_fails_in_one_line_without_tensorrt():
     with pytest.raises(SpecexportError, match="TensorRT is not available") as err:
         trt_plugin.register()
     assert "\n" not in str(err.value)
+
+
+def test_loading_a_build_on_tensorrt_fails_in_one_line_naming_it(built_llama):
+    import specexport
+
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("TensorRT is importable here")
+    except (ImportError, OSError):
+        pass
+    with pytest.raises(SpecexportError, match=r"backend tensorrt: TensorRT is not installed here") as err:
+        specexport.load(built_llama, backend="tensorrt")
+    assert "\n" not in str(err.value)

@@ -80,6 +80,10 @@ class Plan:
 
 
 def plan_build(cfg: BuildConfig) -> Plan:
+    if "tensorrt" in cfg.backends:               # before any work: one line naming what is missing
+        from specexport._tensorrt import engines_unavailable
+
+        engines_unavailable("backends: tensorrt")
     target = _plan_model(cfg.target, cfg)
     models = [target]
     vocab = _tokenizer_vocab(cfg.target)

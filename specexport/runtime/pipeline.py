@@ -79,6 +79,10 @@ class Pipeline:
                 raise SpecexportError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1
                                                           else "") + ": the build is damaged; rebuild it")
         self.precision, self.backend_kind = precision, backend
+        if backend == "tensorrt":          # at once, before reading the build: what is missing, in one line
+            from specexport._tensorrt import engines_unavailable
+
+            engines_unavailable("backend tensorrt")
         self.draft_precision = precision if draft_precision is None else draft_precision
         self.capacity = self.manifest["max_seq_len"]
         self.max_verify_tokens = self.manifest["max_verify_tokens"]

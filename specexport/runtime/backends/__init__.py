@@ -11,4 +11,8 @@ def open_backend(kind: str, model_dir, *, io, capacity: int, max_tokens: int, **
         from specexport.runtime.backends.ort import OrtBackend
 
         return OrtBackend(model_dir, io=io, capacity=capacity, max_tokens=max_tokens, **options)
+    if kind == "tensorrt":
+        from specexport._tensorrt import engines_unavailable
+
+        engines_unavailable("backend tensorrt")
     raise SpecexportError(f"backend: {kind!r} is not available in this version; available: onnxruntime")
