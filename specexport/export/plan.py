@@ -245,7 +245,7 @@ def _fingerprint(path: Path, options: dict) -> str:
 GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gqa.py", "export/to_onnx.py",
                  "export/registry.py",
                  "export/adapters/*.py")
-QUANTIZER_SOURCES = ("export/quantize.py", "export/quality.py")
+QUANTIZER_SOURCES = ("export/quantize.py", "export/smooth.py", "export/quality.py")
 HEADS_SOURCES = ("io_spec.py", "export/medusa.py", "export/medusa_tree.py", "export/to_onnx.py")
 
 
