@@ -59,6 +59,17 @@ class DistillConfig:
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
+# What the target-generated data depends on (the batch size too: generation batches share a seed), so
+# that a rerun with another draft shape, learning rate or --draft-vocab reuses the sequences.
+DATA_FIELDS = ("target", "prompts", "corpus", "num_prompts", "prompt_tokens", "new_tokens", "heldout", "batch_size",
+               "seed")
+
+
+def data_fingerprint(cfg) -> str:
+    keep = {k: str(getattr(cfg, k)) for k in DATA_FIELDS}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
     """Run (or resume) distillation; returns the report written to <out>/distill_report.json."""
     torch = require("torch")
@@ -117,7 +128,7 @@ def _check(cfg: DistillConfig) -> None:
         raise SpecexportError(f"target: {cfg.target} has no config.json")
     if (cfg.corpus is None) == (not cfg.prompts):
         raise SpecexportError("give prompts (--prompts FILE) or a corpus (--corpus DIR), exactly one of them")
-    if cfg.draft_vocab is not None and cfg.draft_vocab < 2:
+    if getattr(cfg, "draft_vocab", None) is not None and cfg.draft_vocab < 2:     # train-heads shares _check
         raise SpecexportError(f"--draft-vocab: expected >= 2 tokens, got {cfg.draft_vocab}")
     for name in ("layers", "steps", "batch_size", "num_prompts", "prompt_tokens", "new_tokens", "checkpoint_every"):
         if getattr(cfg, name) < 1:
@@ -129,7 +140,7 @@ def _load_or_make_data(cfg, target, tokenizer, state_dir: Path, console) -> dict
     path = state_dir / "data.pt"
     if path.is_file():
         data = torch.load(path, weights_only=False)
-        if data["fingerprint"] == cfg.fingerprint():
+        if data["fingerprint"] == data_fingerprint(cfg):
             return data
     if cfg.corpus is not None:
         prompts = distill_data.prompts_from_corpus(cfg.corpus, tokenizer, count=cfg.num_prompts + cfg.heldout,
@@ -150,7 +161,7 @@ def _load_or_make_data(cfg, target, tokenizer, state_dir: Path, console) -> dict
                                                seed=cfg.seed, eos_ids=eos, progress=lambda n: bar(n, None, None))
     finally:
         bar(None, None, None)
-    data = {"fingerprint": cfg.fingerprint(), "train": seqs, "heldout": _greedy_heldout(target, held, cfg.new_tokens)}
+    data = {"fingerprint": data_fingerprint(cfg), "train": seqs, "heldout": _greedy_heldout(target, held, cfg.new_tokens)}
     atomic_save(data, path)
     return data
 
