@@ -68,6 +68,8 @@ def _print_plan(plan) -> None:
     for m in plan.models:
         a = m.arch
         aux = f", aux hidden layers {list(m.io.aux_hidden_layers)}" if m.io.aux_hidden_layers else ""
+        if m.config.vocab is not None:          # a reduced output vocabulary: its size, from a file or measured
+            aux += f", proposes {m.io.vocab_size} of them ({m.config.vocab if isinstance(m.config.vocab, int) else m.config.vocab.name})"
         console.print(f"  {m.role}: {m.config.path} ({a.model_type}, {a.num_layers} layers x {a.hidden_size}, "
                       f"{a.num_heads}/{a.num_kv_heads} heads, vocab {a.vocab_size}{aux})")
     console.print(f"  stages: {', '.join(f'{r} {p}' for r, p in plan.stages())}")
