@@ -6,7 +6,9 @@ at temperature 1 follows the target's exact distribution, tokens outside the dra
 
 1. greedy: vanilla vs draft chains (γ 1..5) on the prompts, 64 new tokens each, token for token;
 2. G-test on the first two tokens of sampled speculative decoding (γ 3, temperature 1, one seed per
-   sample) against the exact joint p(x1) p(x2 | x1) computed with the fp32 target graph: cells are
+   sample, 3 new tokens: x1 comes from the prefill, x2 from the first draft-verify round, whose
+   proposal is accepted, rejected or replaced through the residual) against the exact joint
+   p(x1) p(x2 | x1) computed with the fp32 target graph: cells are
    the (x1, x2) pairs with an expected count >= 5, an "other x2" cell per such x1 and one "other"
    cell for the rest. The prompt is the one (of the first 8) where the target puts the most mass
    outside the draft's vocabulary, so the residual path is exercised; the observed and expected share
@@ -87,21 +89,25 @@ def main():
     print(f"2. G-test: prompt {k} ({len(prompt)} tokens), target mass outside the draft's vocabulary at "
           f"token 1: {oov_exact:.3f}; {len(expected)} cells, {n} samples (γ {GAMMA}, temperature 1)")
     observed = np.zeros(len(expected))
-    oov = accepted = proposed = 0
+    oov = oov2 = accepted = proposed = 0
     start = time.perf_counter()
     for s in range(n):
-        out = pipe.generate(prompt_ids=prompt, max_new_tokens=2, method="draft", gamma=GAMMA, temperature=1.0,
-                            seed=1000 + s)
+        out = pipe.generate(prompt_ids=prompt, max_new_tokens=3, method="draft", gamma=GAMMA, temperature=1.0,
+                            seed=1000 + s)     # 3: with 2 the budget leaves the round after x1 nothing to propose
         x, y = out.token_ids[:2]
+        if out.stats.proposed == 0:
+            raise SystemExit(f"sample {s}: no proposal was made, so x2 did not go through speculation")
         cell = cells.get((x, y), cells.get((x, None), other))
         observed[cell] += 1
         oov += not in_vocab[x]
+        oov2 += not in_vocab[y]
         accepted, proposed = accepted + out.stats.accepted, proposed + out.stats.proposed
     keep = expected > 0
     g, p = sps.power_divergence(observed[keep], expected[keep] * observed.sum() / expected[keep].sum(),
                                 lambda_="log-likelihood")
     print(f"   G = {g:.1f} on {keep.sum() - 1} degrees of freedom, p = {p:.3f}; first token outside the draft's "
-          f"vocabulary in {oov / n:.3f} of samples (exact {oov_exact:.3f}); acceptance {accepted / max(proposed, 1):.3f}; "
+          f"vocabulary in {oov / n:.3f} of samples (exact {oov_exact:.3f}), second token {oov2 / n:.3f}; acceptance "
+          f"{accepted / max(proposed, 1):.3f} of {proposed} proposals; "
           f"{time.perf_counter() - start:.0f} s")
 
 
