@@ -137,7 +137,8 @@ class TabularHeads:
         return self.order[:, a, b]                                             # [N, K]
 
 
-MEDUSA_CASES = [("T1", T1), ("top-k 3", SamplingParams(1.0, top_k=3)), ("top-p 0.8", SamplingParams(1.0, top_p=0.8))]
+# top-k 3 was a case too: the warps are shared with every proposer and G-tested in test_accept_stats (suite time)
+MEDUSA_CASES = [("T1", T1), ("top-p 0.8", SamplingParams(1.0, top_p=0.8))]
 
 
 @pytest.mark.parametrize("name,params", MEDUSA_CASES, ids=[c[0] for c in MEDUSA_CASES])

@@ -28,6 +28,7 @@ DRAFT = perturb_table(np.random.default_rng(1), TARGET, noise=1.0)
 ALPHA = 1e-4 / 8
 TEETH_P = 1e-6
 RUNS = 20_000
+TEETH_RUNS = 4_000       # each planted bug gives p < 1e-300 at 3,000 runs already
 
 
 class SubsetGraph:
@@ -137,7 +138,7 @@ def test_teeth(bug, monkeypatch):
     if bug == "residual over the subset":
         monkeypatch.setattr(loop, "accept_chain", residual_over_the_subset)
     params, prompt = SamplingParams(temperature=1.0), [5, 0, 4]
-    tokens, _, _ = decode_many(target, chain, prompt, params, RUNS, max_new=6, seed=5)
+    tokens, _, _ = decode_many(target, chain, prompt, params, TEETH_RUNS, max_new=6, seed=5)
     worst = min(fits(tokens, prompt, params).values(), key=lambda f: f.pvalue)
     assert worst.pvalue < TEETH_P, f"planted bug ({bug}) not detected: {worst}"
 

@@ -84,11 +84,23 @@ def test_bad_inputs_name_what_was_expected():
 
 
 def test_ptx_compiles_for_every_listed_architecture():
+    """In one child process without the interpreter (compile_ptx would start one per call here)."""
+    import json
+    import os
+
+    code = ("import json; from specexport.plugins import tree_attention as ta; "
+            "out = {a: ta.compile_ptx(a) for a in ta.ARCHS}; "
+            "out['fp32'] = ta.compile_kernel('sm_87', dtype='fp32', num_q_heads=8, num_kv_heads=8, head_dim=128, "
+            "scale=0.1); print(json.dumps(out))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
     for arch in ta.ARCHS:
-        ptx = ta.compile_ptx(arch)
-        assert f".target {arch}" in ptx and ".entry tree_attention_kernel" in ptx, arch
-    info = ta.compile_kernel("sm_87", dtype="fp32", num_q_heads=8, num_kv_heads=8, head_dim=128, scale=0.1)
+        assert f".target {arch}" in out[arch] and ".entry tree_attention_kernel" in out[arch], arch
+    info = out["fp32"]
     assert ".target sm_87" in info["ptx"] and info["num_warps"] == ta.NUM_WARPS and info["block_m"] == ta.BLOCK_M
+    assert ".entry tree_attention_kernel" in ta.compile_ptx("sm_89")     # and through the child-process path
 
 
 def test_importing_the_module_needs_no_triton():
