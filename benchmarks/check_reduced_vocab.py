@@ -75,13 +75,15 @@ def main():
     cond = {x: next_dist([*prompt, x]) for x in tops}
     cells, expected = {}, []
     for x in tops:
+        covered = 0.0
         for y in np.argsort(-cond[x]):
             if n * p1[x] * cond[x][y] < 5:
                 break
             cells[(x, int(y))] = len(expected)
             expected.append(p1[x] * cond[x][y])
+            covered += expected[-1]
         cells[(x, None)] = len(expected)
-        expected.append(p1[x] - sum(expected[cells[(x, int(y))]] for (a, y) in cells if a == x and y is not None))
+        expected.append(p1[x] - covered)
     other = len(expected)
     expected.append(1 - sum(expected))
     expected = np.maximum(np.array(expected), 0) * n

@@ -23,7 +23,7 @@ def require_tensorrt(where: str):
 
 def engines_unavailable(where: str):
     """TensorRT present: engine building and the engine backend are not in this version yet."""
-    require_tensorrt(where)
-    raise SpecexportError(f"{where}: TensorRT {__import__('tensorrt').__version__} is installed, but building and "
+    trt = require_tensorrt(where)
+    raise SpecexportError(f"{where}: TensorRT {trt.__version__} is installed, but building and "
                           "running TensorRT engines is not implemented in this version of specexport (the "
                           "tree-attention plugin is: specexport.plugins.trt_plugin); use backends: [onnxruntime]")

@@ -31,6 +31,7 @@ import sys
 import numpy as np
 
 from specexport._optional import require
+from specexport.errors import SpecexportError
 
 ARCHS = ("sm_87", "sm_89", "sm_90", "sm_110")      # Orin, Ada, Hopper, Thor
 BLOCK_M = 16                                       # query rows (T * G) per program; tl.dot needs >= 16
@@ -70,9 +71,7 @@ def run(q, k, v, mask, *, scale=None) -> np.ndarray:
     tm = torch.from_numpy(np.ascontiguousarray(mask, dtype=np.int8)).to(device)
     out = torch.empty_like(tq)
     kernel = _kernel(interpret=device == "cpu")
-    g = hq // hkv
-    grid = (hkv, _cdiv(t * g, BLOCK_M))
-    kernel[grid](tq, tk, tv, tm, t, s, out, **_constexprs(hq, hkv, d, scale))
+    kernel[grid(t, hq, hkv)](tq, tk, tv, tm, t, s, out, **_constexprs(hq, hkv, d, scale))
     return out.cpu().numpy()
 
 
@@ -88,8 +87,6 @@ def compile_ptx(arch: str, *, dtype: str = "fp16", num_q_heads: int = 9, num_kv_
 def compile_kernel(arch: str, *, dtype: str = "fp16", num_q_heads: int = 9, num_kv_heads: int = 3,
                    head_dim: int = 64, scale: float | None = None) -> dict:
     """{ptx, name, num_warps, shared, block_m}: what a launcher (the TensorRT plugin) needs."""
-    from specexport.errors import SpecexportError
-
     if arch not in ARCHS and not (arch.startswith("sm_") and arch[3:].isdigit()):
         raise SpecexportError(f"arch: expected sm_<NN> (one of {', '.join(ARCHS)}), got {arch!r}")
     if dtype not in ("fp16", "fp32"):
@@ -128,8 +125,6 @@ def _compile_in_child(arch: str, **kw) -> dict:
 
 def _interpreter_mode() -> None:
     """Triton's interpreter must be chosen before triton is imported."""
-    from specexport.errors import SpecexportError
-
     if os.environ.get("TRITON_INTERPRET") == "1":
         return
     if "triton" in sys.modules:
@@ -156,8 +151,6 @@ def _constexprs(hq: int, hkv: int, d: int, scale) -> dict:
 
 
 def _checked(q, k, v, mask):
-    from specexport.errors import SpecexportError
-
     q, k, v, mask = (np.asarray(a) for a in (q, k, v, mask))
     if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
         raise SpecexportError(f"tree attention: expected q [T, Hq, D] and k, v [S, Hkv, D], got q {q.shape}, "

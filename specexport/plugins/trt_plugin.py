@@ -26,17 +26,6 @@ NAMESPACE, NAME = "specexport", "tree_attention"
 PLUGIN_ID = f"{NAMESPACE}::{NAME}"
 
 
-def _tensorrt_plugin():
-    try:
-        import tensorrt  # noqa: F401
-        import tensorrt.plugin as trtp
-    except (ImportError, OSError) as err:
-        raise SpecexportError(f"TensorRT is not available ({type(err).__name__}: {str(err).splitlines()[0]}): "
-                              "the tree-attention plugin needs TensorRT >= 10.9 with its libraries (pip install "
-                              "tensorrt on a machine with an NVIDIA GPU and driver)") from None
-    return trtp
-
-
 def plugin_node(inputs, outputs, *, num_kv_heads: int, scale: float, name: str | None = None):
     """The ONNX node that TensorRT's ONNX parser hands to this plugin (onnx only; no TensorRT)."""
     import onnx
@@ -69,8 +58,10 @@ def gpu_arch() -> str:
 def register() -> str:
     """Register specexport::tree_attention with TensorRT's plugin registry (once per process); returns
     the plugin id. Call before parsing an ONNX graph that contains plugin nodes."""
-    trtp = _tensorrt_plugin()
-    import tensorrt as trt
+    from specexport._tensorrt import require_tensorrt
+
+    trt = require_tensorrt("tree-attention plugin")
+    import tensorrt.plugin as trtp
 
     from specexport.plugins import tree_attention as kernel
 
