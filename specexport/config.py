@@ -7,12 +7,14 @@ Relative paths resolve against the YAML file's folder.
     target: {path: models/target}     # HF directory: config.json, weights, tokenizer files
     draft: {path: models/draft}       # optional; same tokenizer and vocabulary as the target
     max_seq_len: 1024                 # capacity of the static KV buffers (prompt + generated)
-    precisions: [fp32, int8, int4]    # fp32 is always built: the reference and the source of the others
+    precisions: [fp32, int8, int4]    # fp32 is always built: the reference and the source of the others;
+                                      #   for GPUs: fp16, fp8, int8_sq (Q/DQ graphs, calibrate/)
     backends: [onnxruntime]
     output: engines/demo              # optional
     max_verify_tokens: 16             # optional: most tokens one verification pass takes (tree size)
     parity_tolerance: 1.0e-4          # optional: max|Δlogits| / max|logits| gate for fp32
     eval_text: data/heldout.txt       # optional: held-out text for the quantized graphs' quality gate
+    calibration_text: data/calib.txt  # optional: text that calibrates the Q/DQ graphs' activation ranges
     quality_gates: {int4: {min_top1: 0.8, max_kl: 0.2}}   # optional: per quantized precision
     quantization: {int8: {scheme: static_qdq}}   # optional: how int8/int4 are made (export/quantize.py)
     # per model, optional: aux_hidden_layers: [2, 8, 13] or "eagle3" (layers whose inputs are exported)
@@ -32,18 +34,24 @@ from pathlib import Path
 
 from specexport.errors import SpecexportError
 
-PRECISIONS = ("fp32", "int8", "int4")   # int8/int4: weight-only MatMulNBits made from fp32 (export/quantize.py)
-QUANTIZED = ("int8", "int4")             # checked against fp32 by a quality gate (export/quality.py)
+# int8/int4: for ONNX Runtime CPU (weight-only MatMulNBits by default); fp16/fp8/int8_sq: for GPUs (a cast
+# graph, E4M3 and SmoothQuant INT8 Q/DQ: calibrate/). All made from fp32 (export/quantize.py).
+PRECISIONS = ("fp32", "int8", "int4", "fp16", "fp8", "int8_sq")
+QUANTIZED = PRECISIONS[1:]               # checked against fp32 by a quality gate (export/quality.py)
+GPU_PRECISIONS = ("fp16", "fp8", "int8_sq")   # on ONNX Runtime CPU an accuracy path only: no speed claims
 BACKENDS = ("onnxruntime", "tensorrt")   # tensorrt: refused by the build where TensorRT is absent (_tensorrt.py)
 MODEL_ROLES = ("target", "draft")
 TOP_KEYS = {"name", "target", "draft", "max_seq_len", "precisions", "backends", "output",
-            "max_verify_tokens", "parity_tolerance", "eval_text", "quality_gates", "medusa", "quantization"}
+            "max_verify_tokens", "parity_tolerance", "eval_text", "calibration_text", "quality_gates", "medusa",
+            "quantization"}
 HEAD_KINDS = ("medusa",)                 # heads on the target's hidden states, built as their own graphs
 HEADS_KEYS = {"path", "top_k"}
 MODEL_KEYS = {"path", "aux_hidden_layers", "precisions", "quantization", "vocab"}
 # Quality gates of the quantized graphs against the fp32 graph, on held-out text: the share of positions
 # whose argmax agrees (min_top1) and the mean KL(p_fp32 || p_quant) of the next-token distribution (max_kl).
-DEFAULT_QUALITY_GATES = {"int8": {"min_top1": 0.90, "max_kl": 0.05}, "int4": {"min_top1": 0.80, "max_kl": 0.20}}
+DEFAULT_QUALITY_GATES = {"int8": {"min_top1": 0.90, "max_kl": 0.05}, "int4": {"min_top1": 0.80, "max_kl": 0.20},
+                         "fp16": {"min_top1": 0.98, "max_kl": 0.005}, "fp8": {"min_top1": 0.90, "max_kl": 0.05},
+                         "int8_sq": {"min_top1": 0.90, "max_kl": 0.05}}
 GATE_KEYS = ("min_top1", "max_kl")
 REQUIRED = ("name", "target", "max_seq_len")
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -79,6 +87,7 @@ class BuildConfig:
     max_verify_tokens: int = 16
     parity_tolerance: float = 1e-4
     eval_text: Path | None = None                   # held-out text for the quality gates (None: sampled)
+    calibration_text: Path | None = None            # text for Q/DQ calibration (None: eval_text's rest, or sampled)
     quality_gates: dict = field(default_factory=lambda: {p: dict(g) for p, g in DEFAULT_QUALITY_GATES.items()})
     source: Path | None = None                      # the YAML file this came from
     medusa: "HeadsConfig | None" = None
@@ -138,7 +147,8 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
         output=output if output.is_absolute() else (base / output),
         max_verify_tokens=max_verify,
         parity_tolerance=float(tol),
-        eval_text=_eval_text(raw.get("eval_text"), base),
+        eval_text=_text_file(raw.get("eval_text"), "eval_text", base),
+        calibration_text=_text_file(raw.get("calibration_text"), "calibration_text", base),
         quality_gates=_quality_gates(raw.get("quality_gates")),
         source=source,
         medusa=_heads(raw["medusa"], "medusa", base) if raw.get("medusa") is not None else None,
@@ -184,12 +194,12 @@ def _precisions(value, key: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(("fp32", *_choices(value, key, PRECISIONS))))
 
 
-def _eval_text(value, base: Path) -> Path | None:
+def _text_file(value, key: str, base: Path) -> Path | None:
     if value is None:
         return None
     if not isinstance(value, str):
-        raise SpecexportError(f"eval_text: expected a text file path (a string), got {value!r}")
-    return _existing_file(value, "eval_text", base)
+        raise SpecexportError(f"{key}: expected a text file path (a string), got {value!r}")
+    return _existing_file(value, key, base)
 
 
 def _existing_file(value: str, key: str, base: Path) -> Path:

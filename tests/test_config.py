@@ -107,7 +107,7 @@ def test_missing_config_file(tmp_path, capsys):
     (lambda f: f.update(max_seq_len="long"), r"max_seq_len: expected a positive integer, got 'long'", "max_seq_len"),
     (lambda f: f.update(max_verify_tokens=1), r"max_verify_tokens: expected 2\.\.max_seq_len \(64\), got 1",
      "max_verify_tokens"),
-    (lambda f: f.update(precisions=["fp8"]), r"precisions: 'fp8' is not supported; supported: fp32, int8, int4",
+    (lambda f: f.update(precisions=["bf16"]), r"precisions: 'bf16' is not supported; supported: fp32, int8, int4, fp16, fp8, int8_sq",
      "precisions"),
     (lambda f: f.update(backends=["onnxruntime", "tensorrt"]), r"backends: tensorrt: TensorRT is not installed here "
      r"\(.*\)\. TensorRT engines need an NVIDIA GPU", "TensorRT"),    # this machine has no TensorRT

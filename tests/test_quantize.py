@@ -196,7 +196,8 @@ def test_quantization_schemes_build_are_recorded_and_decode_losslessly(rebuild, 
     target, drafted = models["target"]["precisions"], models["draft"]["precisions"]
     assert target["int8"]["quantization"]["scheme"] == "static_qdq"
     assert target["int8"]["quantization"]["calibration"] == {"method": "Percentile", "CalibPercentile": 99.999,
-                                                             "sequences": 4, "smoothquant_alpha": 0.5}
+                                                             "sequences": 8, "smoothquant_alpha": 0.5, "seed": 1,
+                                                             "source": "sampled from the fp32 graph"}
     assert target["int8"]["row_dependence"]["two_tokens"] <= 1e-4 and target["int8"]["quantization"]["row_independent"]
     assert target["int8"]["min_tokens"] == 1                         # static Q/DQ: one-row passes agree too
     assert target["int4"]["quantization"]["block_size"] == 128 and drafted["int4"]["quantization"]["block_size"] == 128
@@ -254,14 +255,14 @@ def test_per_model_precisions_and_clear_runtime_errors(rebuild, quant_fields, ca
 # -- config --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("edit, match, key", [
-    (lambda f: f.update(precisions=["fp8"]), r"precisions: 'fp8' is not supported; supported: fp32, int8, int4",
+    (lambda f: f.update(precisions=["bf16"]), r"precisions: 'bf16' is not supported; supported: fp32, int8, int4, fp16, fp8, int8_sq",
      "precisions"),
     (lambda f: f["target"].update(precisions=["int3"]), r"target\.precisions: 'int3' is not supported",
      "target.precisions"),
     (lambda f: f.update(quality_gates={"int8": {"min_top": 0.9}}),
      r"quality_gates\.int8\.min_top: unknown key; allowed: min_top1, max_kl", "quality_gates.int8.min_top"),
     (lambda f: f.update(quality_gates={"fp32": {"min_top1": 0.9}}),
-     r"quality_gates\.fp32: unknown key; allowed: int8, int4 \(fp32 is gated against PyTorch", "quality_gates.fp32"),
+     r"quality_gates\.fp32: unknown key; allowed: int8, int4, fp16, fp8, int8_sq \(fp32 is gated against PyTorch", "quality_gates.fp32"),
     (lambda f: f.update(quality_gates={"int4": {"min_top1": 2}}),
      r"quality_gates\.int4\.min_top1: expected a number in 0\.\.1", "quality_gates.int4.min_top1"),
     (lambda f: f.update(quality_gates={"int4": {"max_kl": -1}}), r"quality_gates\.int4\.max_kl: expected a number >= 0",
@@ -309,7 +310,7 @@ def test_config_precisions_resolve_per_model_with_fp32_first(tiny_checkpoints, t
     cfg = load_config(path)
     assert cfg.precisions == ("fp32", "int8")
     assert cfg.target.precisions == ("fp32", "int8") and cfg.draft.precisions == ("fp32", "int4")
-    assert cfg.quality_gates == {"int8": DEFAULT_QUALITY_GATES["int8"], "int4": {"min_top1": 0.5, "max_kl": 0.2}}
+    assert cfg.quality_gates == {**DEFAULT_QUALITY_GATES, "int4": {"min_top1": 0.5, "max_kl": 0.2}}
     assert plan_build(cfg).stages() == [("target", "fp32"), ("target", "int8"), ("draft", "fp32"), ("draft", "int4")]
 
 

@@ -50,7 +50,8 @@ def _print_quick_bench(cfg) -> None:
     for col in ("target", "draft", "method", "γ", "tok/s", "acceptance", "speedup"):
         table.add_column(col)
     for t, d, m, g, tps, acc, spd in short_table(report):
-        table.add_row(t, d, m, str(g), f"{tps:.1f}", "-" if acc is None else f"{acc:.2f}",
+        table.add_row(t, d, m, str(g), "accuracy only" if tps is None else f"{tps:.1f}",
+                      "-" if acc is None else f"{acc:.2f}",
                       "-" if spd is None else f"{spd:.2f}x")
     Console().print(table)
     for p, c in report["gamma_auto"].items():
@@ -109,7 +110,7 @@ def checks_table(manifest: dict, *, title: str | None = None, build_columns: boo
                             else "sequences sampled from each model's fp32 graph")
     caption = "fp32: rel err of the logits vs PyTorch"
     if sources:
-        caption += f"; int8/int4: top-1 agreement, mean KL and rel err vs fp32 on {' and '.join(sorted(sources))}"
+        caption += f"; quantized: top-1 agreement, mean KL and rel err vs fp32 on {' and '.join(sorted(sources))}"
     table.caption = caption
     return table
 

@@ -203,8 +203,9 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
     """Quantize the model's fp32 graph, check it against that graph (quality gate), rename into place.
 
     `samples` caches this model's eval sequences between its quantized precisions."""
+    from specexport.calibrate.ptq import ORT_OPTIMIZATION
     from specexport.export.quality import ROW_TOLERANCE, measure_quality, row_dependence, runtime_session
-    from specexport.export.quantize import describe, quantize_graph
+    from specexport.export.quantize import CALIBRATED, describe, quantize_graph
     from specexport.export.to_onnx import check_graph_io
     from specexport.export.validate import compare, onnx_logits, parity_case
 
@@ -217,13 +218,21 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
     try:
         reference = runtime_session(source)
         sequences, text = _eval_sequences(plan, mp, reference, reporter, samples)
-        calibration = _calibration_sequences(plan, mp, reference) if scheme["scheme"] == "static_qdq" else []
+        calibration, calibrated_on, feeds = [], {}, []
+        if scheme["scheme"] in CALIBRATED:
+            calibration, calibrated_on = _calibration_sequences(plan, mp, reference)
+        if scheme["scheme"] in ("modelopt", "smoothquant"):
+            from specexport.calibrate.feeds import runtime_feeds
+
+            feeds, record = runtime_feeds(reference, mp.io, calibration)
+            calibrated_on.update(record)
         with reporter.stage(f"quantize {mp.role} {precision} from fp32 ({scheme['scheme']}"
                             f"{', ' + options if options else ''})"):
             names = [f.name for f in quantize_graph(source, partial / "model.onnx", precision, scheme, io=mp.io,
-                                                    calibration=calibration)]
+                                                    calibration=calibration, feeds=feeds)]
             check_graph_io(partial / "model.onnx", mp.io)
-        quantized = runtime_session(partial / "model.onnx")
+        optimization = ORT_OPTIMIZATION.get(precision, "all")
+        quantized = runtime_session(partial / "model.onnx", optimization=optimization)
         with reporter.stage(f"check {mp.role} {precision} against fp32 on {text['label']}"):
             quality = measure_quality(reference, quantized, mp.io, sequences)
             rows = {"one_token": row_dependence(quantized, mp.io, sequences[0], last=1),
@@ -254,7 +263,9 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
         shutil.rmtree(partial, ignore_errors=True)
     entry = {
         **_files_entry(out, final, names),
-        "quantization": describe(precision, scheme, calibration_sequences=len(calibration)),
+        "quantization": describe(precision, scheme, calibration_sequences=len(calibration),
+                                 calibration=calibrated_on),
+        "ort_optimization": optimization,      # the session's graph optimisation level (runtime: OrtBackend)
         "row_dependence": rows,
         "min_tokens": min_tokens if mp.role == "target" else 1,   # the runtime pads smaller target calls
         "top1_agreement": quality.top1_agreement,
@@ -271,14 +282,30 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
     return StageResult(mp.role, precision, entry, skipped=False)
 
 
-def _calibration_sequences(plan: Plan, mp: ModelPlan, fp32_session) -> list:
-    """Activation-range calibration data for static quantization: sequences sampled from the fp32 graph
-    with another seed than the quality gate's, so the gate stays on data the calibration never saw."""
-    from specexport.export.quality import EVAL_LENGTH, EVAL_SEQUENCES, SAMPLE_SEED, sampled_sequences
+CALIBRATION_SEQUENCES = 8
 
-    return sampled_sequences(fp32_session, mp.io, start=mp.arch.bos_token_id, ids=mp.vocab_ids,
-                             length=min(EVAL_LENGTH, plan.config.max_seq_len), count=EVAL_SEQUENCES,
-                             seed=SAMPLE_SEED + 1)
+
+def _calibration_sequences(plan: Plan, mp: ModelPlan, fp32_session) -> tuple[list, dict]:
+    """Activation-range calibration data for static quantization and where it came from: the chunks of
+    calibration_text; else eval_text's tokens after the ones the quality gate reads; else sequences
+    sampled from the fp32 graph with another seed than the gate's. The gate stays on data the
+    calibration never saw."""
+    from specexport.export.quality import (EVAL_LENGTH, EVAL_SEQUENCES, SAMPLE_SEED, sampled_sequences,
+                                           text_sequences)
+
+    length, bos = min(EVAL_LENGTH, plan.config.max_seq_len), mp.arch.bos_token_id
+    if plan.calibration_ids is not None:
+        return (text_sequences(plan.calibration_ids, bos=bos, length=length, count=CALIBRATION_SEQUENCES),
+                {"source": "calibration_text", "path": str(plan.config.calibration_text)})
+    if plan.eval_ids is not None:
+        rest = plan.eval_ids[EVAL_SEQUENCES * (length - (bos is not None)):]
+        chunks = text_sequences(rest, bos=bos, length=length, count=CALIBRATION_SEQUENCES)
+        if chunks:
+            return chunks, {"source": "eval_text, after the tokens the quality gate reads",
+                            "path": str(plan.config.eval_text)}
+    seqs = sampled_sequences(fp32_session, mp.io, start=bos, ids=mp.vocab_ids, length=length,
+                             count=CALIBRATION_SEQUENCES, seed=SAMPLE_SEED + 1)
+    return seqs, {"source": "sampled from the fp32 graph", "seed": SAMPLE_SEED + 1}
 
 
 def _eval_sequences(plan: Plan, mp: ModelPlan, fp32_session, reporter: Reporter, samples: dict):

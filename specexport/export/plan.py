@@ -57,6 +57,7 @@ class Plan:
     special_tokens: dict = field(default_factory=dict)
 
     eval_ids: tuple[int, ...] | None = None    # eval_text through the target tokenizer (None: no eval_text)
+    calibration_ids: tuple[int, ...] | None = None   # calibration_text, the same way
     heads: tuple[HeadsPlan, ...] = ()
 
     def stages(self) -> list[tuple[str, str]]:
@@ -71,7 +72,8 @@ class Plan:
         options = {"model": mp.fingerprint, "precision": precision, "quantizer": mp.config.quantization[precision],
                    "gate": self.config.quality_gates[precision], "quality": SETTINGS,
                    "quantizer_code": source_hash(QUANTIZER_SOURCES),
-                   "eval": hashlib.sha256(json.dumps(self.eval_ids).encode()).hexdigest()}
+                   "eval": hashlib.sha256(json.dumps(self.eval_ids).encode()).hexdigest(),
+                   "calibration": hashlib.sha256(json.dumps(self.calibration_ids).encode()).hexdigest()}
         return hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
@@ -84,6 +86,7 @@ def plan_build(cfg: BuildConfig) -> Plan:
         from specexport._tensorrt import engines_unavailable
 
         engines_unavailable("backends: tensorrt")
+    _check_quantizers(cfg)
     target = _plan_model(cfg.target, cfg)
     models = [target]
     vocab = _tokenizer_vocab(cfg.target)
@@ -100,7 +103,22 @@ def plan_build(cfg: BuildConfig) -> Plan:
                "pad_token_id": target.arch.pad_token_id}
     heads = (_plan_medusa(cfg.medusa, target),) if cfg.medusa is not None else ()
     return Plan(config=cfg, models=tuple(models), tokenizer_files=tok_files, special_tokens=special,
-                eval_ids=_eval_ids(cfg), heads=heads)
+                eval_ids=_text_ids(cfg, cfg.eval_text, "eval_text"),
+                calibration_ids=_text_ids(cfg, cfg.calibration_text, "calibration_text"), heads=heads)
+
+
+def _check_quantizers(cfg: BuildConfig) -> None:
+    """Before any work: the fp8 / int8_sq precisions need NVIDIA ModelOpt (and the parts of its ONNX
+    extra it imports)."""
+    import importlib.util
+
+    wanted = sorted({p for m in (cfg.target, cfg.draft) if m is not None for p in m.precisions
+                     if m.quantization.get(p, {}).get("scheme") in ("modelopt", "smoothquant")})
+    missing = [name for name in ("modelopt", "onnx_graphsurgeon", "onnxslim", "polygraphy", "lief", "cppimport")
+               if importlib.util.find_spec(name) is None]
+    if wanted and missing:
+        raise SpecexportError(f"precisions: {', '.join(wanted)} need NVIDIA ModelOpt's ONNX quantization, and "
+                              f"{', '.join(missing)} cannot be imported here: pip install 'specexport[quant]'")
 
 
 def _plan_medusa(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
@@ -117,21 +135,21 @@ def _plan_medusa(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
     return HeadsPlan(config=hc, weights=weights, io=io, fingerprint=fingerprint)
 
 
-def _eval_ids(cfg: BuildConfig) -> tuple[int, ...] | None:
-    """The held-out text's token ids (target tokenizer, no special tokens); checked long enough here."""
+def _text_ids(cfg: BuildConfig, path: Path | None, key: str) -> tuple[int, ...] | None:
+    """A text file's token ids (target tokenizer, no special tokens); checked long enough here."""
     from specexport.export.quality import MIN_EVAL_TOKENS
 
-    if cfg.eval_text is None:
+    if path is None:
         return None
     try:
-        text = cfg.eval_text.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
-        raise SpecexportError(f"eval_text: {cfg.eval_text} is not a readable UTF-8 text file ({err})") from None
+        raise SpecexportError(f"{key}: {path} is not a readable UTF-8 text file ({err})") from None
     tok = require("transformers").AutoTokenizer.from_pretrained(cfg.target.path)
     ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
     if len(ids) < MIN_EVAL_TOKENS:
-        raise SpecexportError(f"eval_text: {cfg.eval_text} has {len(ids)} tokens; the quality gate needs at least "
-                              f"{MIN_EVAL_TOKENS}")
+        needs = "the quality gate" if key == "eval_text" else "calibration"
+        raise SpecexportError(f"{key}: {path} has {len(ids)} tokens; {needs} needs at least {MIN_EVAL_TOKENS}")
     return ids
 
 
@@ -245,7 +263,7 @@ def _fingerprint(path: Path, options: dict) -> str:
 GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gqa.py", "export/to_onnx.py",
                  "export/registry.py",
                  "export/adapters/*.py")
-QUANTIZER_SOURCES = ("export/quantize.py", "export/smooth.py", "export/quality.py")
+QUANTIZER_SOURCES = ("export/quantize.py", "export/smooth.py", "export/quality.py", "calibrate/*.py")
 HEADS_SOURCES = ("io_spec.py", "export/medusa.py", "export/medusa_tree.py", "export/to_onnx.py")
 
 

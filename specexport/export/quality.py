@@ -47,11 +47,15 @@ class QualityReport:
                 f"over {self.positions} positions of {self.sequences} sequences")
 
 
-def runtime_session(onnx_path):
-    """An ORT CPU session configured like the runtime's (OrtBackend)."""
+def runtime_session(onnx_path, optimization: str = "all"):
+    """An ORT CPU session configured like the runtime's (OrtBackend; `optimization` as the manifest's
+    ort_optimization: "basic" for FP8 Q/DQ graphs, which full optimisation would fuse into kernels
+    without FP8)."""
+    from specexport.runtime.backends.ort import OPTIMIZATION_LEVELS
+
     ort = require("onnxruntime")
     opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[optimization])
     return ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
 
 

@@ -1,4 +1,6 @@
-"""fp32 ONNX graph -> quantized graph (int8 / int4) with onnxruntime's quantization tools, by scheme.
+"""fp32 ONNX graph -> quantized graph, by scheme: int8 / int4 for ONNX Runtime CPU (here, with
+onnxruntime's quantization tools), fp16 / fp8 / int8_sq for GPUs (calibrate/: a cast pass and
+NVIDIA ModelOpt's Q/DQ).
 
 Schemes (`quantization: {int8: {scheme: ..., ...}}` in model.yaml; SCHEMES has each one's options):
   matmulnbits  every MatMul with a constant weight (attention projections, MLP, lm_head) becomes
@@ -17,7 +19,11 @@ Schemes (`quantization: {int8: {scheme: ..., ...}}` in model.yaml; SCHEMES has e
                9e-2 on the tiny llama): verifying γ+1 tokens disagrees with one-token decoding and
                speculative output differs from the graph's own vanilla output. The build refuses it
                for a target (the row-independence check in build.py); a draft may use it.
-Embeddings, norms and attention stay fp32, and so does the IO table.
+  cast         fp16 only: every node in fp16 but attention and the rotary angles (calibrate/fp16.py).
+  modelopt     fp8 only: E4M3 Q/DQ (calibrate/ptq.py). Options: `calibrate` (max, entropy),
+               `lm_head` (fp32: left unquantized; quantized).
+  smoothquant  int8_sq only: SmoothQuant (`smooth_alpha`), then INT8 Q/DQ with ModelOpt (calibrate/ptq.py).
+Embeddings, norms and attention stay fp32 (fp16 in the cast graph), and so does the IO table.
 """
 from __future__ import annotations
 
@@ -27,38 +33,61 @@ from pathlib import Path
 
 from specexport._optional import require
 
-BITS = {"int8": 8, "int4": 4}
+BITS = {"int8": 8, "int4": 4, "fp16": 16, "fp8": 8, "int8_sq": 8}
+ALPHAS = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 # scheme -> (precisions it can make, {option: (default, allowed values or a type)})
 SCHEMES = {
     "matmulnbits": (("int8", "int4"), {"block_size": (32, (16, 32, 64, 128, 256)), "accuracy_level": (4, (0, 1, 2, 3, 4))}),
-    "static_qdq": (("int8",), {"smooth_alpha": (0.0, (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)),
+    "static_qdq": (("int8",), {"smooth_alpha": (0.0, ALPHAS),
                                "calibrate": ("minmax", ("minmax", "percentile", "entropy")),
                                "lm_head": ("int8", ("int8", "fp32"))}),
     "dynamic": (("int8",), {}),
+    "cast": (("fp16",), {}),
+    "modelopt": (("fp8",), {"calibrate": ("max", ("max", "entropy")), "lm_head": ("fp32", ("fp32", "quantized"))}),
+    "smoothquant": (("int8_sq",), {"smooth_alpha": (0.5, ALPHAS), "calibrate": ("max", ("max", "entropy")),
+                                   "lm_head": ("fp32", ("fp32", "quantized"))}),
 }
-DEFAULT_SCHEME = "matmulnbits"
-ROW_INDEPENDENT = {"matmulnbits": True, "static_qdq": True, "dynamic": False}
+DEFAULT_SCHEMES = {"int8": "matmulnbits", "int4": "matmulnbits", "fp16": "cast", "fp8": "modelopt",
+                   "int8_sq": "smoothquant"}
+CALIBRATED = ("static_qdq", "modelopt", "smoothquant")        # schemes that need calibration data
+ROW_INDEPENDENT = {"matmulnbits": True, "static_qdq": True, "dynamic": False, "cast": True, "modelopt": True,
+                   "smoothquant": True}
 TOOLS = {
     "matmulnbits": ("onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer", "MatMulNBits"),
     "static_qdq": ("onnxruntime.quantization.quantize_static", "QuantizeLinear/DequantizeLinear + MatMul (U8S8)"),
     "dynamic": ("onnxruntime.quantization.quantize_dynamic", "DynamicQuantizeLinear + MatMulInteger"),
+    "cast": ("specexport.calibrate.fp16.to_fp16", "fp16 compute, fp32 IO"),
+    "modelopt": ("modelopt.onnx.quantization.quantize (quantize_mode fp8)", "QuantizeLinear/DequantizeLinear E4M3"),
+    "smoothquant": ("specexport.export.smooth + modelopt.onnx.quantization.quantize (quantize_mode int8)",
+                    "QuantizeLinear/DequantizeLinear INT8 (symmetric)"),
 }
 
 
 def default_scheme(precision: str) -> dict:
-    return {"scheme": DEFAULT_SCHEME, **{k: d for k, (d, _) in SCHEMES[DEFAULT_SCHEME][1].items()}}
+    name = DEFAULT_SCHEMES[precision]
+    return {"scheme": name, **{k: d for k, (d, _) in SCHEMES[name][1].items()}}
 
 
 def quantize_graph(source: Path, dest: Path, precision: str, scheme: dict | None = None, *, io=None,
-                   calibration=()) -> list[Path]:
+                   calibration=(), feeds=()) -> list[Path]:
     """Write the `precision` version of the fp32 graph `source` to `dest` (+ `dest`.data); returns the files.
-    static_qdq calibrates on `calibration` (token sequences, fed through `io`)."""
+    static_qdq calibrates on `calibration` (token sequences, fed through `io`), modelopt and
+    smoothquant on `feeds` (calibrate.feeds.runtime_feeds: the runtime's shapes with real past KV)."""
     scheme = scheme or default_scheme(precision)
     kind = scheme["scheme"]
     onnx = require("onnx")
     q = require("onnxruntime.quantization")
     with _quiet_quantizer():
-        if kind == "matmulnbits":
+        if kind == "cast":
+            from specexport.calibrate.fp16 import to_fp16
+
+            onnx.save(to_fp16(onnx.load(str(source))), str(dest), save_as_external_data=True,
+                      location=dest.name + ".data")
+        elif kind in ("modelopt", "smoothquant"):
+            from specexport.calibrate.ptq import quantize_qdq
+
+            quantize_qdq(source, dest, precision, scheme, list(feeds))
+        elif kind == "matmulnbits":
             nbits = require("onnxruntime.quantization.matmul_nbits_quantizer")
             quantizer = nbits.MatMulNBitsQuantizer(onnx.load(str(source)), bits=BITS[precision], is_symmetric=False,
                                                    block_size=scheme["block_size"],
@@ -124,8 +153,9 @@ def _Reader(q, feeds):
     return Reader()
 
 
-def describe(precision: str, scheme: dict | None = None, *, calibration_sequences: int = 0) -> dict:
-    """The manifest's `quantization` record of a precision."""
+def describe(precision: str, scheme: dict | None = None, *, calibration_sequences: int = 0,
+             calibration: dict | None = None) -> dict:
+    """The manifest's `quantization` record of a precision (`calibration`: what calibrated it)."""
     scheme = scheme or default_scheme(precision)
     tool, op = TOOLS[scheme["scheme"]]
     out = {"tool": tool, "op": op, "bits": BITS[precision], **scheme, "source_precision": "fp32",
@@ -133,7 +163,13 @@ def describe(precision: str, scheme: dict | None = None, *, calibration_sequence
     if scheme["scheme"] == "static_qdq":
         method, extra = CALIBRATORS[scheme.get("calibrate", "minmax")]
         out["calibration"] = {"method": method, **extra, "sequences": calibration_sequences,
-                              "smoothquant_alpha": scheme.get("smooth_alpha", 0.0)}
+                              "smoothquant_alpha": scheme.get("smooth_alpha", 0.0), **(calibration or {})}
+    if scheme["scheme"] in ("modelopt", "smoothquant"):
+        out["calibration"] = {"method": scheme["calibrate"], "sequences": calibration_sequences, **(calibration or {})}
+        out["high_precision"] = "fp32"
+        from importlib.metadata import version
+
+        out["modelopt_version"] = version("nvidia-modelopt")
     return out
 
 

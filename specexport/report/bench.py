@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from specexport.config import GPU_PRECISIONS
 from specexport.errors import SpecexportError
 from specexport.gamma import store_gamma_choices
 from specexport.manifest import read_manifest, write_json_atomic, write_text_atomic
@@ -35,7 +36,14 @@ PEER_SETTLE_S = 0.1
 ROW_KEYS = ("precision", "draft_precision", "method", "gamma", "tokens_per_s", "ttft_ms", "tpot_ms_p50", "tpot_ms_p90",
             "acceptance_rate", "acceptance_per_position", "mean_accepted_tokens", "speedup_vs_vanilla",
             "speedup_ci95", "ideal_speedup", "efficiency", "draft_step_ratio", "verify_step_ratio",
-            "ideal_free_draft", "ideal_free_verify", "capped_by", "speedup_vs_fp32_vanilla", "speedup_vs_fp32_ci95")
+            "ideal_free_draft", "ideal_free_verify", "capped_by", "speedup_vs_fp32_vanilla", "speedup_vs_fp32_ci95",
+            "accuracy_only")
+# Rows whose target or draft is a GPU precision (fp16 / fp8 / int8_sq graphs) run on ONNX Runtime CPU as an
+# accuracy path (FP8 Q/DQ is emulated there): they report acceptance and tokens per pass, and no time.
+SPEED_KEYS = ("tokens_per_s", "ttft_ms", "prefill_ms", "draft_prefill_ms", "tpot_ms_p50", "tpot_ms_p90",
+              "tokens_per_s_end_to_end", "speedup_vs_vanilla", "speedup_ci95", "ideal_speedup", "efficiency",
+              "draft_step_ratio", "verify_step_ratio", "ideal_free_draft", "ideal_free_verify", "capped_by",
+              "speedup_vs_fp32_vanilla", "speedup_vs_fp32_ci95")
 
 
 class Config(NamedTuple):
@@ -336,7 +344,7 @@ def _row(c: Config, runs, costs) -> dict:
         interval = acc.speedup_interval(st, vanilla) if vanilla else None
         if c1:
             where = acc.where_time_goes(st, c_vanilla1=c1, c_target=cost["target"], c_draft=cost["draft"])
-    return {
+    row = {
         "precision": tp, "draft_precision": dp, "method": method, "gamma": g, "draft_stop": stop, "tree": c.tree,
         "tokens_per_s": tps, **acc.timing_figures(st),
         # conditional acceptance per position needs chains of a fixed length: not adaptive, lookup or tree rows
@@ -345,7 +353,9 @@ def _row(c: Config, runs, costs) -> dict:
         "efficiency": speedup / ideal if speedup and ideal else None, **where,
         "speedup_vs_fp32_vanilla": tps / fp32_tps if tps and fp32_tps else None,
         "speedup_vs_fp32_ci95": acc.speedup_interval(st, fp32) if fp32_tps else None,
+        "accuracy_only": tp in GPU_PRECISIONS or dp in GPU_PRECISIONS,
     }
+    return {**row, **dict.fromkeys(SPEED_KEYS)} if row["accuracy_only"] else row
 
 
 def _gamma_choice(rows, costs, isolated, max_gamma: int) -> dict:
@@ -353,7 +363,7 @@ def _gamma_choice(rows, costs, isolated, max_gamma: int) -> dict:
     step costs predict best; step costs from the runs, sizes they did not make from the isolated timing."""
     choice = {}
     for r in rows:
-        if r["method"] != "draft" or r["draft_stop"] or not r["acceptance_conditional"]:
+        if r["method"] != "draft" or r["draft_stop"] or not r["acceptance_conditional"] or r["accuracy_only"]:
             continue
         key = (r["precision"], r["draft_precision"])
         if key in choice and choice[key]["measured_at_gamma"] >= r["gamma"]:
@@ -407,7 +417,8 @@ def _acceptance_drop(rows) -> list:
                 and not r["draft_stop"] and not r["tree"]:
             out.append({"target": r["precision"], "draft": r["draft_precision"], "gamma": r["gamma"],
                         "acceptance": r["acceptance_rate"], "fp32_acceptance": ref[r["gamma"]],
-                        "drop": ref[r["gamma"]] - r["acceptance_rate"]})
+                        "drop": ref[r["gamma"]] - r["acceptance_rate"],
+                        "tokens_per_pass": r["mean_accepted_tokens"], "accuracy_only": r["accuracy_only"]})
     return out
 
 
@@ -468,11 +479,13 @@ def quick_bench(output_dir: Path, *, max_verify_tokens: int, log=print) -> dict:
 
 
 def short_table(report: dict) -> list[tuple]:
-    """(target, draft, method, γ, tok/s, acceptance, speedup) rows: vanilla and the best γ per precision."""
+    """(target, draft, method, γ, tok/s, acceptance, speedup) rows: vanilla and the best γ per precision
+    (accuracy-only rows: the most tokens per pass; their tok/s and speedup are None)."""
     best = {}
+    score = lambda r: (r["mean_accepted_tokens"] if r["accuracy_only"] else r["speedup_vs_vanilla"]) or 0  # noqa: E731
     for r in report["rows"]:
         key = (r["precision"], r["draft_precision"], r["method"])
-        if key not in best or (r["speedup_vs_vanilla"] or 0) > (best[key]["speedup_vs_vanilla"] or 0):
+        if key not in best or score(r) > score(best[key]):
             best[key] = r
     return [(r["precision"], r["draft_precision"] or "-", r["method"], r["gamma"] or "-", r["tokens_per_s"],
              r["acceptance_rate"], r["speedup_vs_vanilla"]) for r in best.values()]

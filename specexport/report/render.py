@@ -27,7 +27,9 @@ def render_markdown(report: dict) -> str:
              f"with a 95% paired-bootstrap interval over (prompt, round) cells ({st['bootstrap_resamples']} "
              "resamples). Ideal: the speedup if only the forwards cost time, from the forwards the rounds "
              "actually made and the mean in-run cost of each size; efficiency = speedup / ideal. vs fp32: a "
-             "quantized target's row over the fp32 target's vanilla tok/s, interval alike.", "",
+             "quantized target's row over the fp32 target's vanilla tok/s, interval alike. \"accuracy only\": a "
+             "GPU precision (fp16, fp8, int8_sq) run on ONNX Runtime CPU, where its Q/DQ is emulated: its "
+             "acceptance and tokens per pass are what the GPU engine gets, its time is not.", "",
              f"Threads: {threads} (the fastest for vanilla of those tried; speculative rows use the same "
              f"session); draft {st['draft_threads']} thread.", "",
              "| target | draft | method | γ | tok/s | TTFT ms | TPOT p50 | TPOT p90 | acceptance | tokens/pass "
@@ -39,7 +41,8 @@ def render_markdown(report: dict) -> str:
         lines.append(f"| {r['precision']} | {r['draft_precision'] or '-'} | {r['method']} | {g} | "
                      f"{_f(r['tokens_per_s'], '.1f')} | {_f(r['ttft_ms'], '.2f')} | {_f(r['tpot_ms_p50'], '.3f')} | "
                      f"{_f(r['tpot_ms_p90'], '.3f')} | {_f(r['acceptance_rate'], '.3f')} | "
-                     f"{_f(r['mean_accepted_tokens'], '.2f')} | {_speedup(r)} | "
+                     f"{_f(r['mean_accepted_tokens'], '.2f')} | "
+                     f"{'accuracy only' if r.get('accuracy_only') else _speedup(r)} | "
                      f"{_f(r['ideal_speedup'], '.2f')}x | {_f(r['efficiency'], '.2f')} | "
                      f"{_speedup(r, 'speedup_vs_fp32_vanilla', 'speedup_vs_fp32_ci95')} |")
     lines += ["", "## Where the time goes", "",
@@ -72,7 +75,8 @@ def render_markdown(report: dict) -> str:
         lines += ["", "## Acceptance cost of quantization (vs fp32 target and draft)", ""]
         for d in report["acceptance_drop"]:
             lines.append(f"- target {d['target']}, draft {d['draft']}, γ {d['gamma']}: {d['acceptance']:.3f} "
-                         f"(fp32 {d['fp32_acceptance']:.3f}, drop {d['drop']:+.3f})")
+                         f"(fp32 {d['fp32_acceptance']:.3f}, drop {d['drop']:+.3f}; "
+                         f"{_f(d.get('tokens_per_pass'), '.2f')} tokens per pass)")
     lines += ["", "## Step costs (ms per forward; in-run: mean of the decode-time forwards of the runs, "
               "used for the ideal and the γ choice; isolated: median of one forward at a 64-token context, "
               "used to predict γ beyond the sizes the runs made)", ""]

@@ -165,6 +165,8 @@ class Pipeline:
         options = dict(self._options)
         if stage.get("min_tokens", 1) > 1:          # the build measured this graph's one-row kernels differ
             options["min_tokens"] = stage["min_tokens"]
+        if stage.get("ort_optimization", "all") != "all":     # FP8 Q/DQ graphs: basic (calibrate/ptq.py)
+            options["optimization"] = stage["ort_optimization"]
         backend = open_backend(self.backend_kind, self.dir / stage["dir"], io=ModelIO.from_dict(entry["io"]),
                                capacity=self.capacity, max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
                                threads=self._threads[role], **options)

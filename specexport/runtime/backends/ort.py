@@ -25,11 +25,13 @@ from specexport.runtime.backends.base import Backend, StepOutput
 
 class OrtBackend(Backend):
     def __init__(self, model_dir, *, io: ModelIO, capacity: int, max_tokens: int, threads: int | None = None,
-                 spin: bool = True, session_options: dict | None = None, min_tokens: int = 1):
+                 spin: bool = True, session_options: dict | None = None, min_tokens: int = 1,
+                 optimization: str = "all"):
         super().__init__(capacity=capacity, max_tokens=max_tokens, vocab_size=io.vocab_size)
         ort = require("onnxruntime")
         path = Path(model_dir) / "model.onnx"
-        self.session = open_session(path, threads=threads, spin=spin, session_options=session_options)
+        self.session = open_session(path, threads=threads, spin=spin, session_options=session_options,
+                                    optimization=optimization)
         self.model_path = path
         self.io = io
         self.binding = self.session.io_binding()
@@ -117,13 +119,19 @@ class OrtBackend(Backend):
         return sum(b.nbytes for b in (*self.k, *self.v))
 
 
-def open_session(path: Path, *, threads: int | None, spin: bool, session_options: dict | None = None):
+# the manifest's ort_optimization -> ORT's level (FP8 Q/DQ graphs: basic; full optimisation fuses them
+# into kernels that have no FP8)
+OPTIMIZATION_LEVELS = {"all": "ORT_ENABLE_ALL", "basic": "ORT_ENABLE_BASIC"}
+
+
+def open_session(path: Path, *, threads: int | None, spin: bool, session_options: dict | None = None,
+                 optimization: str = "all"):
     """An ORT CPU session of a built graph, with one-line errors naming the file."""
     ort = require("onnxruntime")
     if not path.is_file():
         raise SpecexportError(f"{path}: missing (the build output is incomplete; rebuild it)")
     opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[optimization])
     if threads:
         opts.intra_op_num_threads = threads
         opts.inter_op_num_threads = 1

@@ -1,0 +1,115 @@
+"""fp32 graph -> explicit Q/DQ graph for TensorRT's strongly typed networks: `fp8` and `int8_sq`.
+
+Made with NVIDIA ModelOpt's ONNX PTQ (`modelopt.onnx.quantization.quantize`), calibrated on CPU in
+ONNX Runtime with feeds in the runtime's shapes and real past KV (feeds.py):
+  fp8      E4M3 QuantizeLinear/DequantizeLinear on the weights (per tensor) and the activations of the
+           weight MatMuls (Ada/Hopper/Thor; Orin has no FP8 tensor cores: int8_sq or int4 there).
+  int8_sq  SmoothQuant (export/smooth.py: ModelOpt's ONNX path has none, its SmoothQuant is the torch
+           path's) folded into the graph first, then INT8 Q/DQ (symmetric, per-channel weights,
+           per-tensor activations), which is what TensorRT's INT8 kernels take.
+The output projection (`logits`) stays fp32 unless `lm_head: quantized` (the 49152-row lm_head of a
+small model is where its argmax is decided; Edge-LLM leaves it unquantized too). The rest of the graph
+stays fp32 (`high_precision_dtype="fp32"`): ModelOpt's fp16 cast of the rest fails on the in-place KV
+attention node (see fp16.py), and ONNX Runtime on CPU runs these graphs only in fp32 around the Q/DQ.
+
+On ONNX Runtime CPU these graphs are an accuracy path, not a speed path: FP8 Q/DQ is emulated and runs
+only with basic graph optimisation (full optimisation fuses Q/DQ + MatMul into QLinearMatMul, which
+has no FP8 kernel): ORT_OPTIMIZATION says which level each precision's graph is run with.
+"""
+from __future__ import annotations
+
+import contextlib
+import io as io_module
+import logging
+import shutil
+from pathlib import Path
+
+from specexport._optional import require
+
+MODES = {"fp8": "fp8", "int8_sq": "int8"}
+ORT_OPTIMIZATION = {"fp16": "all", "fp8": "basic", "int8_sq": "all"}
+TOOL = "modelopt.onnx.quantization.quantize"
+
+
+def quantize_qdq(source: Path, dest: Path, precision: str, scheme: dict, feeds: list[dict]) -> None:
+    """Write the `precision` Q/DQ version of the fp32 graph `source` to `dest` (+ `dest`.data)."""
+    onnx = require("onnx")
+    if not feeds:
+        raise ValueError(f"{precision} needs calibration feeds")
+    mo = require("modelopt.onnx.quantization")
+    from specexport.export.gqa import _register_schema
+
+    _register_schema()                   # the onnx checker ModelOpt runs must know the attention op
+    # ModelOpt names its intermediate files with path.replace(".onnx", "_extended.onnx"): no ".onnx"
+    # may appear in the folder's name
+    scratch = dest.parent / f".{dest.stem}-ptq"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    try:
+        model = onnx.load(str(source))
+        _declare_attention_types(onnx, model)
+        if precision == "int8_sq" and scheme.get("smooth_alpha"):
+            from specexport.export import smooth
+
+            act_max = smooth.activation_channel_max(source, feeds, list(smooth.weight_matmuls(model)), scratch)
+            smooth.smooth(model, act_max, scheme["smooth_alpha"])
+        exclude = [n.name for n in model.graph.node if n.op_type == "MatMul" and "logits" in n.output] \
+            if scheme.get("lm_head", "fp32") == "fp32" else []
+        prepared = scratch / "prepared.onnx"
+        onnx.save(model, str(prepared), save_as_external_data=True, location="prepared.onnx.data")
+        del model
+        with _quiet():
+            mo.quantize(str(prepared), quantize_mode=MODES[precision], calibration_data_reader=_Reader(feeds),
+                        calibration_method=scheme.get("calibrate", "max"), calibration_eps=["cpu"],
+                        high_precision_dtype="fp32", nodes_to_exclude=exclude, use_external_data_format=True,
+                        dq_only=True,
+                        output_path=str(scratch / "quantized.onnx"), log_level="ERROR")
+        # written again under dest's name: the external-data file is named after the graph
+        quantized = onnx.load(str(scratch / "quantized.onnx"))
+        onnx.save(quantized, str(dest), save_as_external_data=True, location=dest.name + ".data")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _declare_attention_types(onnx, model) -> None:
+    """ModelOpt skips a MatMul whose input type it cannot infer ("failed to infer the type of tensor"),
+    and ONNX has no type inference for the contrib attention node: the attention projections after it
+    (o_proj) went unquantized. Declare its outputs float."""
+    known = {v.name for v in (*model.graph.value_info, *model.graph.output)}
+    for node in model.graph.node:
+        if node.op_type == "GroupQueryAttention":
+            model.graph.value_info.extend(onnx.helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None)
+                                          for o in node.output if o and o not in known)
+
+
+def _Reader(feeds: list[dict]):
+    """The calibration reader ModelOpt takes: onnxruntime's CalibrationDataReader plus get_first()
+    (ModelOpt runs one feed ahead to find the tensors to calibrate) and rewind()."""
+    q = require("onnxruntime.quantization")
+
+    class Reader(q.CalibrationDataReader):
+        def __init__(self):
+            self._it = iter(feeds)
+
+        def get_next(self):
+            return next(self._it, None)
+
+        def get_first(self):
+            return feeds[0]
+
+        def rewind(self):
+            self._it = iter(feeds)
+
+    return Reader()
+
+
+@contextlib.contextmanager
+def _quiet():
+    """ModelOpt and ORT's calibrators print per-tensor lines and warnings; our stages report progress."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        with contextlib.redirect_stdout(io_module.StringIO()):
+            yield
+    finally:
+        logging.disable(previous)
