@@ -126,6 +126,54 @@ def test_fp16_graph_keeps_the_io_table_attention_and_rotary_angles_in_fp32(built
     assert np.abs(got - ref).max() / np.abs(ref).max() < 5e-3
 
 
+def test_cpu_emulation_of_an_fp16_graph_rounds_and_overflows_like_fp16():
+    """ORT on CPU computes an fp16 Mul feeding an fp16 Add in fp32 (no rounding in between, no overflow);
+    the emulation rounds each fp16 node's output, as the GPU does."""
+    import onnxruntime as ort
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    # as the fp16 pass writes graphs: fp32 IO, cast to fp16 after the inputs and back before the output
+    nodes = [h.make_node("Cast", ["x"], ["x16"], to=T.FLOAT16), h.make_node("Cast", ["z"], ["z16"], to=T.FLOAT16),
+             h.make_node("Mul", ["x16", "w"], ["t"]), h.make_node("Add", ["t", "z16"], ["y16"]),
+             h.make_node("Cast", ["y16"], ["y"], to=T.FLOAT)]
+    w = np.array([1 + 2 ** -10, 300], np.float16)
+    graph = h.make_graph(nodes, "g", [h.make_tensor_value_info(n, T.FLOAT, [2]) for n in "xz"],
+                         [h.make_tensor_value_info("y", T.FLOAT, [2])], initializer=[onnx.numpy_helper.from_array(w, "w")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 23)])
+    model.ir_version = 10
+    x, z = np.array([1.5, 300], np.float32), np.array([-1.5, -60000], np.float32)
+    with np.errstate(over="ignore"):
+        fp16 = ((x.astype(np.float16) * w).astype(np.float16) + z.astype(np.float16)).astype(np.float16)
+
+    def run(m):
+        s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        return s.run(None, {"x": x, "z": z})[0].astype(np.float64)
+
+    upcast = run(model)
+    assert upcast[0] == pytest.approx(1.5 * 2 ** -10) and np.isfinite(upcast[1])    # what ORT CPU computes
+    emulated = run(fp16_pass.emulate(model))
+    assert emulated[0] == fp16[0] == 2 ** -9 and np.isinf(emulated[1]) and np.isinf(fp16[1])
+
+
+def test_the_plugin_graph_passes_the_parity_gate_against_pytorch(built_llama, tiny_checkpoints, tmp_path):
+    """attention as the tree-attention plugin node, run in ONNX Runtime with the node computed by the
+    numpy reference: the same phases (prefill, decode, a random tree) as the exported graph's gate."""
+    from specexport.export.to_onnx import load_hf_model
+    from specexport.export.validate import compare, onnx_logits, parity_case, reference_logits
+    from specexport.plugins.graph import cpu_session, write_plugin_graph
+
+    path, io = _fp32(built_llama)
+    folder = tmp_path / "fp32"
+    shutil.copytree(path.parent, folder)
+    trt = write_plugin_graph(folder / "model.onnx", folder / "trt.onnx", head_dim=io.head_dim)
+    assert trt.stat().st_size < (folder / "model.onnx").stat().st_size + 4096       # weights shared, not copied
+    case = parity_case(io, max_seq_len=128, max_verify_tokens=16)
+    reference = reference_logits(load_hf_model(tiny_checkpoints["llama"]), case)
+    report = compare(reference, onnx_logits(None, io, case, session=cpu_session(trt)))
+    assert report.max_rel_error < 1e-4 and set(report.per_phase) == {"prefill", "prefill_last", "decode", "tree"}
+
+
 # -- builds ---------------------------------------------------------------------------------------
 
 def test_gpu_precisions_build_with_their_gates_calibration_and_qdq_recorded(built_gpu):
@@ -144,8 +192,20 @@ def test_gpu_precisions_build_with_their_gates_calibration_and_qdq_recorded(buil
             nodes = onnx.load(str(graph), load_external_data=False).graph
             inits = {i.name: i.data_type for i in nodes.initializer}
             q = e["quantization"]
+            plugin = e["plugin_graph"]             # the graph TensorRT engines are built from
+            assert plugin["file"] == "trt.onnx" and plugin["max_rel_error_vs_source"] < 1e-5
+            assert f"{e['dir']}/trt.onnx" in e["files"]
+            check_graph_io(built_gpu / e["dir"] / "trt.onnx", io)
+            trt = onnx.load(str(built_gpu / e["dir"] / "trt.onnx"), load_external_data=False).graph
+            plugins = [n for n in trt.node if n.op_type == "tree_attention"]
+            assert len(plugins) == io.num_layers and not any(n.op_type == "GroupQueryAttention" for n in trt.node)
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in plugins[0].attribute}
+            assert attrs["plugin_namespace"] == b"specexport" and attrs["aot"] == 1
+            assert attrs["num_kv_heads"] == io.num_kv_heads
             if precision == "fp16":
-                assert q["scheme"] == "cast" and e["ort_optimization"] == "all"
+                assert q["scheme"] == "cast" and e["ort_optimization"] == "all" and e["cpu_graph"] == "cpu.onnx"
+                assert {f"{e['dir']}/cpu.onnx", f"{e['dir']}/model.onnx"} <= set(e["files"])
+                check_graph_io(built_gpu / e["dir"] / "cpu.onnx", io)
                 continue
             calibration = q["calibration"]
             assert calibration["phases"] == {"prefill": 8, "decode": 8, "verify": 8} and calibration["sequences"] == 8
@@ -222,5 +282,5 @@ def test_without_modelopt_fp8_is_refused_in_one_line_before_any_work(gpu_fields,
     capsys.readouterr()
     assert main(["build", str(path)]) == 1
     err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
-    assert len(err) == 1 and "fp8, int8_sq need NVIDIA ModelOpt" in err[0] and "specexport[quant]" in err[0]
+    assert len(err) == 1 and "fp16, fp8, int8_sq need NVIDIA ModelOpt" in err[0] and "specexport[quant]" in err[0]
     assert not (tmp_path / "out").exists()

@@ -48,7 +48,7 @@ def quantize_qdq(source: Path, dest: Path, precision: str, scheme: dict, feeds: 
     try:
         model = onnx.load(str(source))
         _declare_attention_types(onnx, model)
-        if precision == "int8_sq" and scheme.get("smooth_alpha"):
+        if scheme.get("smooth_alpha"):
             from specexport.export import smooth
 
             act_max = smooth.activation_channel_max(source, feeds, list(smooth.weight_matmuls(model)), scratch)

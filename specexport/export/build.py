@@ -27,6 +27,7 @@ import numpy as np
 
 from specexport import __version__
 from specexport.errors import ParityError, SpecexportError
+from specexport.config import GPU_PRECISIONS
 from specexport.export.plan import ModelPlan, Plan, tool_versions
 from specexport.locking import output_lock
 from specexport.export.outdir import StageFolders, remove_unreferenced, reusable_tokenizer, tokenizer_digest
@@ -205,7 +206,7 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
     `samples` caches this model's eval sequences between its quantized precisions."""
     from specexport.calibrate.ptq import ORT_OPTIMIZATION
     from specexport.export.quality import ROW_TOLERANCE, measure_quality, row_dependence, runtime_session
-    from specexport.export.quantize import CALIBRATED, describe, quantize_graph
+    from specexport.export.quantize import CALIBRATED, cpu_graph, describe, quantize_graph
     from specexport.export.to_onnx import check_graph_io
     from specexport.export.validate import compare, onnx_logits, parity_case
 
@@ -231,8 +232,9 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
             names = [f.name for f in quantize_graph(source, partial / "model.onnx", precision, scheme, io=mp.io,
                                                     calibration=calibration, feeds=feeds)]
             check_graph_io(partial / "model.onnx", mp.io)
-        optimization = ORT_OPTIMIZATION.get(precision, "all")
-        quantized = runtime_session(partial / "model.onnx", optimization=optimization)
+        optimization, on_cpu = ORT_OPTIMIZATION.get(precision, "all"), cpu_graph(scheme)
+        check_graph_io(partial / on_cpu, mp.io)
+        quantized = runtime_session(partial / on_cpu, optimization=optimization)
         with reporter.stage(f"check {mp.role} {precision} against fp32 on {text['label']}"):
             quality = measure_quality(reference, quantized, mp.io, sequences)
             rows = {"one_token": row_dependence(quantized, mp.io, sequences[0], last=1),
@@ -240,7 +242,7 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
             case = parity_case(mp.io, max_seq_len=plan.config.max_seq_len,
                                max_verify_tokens=plan.config.max_verify_tokens)
             parity = compare(onnx_logits(source, mp.io, case, session=reference),
-                             onnx_logits(partial / "model.onnx", mp.io, case, session=quantized))
+                             onnx_logits(partial / on_cpu, mp.io, case, session=quantized))
         del reference, quantized
         failures = quality.failures(gate)
         if failures:
@@ -255,6 +257,9 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
                               f"differ from this graph's own vanilla output. Choose another "
                               f"quantization.{precision}.scheme for the target (a draft may keep it: "
                               f"draft: {{quantization: ...}})")
+        plugin = _plugin_graph(plan, mp, precision, partial, on_cpu, reporter) if precision in GPU_PRECISIONS else None
+        if plugin:
+            names.append(plugin["file"])
         reporter.note(f"  {mp.role} {precision}: {quality.describe()}, row dependence {rows['two_tokens']:.1e}"
                       + (f" (one-token passes {rows['one_token']:.1e}: run with 2 rows or more)"
                          if min_tokens > 1 and mp.role == "target" else ""))
@@ -266,6 +271,8 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
         "quantization": describe(precision, scheme, calibration_sequences=len(calibration),
                                  calibration=calibrated_on),
         "ort_optimization": optimization,      # the session's graph optimisation level (runtime: OrtBackend)
+        **({"cpu_graph": on_cpu} if on_cpu != "model.onnx" else {}),   # what ORT CPU runs (gate, runtime)
+        **({"plugin_graph": plugin} if plugin else {}),
         "row_dependence": rows,
         "min_tokens": min_tokens if mp.role == "target" else 1,   # the runtime pads smaller target calls
         "top1_agreement": quality.top1_agreement,
@@ -280,6 +287,35 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
         "build_seconds": round(time.perf_counter() - start, 2),
     }
     return StageResult(mp.role, precision, entry, skipped=False)
+
+
+def _plugin_graph(plan: Plan, mp: ModelPlan, precision: str, folder: Path, on_cpu: str, reporter: Reporter) -> dict:
+    """trt.onnx beside a GPU precision's graph: attention as the tree-attention plugin node, the
+    graph TensorRT engines are built from (plugins/graph.py), checked on CPU against the graph it was
+    made from, both with basic optimisation so that Q/DQ runs as written (fused int8 kernels round
+    differently from the emulation, and a 1e-7 difference flips a quantization step). An fp16 graph is
+    compared as its CPU stand-in (calibrate/fp16.emulate) against the source's: ORT's own fp16
+    handling drops different roundings in the two graphs."""
+    import onnx
+
+    from specexport.calibrate.fp16 import emulate
+    from specexport.export.quality import runtime_session
+    from specexport.export.validate import compare, onnx_logits, parity_case
+    from specexport.plugins.graph import cpu_session, write_plugin_graph
+    from specexport.plugins.trt_plugin import PLUGIN_ID
+
+    with reporter.stage(f"write {mp.role} {precision} plugin graph for TensorRT and check it on CPU"):
+        dest = write_plugin_graph(folder / "model.onnx", folder / "trt.onnx", head_dim=mp.io.head_dim)
+        case = parity_case(mp.io, max_seq_len=plan.config.max_seq_len, max_verify_tokens=plan.config.max_verify_tokens)
+        candidate = emulate(onnx.load(str(dest))) if on_cpu != "model.onnx" else dest
+        report = compare(onnx_logits(None, mp.io, case, session=runtime_session(folder / on_cpu, "basic")),
+                         onnx_logits(None, mp.io, case, session=cpu_session(candidate, "basic")))
+    if not report.max_rel_error <= plan.config.parity_tolerance:
+        raise ParityError(f"{mp.role} {precision}: the plugin graph (trt.onnx) disagrees with the graph it was made "
+                          f"from: {report.describe()} > parity_tolerance {plan.config.parity_tolerance:.1e}")
+    return {"file": dest.name, "plugin": PLUGIN_ID, "made_from": "model.onnx", "attention": "plugin",
+            "kv_update": "concat (plain-run contract; the engine's in-place update is not written yet)",
+            "max_rel_error_vs_source": report.max_rel_error, "reference": "tree_attention.reference (numpy)"}
 
 
 CALIBRATION_SEQUENCES = 8

@@ -109,16 +109,20 @@ def plan_build(cfg: BuildConfig) -> Plan:
 
 def _check_quantizers(cfg: BuildConfig) -> None:
     """Before any work: the fp8 / int8_sq precisions need NVIDIA ModelOpt (and the parts of its ONNX
-    extra it imports)."""
+    extra it imports); every GPU precision's plugin graph is checked with onnxruntime-extensions."""
     import importlib.util
 
-    wanted = sorted({p for m in (cfg.target, cfg.draft) if m is not None for p in m.precisions
-                     if m.quantization.get(p, {}).get("scheme") in ("modelopt", "smoothquant")})
-    missing = [name for name in ("modelopt", "onnx_graphsurgeon", "onnxslim", "polygraphy", "lief", "cppimport")
-               if importlib.util.find_spec(name) is None]
-    if wanted and missing:
-        raise SpecexportError(f"precisions: {', '.join(wanted)} need NVIDIA ModelOpt's ONNX quantization, and "
-                              f"{', '.join(missing)} cannot be imported here: pip install 'specexport[quant]'")
+    from specexport.config import GPU_PRECISIONS
+
+    gpu = sorted({p for m in (cfg.target, cfg.draft) if m is not None for p in m.precisions if p in GPU_PRECISIONS})
+    modelopt = [p for p in gpu if p != "fp16"]
+    needed = (("modelopt", "onnx_graphsurgeon", "onnxslim", "polygraphy", "lief", "cppimport") if modelopt else ()) \
+        + (("onnxruntime_extensions",) if gpu else ())
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        what = "NVIDIA ModelOpt's ONNX quantization and onnxruntime-extensions" if modelopt else "onnxruntime-extensions"
+        raise SpecexportError(f"precisions: {', '.join(gpu)} need {what}, and {', '.join(missing)} cannot be "
+                              f"imported here: pip install 'specexport[quant]'")
 
 
 def _plan_medusa(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:

@@ -21,7 +21,7 @@ Schemes (`quantization: {int8: {scheme: ..., ...}}` in model.yaml; SCHEMES has e
                for a target (the row-independence check in build.py); a draft may use it.
   cast         fp16 only: every node in fp16 but attention and the rotary angles (calibrate/fp16.py).
   modelopt     fp8 only: E4M3 Q/DQ (calibrate/ptq.py). Options: `calibrate` (max, entropy),
-               `lm_head` (fp32: left unquantized; quantized).
+               `lm_head` (fp32: left unquantized; quantized), `smooth_alpha` (SmoothQuant first; 0 = off).
   smoothquant  int8_sq only: SmoothQuant (`smooth_alpha`), then INT8 Q/DQ with ModelOpt (calibrate/ptq.py).
 Embeddings, norms and attention stay fp32 (fp16 in the cast graph), and so does the IO table.
 """
@@ -43,7 +43,8 @@ SCHEMES = {
                                "lm_head": ("int8", ("int8", "fp32"))}),
     "dynamic": (("int8",), {}),
     "cast": (("fp16",), {}),
-    "modelopt": (("fp8",), {"calibrate": ("max", ("max", "entropy")), "lm_head": ("fp32", ("fp32", "quantized"))}),
+    "modelopt": (("fp8",), {"calibrate": ("max", ("max", "entropy")), "lm_head": ("fp32", ("fp32", "quantized")),
+                            "smooth_alpha": (0.0, ALPHAS)}),
     "smoothquant": (("int8_sq",), {"smooth_alpha": (0.5, ALPHAS), "calibrate": ("max", ("max", "entropy")),
                                    "lm_head": ("fp32", ("fp32", "quantized"))}),
 }
@@ -63,6 +64,16 @@ TOOLS = {
 }
 
 
+# The graph ONNX Runtime on CPU runs for a scheme, beside model.onnx in the stage folder (the manifest's
+# cpu_graph): the fp16 cast graph's CPU stand-in computes in fp32 what the fp16 graph computes on a GPU
+# (calibrate/fp16.emulate: ORT's CPU kernels would skip fp16's rounding).
+CPU_GRAPHS = {"cast": "cpu.onnx"}
+
+
+def cpu_graph(scheme: dict | None) -> str:
+    return CPU_GRAPHS.get((scheme or {}).get("scheme"), "model.onnx")
+
+
 def default_scheme(precision: str) -> dict:
     name = DEFAULT_SCHEMES[precision]
     return {"scheme": name, **{k: d for k, (d, _) in SCHEMES[name][1].items()}}
@@ -79,10 +90,16 @@ def quantize_graph(source: Path, dest: Path, precision: str, scheme: dict | None
     q = require("onnxruntime.quantization")
     with _quiet_quantizer():
         if kind == "cast":
-            from specexport.calibrate.fp16 import to_fp16
+            from specexport.calibrate.fp16 import emulate, to_fp16
 
-            onnx.save(to_fp16(onnx.load(str(source))), str(dest), save_as_external_data=True,
-                      location=dest.name + ".data")
+            half = to_fp16(onnx.load(str(source)))
+            emulated = dest.with_name(CPU_GRAPHS[kind])
+            stand_in = onnx.ModelProto()
+            stand_in.CopyFrom(half)                 # saving moves the weights out of the proto it saves
+            onnx.save(half, str(dest), save_as_external_data=True, location=dest.name + ".data")
+            del half
+            onnx.save(emulate(stand_in), str(emulated), save_as_external_data=True, location=emulated.name + ".data")
+            return [dest, dest.with_name(dest.name + ".data"), emulated, emulated.with_name(emulated.name + ".data")]
         elif kind in ("modelopt", "smoothquant"):
             from specexport.calibrate.ptq import quantize_qdq
 

@@ -26,12 +26,13 @@ NAMESPACE, NAME = "specexport", "tree_attention"
 PLUGIN_ID = f"{NAMESPACE}::{NAME}"
 
 
-def plugin_node(inputs, outputs, *, num_kv_heads: int, scale: float, name: str | None = None):
+def plugin_node(inputs, outputs, *, num_kv_heads: int, scale: float, name: str | None = None, domain: str = ""):
     """The ONNX node that TensorRT's ONNX parser hands to this plugin (onnx only; no TensorRT)."""
     import onnx
 
-    return onnx.helper.make_node(NAME, list(inputs), list(outputs), name=name, plugin_namespace=NAMESPACE, aot=1,
-                                 num_kv_heads=int(num_kv_heads), scale=float(scale))
+    return onnx.helper.make_node(NAME, list(inputs), list(outputs), name=name, domain=domain,
+                                 plugin_namespace=NAMESPACE, aot=1, num_kv_heads=int(num_kv_heads),
+                                 scale=float(scale))
 
 
 def gpu_arch() -> str:

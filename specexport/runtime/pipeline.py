@@ -167,6 +167,8 @@ class Pipeline:
             options["min_tokens"] = stage["min_tokens"]
         if stage.get("ort_optimization", "all") != "all":     # FP8 Q/DQ graphs: basic (calibrate/ptq.py)
             options["optimization"] = stage["ort_optimization"]
+        if "cpu_graph" in stage:                    # fp16: its fp32 stand-in for CPUs (calibrate/fp16.emulate)
+            options["graph"] = stage["cpu_graph"]
         backend = open_backend(self.backend_kind, self.dir / stage["dir"], io=ModelIO.from_dict(entry["io"]),
                                capacity=self.capacity, max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
                                threads=self._threads[role], **options)

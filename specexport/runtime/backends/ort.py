@@ -26,10 +26,10 @@ from specexport.runtime.backends.base import Backend, StepOutput
 class OrtBackend(Backend):
     def __init__(self, model_dir, *, io: ModelIO, capacity: int, max_tokens: int, threads: int | None = None,
                  spin: bool = True, session_options: dict | None = None, min_tokens: int = 1,
-                 optimization: str = "all"):
+                 optimization: str = "all", graph: str = "model.onnx"):
         super().__init__(capacity=capacity, max_tokens=max_tokens, vocab_size=io.vocab_size)
         ort = require("onnxruntime")
-        path = Path(model_dir) / "model.onnx"
+        path = Path(model_dir) / graph      # the manifest's cpu_graph where the build made one
         self.session = open_session(path, threads=threads, spin=spin, session_options=session_options,
                                     optimization=optimization)
         self.model_path = path
@@ -125,7 +125,7 @@ OPTIMIZATION_LEVELS = {"all": "ORT_ENABLE_ALL", "basic": "ORT_ENABLE_BASIC"}
 
 
 def open_session(path: Path, *, threads: int | None, spin: bool, session_options: dict | None = None,
-                 optimization: str = "all"):
+                 optimization: str = "all", graph: str = "model.onnx"):
     """An ORT CPU session of a built graph, with one-line errors naming the file."""
     ort = require("onnxruntime")
     if not path.is_file():
