@@ -174,6 +174,23 @@ def test_the_plugin_graph_passes_the_parity_gate_against_pytorch(built_llama, ti
     assert report.max_rel_error < 1e-4 and set(report.per_phase) == {"prefill", "prefill_last", "decode", "tree"}
 
 
+def test_what_stays_unquantized(built_llama):
+    from specexport.calibrate.ptq import kept_high_precision
+
+    path, io = _fp32(built_llama)
+    model = onnx.load(str(path), load_external_data=False)
+    producer = {o: n for n in model.graph.node for o in n.output}
+    lm_head = [n.name for n in model.graph.node if "logits" in n.output]
+    assert kept_high_precision(model, {"lm_head": "fp32"}) == lm_head
+    assert kept_high_precision(model, {"lm_head": "quantized"}) == []
+    down = kept_high_precision(model, {"lm_head": "quantized", "keep": "mlp_down"})
+    assert len(down) == io.num_layers
+    for name in down:            # each reads act(gate) * up, whose left factor is the activation
+        node = next(n for n in model.graph.node if n.name == name)
+        gated = producer[node.input[0]]
+        assert gated.op_type == "Mul" and any(producer[i].op_type in ("Mul", "Sigmoid") for i in gated.input)
+
+
 # -- builds ---------------------------------------------------------------------------------------
 
 def test_gpu_precisions_build_with_their_gates_calibration_and_qdq_recorded(built_gpu):

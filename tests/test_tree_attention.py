@@ -144,3 +144,46 @@ def _skip_where_tensorrt_imports():
     except (ImportError, OSError):
         return
     pytest.skip("TensorRT is importable here: these check its absence")
+
+
+def test_gpu_check_says_there_is_no_gpu_and_exits_2():
+    """benchmarks/gpu_check.py is the script a GPU machine runs; here it must stop at once and say why."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "no CUDA device" in done.stderr, done.stderr[-500:]
+
+
+def test_device_cuda_without_onnxruntime_gpu_fails_in_one_line(built_llama, capsys):
+    from specexport.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", str(built_llama), "def f():", "--device", "cuda", "--max-new-tokens", "2"]) == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and "CUDAExecutionProvider" in err[0] and "onnxruntime-gpu" in err[0], err
+    assert main(["generate", str(built_llama), "def f():", "--device", "gpu"]) == 1
+    assert "device: expected cpu, cuda or cuda:N, got 'gpu'" in capsys.readouterr().err
+
+
+def test_engine_profiles_come_from_the_tensor_table_and_the_builder_needs_tensorrt(tmp_path):
+    from specexport.errors import SpecexportError
+    from specexport.export.trt_engine import build_engine, profiles
+    from specexport.io_spec import ModelIO
+
+    io = ModelIO(num_layers=2, num_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=384)
+    shapes = profiles(io, max_seq_len=128, prefill_tokens=64, verify_tokens=16)
+    assert set(shapes) == {"prefill", "decode_verify"}
+    for name, top in (("prefill", 64), ("decode_verify", 16)):
+        ranges = shapes[name]
+        assert list(ranges) == io.input_names                     # every input, in the table's order
+        lo, opt, hi = ranges["input_ids"]
+        assert lo == (1, 1) and hi == (1, top) and lo <= opt <= hi
+        assert ranges["past_key.0"][0] == (1, 2, 0, 16) and ranges["past_key.1"][2] == (1, 2, 127, 16)
+        assert ranges["attention_mask"][2] == (1, top, 128)       # past + new never beyond max_seq_len
+    with pytest.raises(SpecexportError, match=r"^engine model\.plan: TensorRT is not installed here"):
+        build_engine(tmp_path / "trt.onnx", tmp_path / "model.plan", io, max_seq_len=128, prefill_tokens=64,
+                     verify_tokens=16)
+    assert not list(tmp_path.iterdir())

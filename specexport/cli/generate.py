@@ -32,16 +32,18 @@ from specexport.cli import cli
 @click.option("--draft-precision", default=None, help="The draft's precision (default: --precision).")
 @click.option("--threads", default=None, type=int, help="Target's ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--draft-threads", default=1, show_default=True, type=int, help="Draft's intra-op threads.")
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu, or cuda / cuda:N: ONNX Runtime's CUDA execution provider (onnxruntime-gpu).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--compare", is_flag=True, help="Also time vanilla decoding on the same build and print the speedup.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
 def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_stop, temperature, top_k, top_p, max_new_tokens, seed,
-             precision, draft_precision, threads, draft_threads, stop, compare, verbose):
+             precision, draft_precision, threads, draft_threads, device, stop, compare, verbose):
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
 
     pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision, threads=threads,
-                           draft_threads=draft_threads)
+                           draft_threads=draft_threads, **({"device": device} if device != "cpu" else {}))
     gamma = gamma if gamma == "auto" else _int_gamma(gamma)
     tree = _tree(tree)
     pieces = pipe.stream(prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma, draft_stop=draft_stop,

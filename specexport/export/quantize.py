@@ -21,7 +21,8 @@ Schemes (`quantization: {int8: {scheme: ..., ...}}` in model.yaml; SCHEMES has e
                for a target (the row-independence check in build.py); a draft may use it.
   cast         fp16 only: every node in fp16 but attention and the rotary angles (calibrate/fp16.py).
   modelopt     fp8 only: E4M3 Q/DQ (calibrate/ptq.py). Options: `calibrate` (max, entropy),
-               `lm_head` (fp32: left unquantized; quantized), `smooth_alpha` (SmoothQuant first; 0 = off).
+               `lm_head` (fp32: left unquantized; quantized), `smooth_alpha` (SmoothQuant first; 0 = off),
+               `keep` (mlp_down: the MLPs' down projections stay fp32; none).
   smoothquant  int8_sq only: SmoothQuant (`smooth_alpha`), then INT8 Q/DQ with ModelOpt (calibrate/ptq.py).
 Embeddings, norms and attention stay fp32 (fp16 in the cast graph), and so does the IO table.
 """
@@ -44,9 +45,9 @@ SCHEMES = {
     "dynamic": (("int8",), {}),
     "cast": (("fp16",), {}),
     "modelopt": (("fp8",), {"calibrate": ("max", ("max", "entropy")), "lm_head": ("fp32", ("fp32", "quantized")),
-                            "smooth_alpha": (0.0, ALPHAS)}),
+                            "smooth_alpha": (0.0, ALPHAS), "keep": ("none", ("none", "mlp_down"))}),
     "smoothquant": (("int8_sq",), {"smooth_alpha": (0.5, ALPHAS), "calibrate": ("max", ("max", "entropy")),
-                                   "lm_head": ("fp32", ("fp32", "quantized"))}),
+                                   "lm_head": ("fp32", ("fp32", "quantized")), "keep": ("none", ("none", "mlp_down"))}),
 }
 DEFAULT_SCHEMES = {"int8": "matmulnbits", "int4": "matmulnbits", "fp16": "cast", "fp8": "modelopt",
                    "int8_sq": "smoothquant"}

@@ -64,15 +64,21 @@ def run(q, k, v, mask, *, scale=None) -> np.ndarray:
     q, k, v, mask = _checked(q, k, v, mask)
     if not torch.cuda.is_available():
         _interpreter_mode()
-    t, hq, d = q.shape
-    s, hkv, _ = k.shape
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (q, k, v))
     tm = torch.from_numpy(np.ascontiguousarray(mask, dtype=np.int8)).to(device)
-    out = torch.empty_like(tq)
-    kernel = _kernel(interpret=device == "cpu")
-    kernel[grid(t, hq, hkv)](tq, tk, tv, tm, t, s, out, **_constexprs(hq, hkv, d, scale))
-    return out.cpu().numpy()
+    return launch(tq, tk, tv, tm, scale=scale).cpu().numpy()
+
+
+def launch(q, k, v, mask, *, scale=None, out=None):
+    """The kernel on torch tensors already where it runs (q [T, Hq, D], k/v [S, Hkv, D] contiguous,
+    mask [T, S] int8): no copies, for timing on a GPU (benchmarks/gpu_check.py). Returns `out`."""
+    t, hq, d = q.shape
+    s, hkv, _ = k.shape
+    out = q.new_empty(q.shape) if out is None else out
+    kernel = _kernel(interpret=q.device.type == "cpu")
+    kernel[grid(t, hq, hkv)](q, k, v, mask, t, s, out, **_constexprs(hq, hkv, d, scale))
+    return out
 
 
 def compile_ptx(arch: str, *, dtype: str = "fp16", num_q_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,

@@ -3,10 +3,18 @@ the backend's heavy module lazily."""
 from __future__ import annotations
 
 
-def open_backend(kind: str, model_dir, *, io, capacity: int, max_tokens: int, **options):
-    """A Backend for one model of a build. kind: 'onnxruntime' (tensorrt comes later)."""
+def open_backend(kind: str, model_dir, *, io, capacity: int, max_tokens: int, device: str = "cpu", **options):
+    """A Backend for one model of a build. kind: 'onnxruntime' (tensorrt comes later); device: 'cpu' or
+    'cuda' / 'cuda:N' (ONNX Runtime's CUDA execution provider, onnxruntime-gpu)."""
     from specexport.errors import SpecexportError
 
+    if kind == "onnxruntime" and device != "cpu":
+        if not (device == "cuda" or device.startswith("cuda:") and device[5:].isdigit()):
+            raise SpecexportError(f"device: expected cpu, cuda or cuda:N, got {device!r}")
+        from specexport.runtime.backends.ort_cuda import OrtCudaBackend
+
+        return OrtCudaBackend(model_dir, io=io, capacity=capacity, max_tokens=max_tokens,
+                              device_id=int(device[5:] or 0) if device != "cuda" else 0, **options)
     if kind == "onnxruntime":
         from specexport.runtime.backends.ort import OrtBackend
 
