@@ -100,6 +100,7 @@ def test_fp16_graph_keeps_the_io_table_attention_and_rotary_angles_in_fp32(built
     assert matmul_weights and set(matmul_weights) == {onnx.TensorProto.FLOAT16}
     assert (dest.parent / "model.onnx.data").stat().st_size < 0.6 * (path.parent / "model.onnx.data").stat().st_size
     assert [n.op_type for n in model.graph.node].count("GroupQueryAttention") == io.num_layers
+    assert not [n.name for n in model.graph.node if n.op_type == "Cast" and n.input[0] in io.past_input_names]
 
     # the rotary angles (position x inv_freq -> Cos/Sin) stay fp32: at position 3000 fp16's resolution is 2.
     # Checked on the graph's types: ONNX Runtime on CPU computes fp16 Mul/MatMul chains in fp32 (its
@@ -172,6 +173,16 @@ def test_the_plugin_graph_passes_the_parity_gate_against_pytorch(built_llama, ti
     reference = reference_logits(load_hf_model(tiny_checkpoints["llama"]), case)
     report = compare(reference, onnx_logits(None, io, case, session=cpu_session(trt)))
     assert report.max_rel_error < 1e-4 and set(report.per_phase) == {"prefill", "prefill_last", "decode", "tree"}
+
+    # the build's check of a plugin graph against its source (PLUGIN_TOLERANCE) catches a wiring error
+    from specexport.export.build import PLUGIN_TOLERANCE
+
+    wrong = onnx.load(str(trt))
+    for node in wrong.graph.node:
+        if node.op_type == "tree_attention":                  # the planted bug: K and V swapped
+            node.input[1], node.input[2] = node.input[2], node.input[1]
+    source = onnx_logits(path, io, case)
+    assert compare(source, onnx_logits(None, io, case, session=cpu_session(wrong))).max_rel_error > 5 * PLUGIN_TOLERANCE
 
 
 def test_what_stays_unquantized(built_llama):

@@ -26,6 +26,8 @@ from specexport._optional import require
 
 KEEP_FP32_OPS = ("GroupQueryAttention",)
 ANGLE_OPS = ("Cos", "Sin")          # their inputs and everything upstream stay fp32 (rotary angles)
+SHAPE_OPS = ("Shape", "Size")       # read only a shape: their inputs are never cast (a cast of a KV cache
+                                    # to learn its length would copy the whole cache every call)
 
 
 def to_fp16(model):
@@ -70,6 +72,9 @@ def to_fp16(model):
 
     for i, node in enumerate(graph.node):
         fp16_node = i not in keep
+        if node.op_type in SHAPE_OPS:
+            new_nodes.append(node)
+            continue
         for j, name in enumerate(node.input):
             if not name or name not in types:
                 continue

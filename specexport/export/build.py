@@ -289,13 +289,20 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
     return StageResult(mp.role, precision, entry, skipped=False)
 
 
+PLUGIN_TOLERANCE = 2e-2
+
+
 def _plugin_graph(plan: Plan, mp: ModelPlan, precision: str, folder: Path, on_cpu: str, reporter: Reporter) -> dict:
     """trt.onnx beside a GPU precision's graph: attention as the tree-attention plugin node, the
     graph TensorRT engines are built from (plugins/graph.py), checked on CPU against the graph it was
-    made from, both with basic optimisation so that Q/DQ runs as written (fused int8 kernels round
-    differently from the emulation, and a 1e-7 difference flips a quantization step). An fp16 graph is
-    compared as its CPU stand-in (calibrate/fp16.emulate) against the source's: ORT's own fp16
-    handling drops different roundings in the two graphs."""
+    made from, both with basic optimisation so that Q/DQ runs as written. An fp16 graph is compared as
+    its CPU stand-in (calibrate/fp16.emulate) against the source's: ORT's own fp16 handling drops
+    different roundings in the two graphs. The two attention implementations (the numpy reference, ORT's
+    kernel) differ by ~1e-7, and wherever that moves a value across an fp16 / FP8 / INT8 rounding step the
+    difference becomes one step and grows through the layers: 2e-7 on the 2-layer tiny llama, 4.3e-3 on
+    SmolLM2-135M fp16 (30 layers). So the check is PLUGIN_TOLERANCE, which a wiring error (a wrong axis,
+    a missing row) exceeds by orders of magnitude; the rewrite itself is checked exactly on fp32 graphs
+    against PyTorch (tests/test_calibrate.py)."""
     import onnx
 
     from specexport.calibrate.fp16 import emulate
@@ -310,12 +317,13 @@ def _plugin_graph(plan: Plan, mp: ModelPlan, precision: str, folder: Path, on_cp
         candidate = emulate(onnx.load(str(dest))) if on_cpu != "model.onnx" else dest
         report = compare(onnx_logits(None, mp.io, case, session=runtime_session(folder / on_cpu, "basic")),
                          onnx_logits(None, mp.io, case, session=cpu_session(candidate, "basic")))
-    if not report.max_rel_error <= plan.config.parity_tolerance:
+    if not report.max_rel_error <= PLUGIN_TOLERANCE:
         raise ParityError(f"{mp.role} {precision}: the plugin graph (trt.onnx) disagrees with the graph it was made "
-                          f"from: {report.describe()} > parity_tolerance {plan.config.parity_tolerance:.1e}")
+                          f"from: {report.describe()} > {PLUGIN_TOLERANCE:.0e}")
     return {"file": dest.name, "plugin": PLUGIN_ID, "made_from": "model.onnx", "attention": "plugin",
             "kv_update": "concat (plain-run contract; the engine's in-place update is not written yet)",
-            "max_rel_error_vs_source": report.max_rel_error, "reference": "tree_attention.reference (numpy)"}
+            "max_rel_error_vs_source": report.max_rel_error, "tolerance": PLUGIN_TOLERANCE,
+            "reference": "tree_attention.reference (numpy)"}
 
 
 CALIBRATION_SEQUENCES = 8
