@@ -57,7 +57,6 @@ def to_fp16(model):
             init.CopyFrom(onnx.numpy_helper.from_array(array, name))
             half_init[name] = name
     # which float tensors are fp16 after the pass: outputs of fp16 nodes (and converted initializers)
-    graph_inputs = {v.name for v in graph.input}
     half = {name for i, node in enumerate(graph.node) if i not in keep for name in node.output if name in types}
     half |= {n for n, h in half_init.items() if h == n}
     casts: dict[tuple[str, int], str] = {}
@@ -83,7 +82,7 @@ def to_fp16(model):
                     node.input[j] = half_init[name]
                 elif name not in half:                      # an fp32 graph input, kept node or initializer
                     node.input[j] = cast(name, HALF)
-            elif name in half and name not in graph_inputs:
+            elif name in half:                              # an fp16 tensor read by a kept node
                 node.input[j] = cast(name, FLOAT)
         if fp16_node:
             _retype_node(onnx, node, FLOAT, HALF)

@@ -25,9 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import io as io_module
+import json
 import logging
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import numpy as np
 
 from specexport._optional import require
 
@@ -41,10 +46,6 @@ def quantize_qdq(source: Path, dest: Path, precision: str, scheme: dict, feeds: 
     onnx = require("onnx")
     if not feeds:
         raise ValueError(f"{precision} needs calibration feeds")
-    mo = require("modelopt.onnx.quantization")
-    from specexport.export.gqa import _register_schema
-
-    _register_schema()                   # the onnx checker ModelOpt runs must know the attention op
     # ModelOpt names its intermediate files with path.replace(".onnx", "_extended.onnx"): no ".onnx"
     # may appear in the folder's name
     scratch = dest.parent / f".{dest.stem}-ptq"
@@ -62,13 +63,10 @@ def quantize_qdq(source: Path, dest: Path, precision: str, scheme: dict, feeds: 
         prepared = scratch / "prepared.onnx"
         onnx.save(model, str(prepared), save_as_external_data=True, location="prepared.onnx.data")
         del model
-        with _quiet():
-            mo.quantize(str(prepared), quantize_mode=MODES[precision], calibration_data_reader=_Reader(feeds),
-                        calibration_method=scheme.get("calibrate", "max"), calibration_eps=["cpu"],
-                        op_types_to_quantize=["MatMul"], high_precision_dtype="fp32", nodes_to_exclude=exclude,
-                        use_external_data_format=True,
-                        dq_only=True,
-                        output_path=str(scratch / "quantized.onnx"), log_level="ERROR")
+        np.savez(scratch / "feeds.npz", **{f"{i}/{k}": v for i, feed in enumerate(feeds) for k, v in feed.items()})
+        job = {"graph": str(prepared), "output": str(scratch / "quantized.onnx"), "feeds": str(scratch / "feeds.npz"),
+               "mode": MODES[precision], "method": scheme.get("calibrate", "max"), "exclude": exclude}
+        _in_child(job)
         # written again under dest's name: the external-data file is named after the graph
         quantized = onnx.load(str(scratch / "quantized.onnx"))
         onnx.save(quantized, str(dest), save_as_external_data=True, location=dest.name + ".data")
@@ -108,6 +106,39 @@ def _declare_attention_types(onnx, model) -> None:
                                           for o in node.output if o and o not in known)
 
 
+def _in_child(job: dict) -> None:
+    """Run ModelOpt in a child process. Importing modelopt.onnx.quantization patches onnxruntime's
+    calibrators in the importing process (modelopt/onnx/quantization/ort_patching.py): afterwards
+    onnxruntime's own quantize_static with percentile calibration failed in the same process
+    ("Histogram has not been collected"), which the static_qdq int8 scheme uses."""
+    done = subprocess.run([sys.executable, "-m", "specexport.calibrate.ptq", json.dumps(job)], capture_output=True,
+                          text=True, check=False)
+    if done.returncode:
+        tail = "\n".join(done.stderr.strip().splitlines()[-12:])
+        raise RuntimeError(f"ModelOpt quantization ({job['mode']}) failed:\n{tail}")
+
+
+def _quantize(job: dict) -> None:
+    """The child's work: ModelOpt's PTQ on the prepared graph with the saved feeds."""
+    with _quiet():
+        mo = require("modelopt.onnx.quantization")
+    from specexport.export.gqa import _register_schema
+
+    _register_schema()                   # the onnx checker ModelOpt runs must know the attention op
+    stored = np.load(job["feeds"])
+    feeds: list[dict] = []
+    for key in stored.files:
+        i, name = key.split("/", 1)
+        while len(feeds) <= int(i):
+            feeds.append({})
+        feeds[int(i)][name] = stored[key]
+    with _quiet():
+        mo.quantize(job["graph"], quantize_mode=job["mode"], calibration_data_reader=_Reader(feeds),
+                    calibration_method=job["method"], calibration_eps=["cpu"], op_types_to_quantize=["MatMul"],
+                    high_precision_dtype="fp32", nodes_to_exclude=job["exclude"], use_external_data_format=True,
+                    dq_only=True, output_path=job["output"], log_level="ERROR")
+
+
 def _Reader(feeds: list[dict]):
     """The calibration reader ModelOpt takes: onnxruntime's CalibrationDataReader plus get_first()
     (ModelOpt runs one feed ahead to find the tensors to calibrate) and rewind()."""
@@ -131,11 +162,16 @@ def _Reader(feeds: list[dict]):
 
 @contextlib.contextmanager
 def _quiet():
-    """ModelOpt and ORT's calibrators print per-tensor lines and warnings; our stages report progress."""
+    """ModelOpt and ORT's calibrators print per-tensor lines and warnings, and ModelOpt logs an ERROR when
+    it finds no GPU ("Failed to get GPU count"), which is expected here; our stages report progress."""
     previous = logging.root.manager.disable
-    logging.disable(logging.WARNING)
+    logging.disable(logging.ERROR)
     try:
         with contextlib.redirect_stdout(io_module.StringIO()):
             yield
     finally:
         logging.disable(previous)
+
+
+if __name__ == "__main__":
+    _quantize(json.loads(sys.argv[1]))

@@ -148,6 +148,7 @@ def cpu_session(graph, optimization: str = "all"):
     model.opset_import.append(onnx.helper.make_opsetid(PYOP_DOMAIN, 1))
     opts = ort.SessionOptions()
     opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[optimization])
+    opts.log_severity_level = 3                 # not one warning per initializer the rewrite left unused
     opts.register_custom_ops_library(ext.get_library_path())
     return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 

@@ -468,13 +468,17 @@ def _write_report(report: dict, out_dir: Path, plots: bool, log) -> None:
 
 
 def quick_bench(output_dir: Path, *, max_verify_tokens: int, log=print) -> dict:
-    """The short report `specexport build` ends with: every built precision, vanilla and γ = 1..6,
+    """The short report `specexport build` ends with: every built CPU precision, vanilla and γ = 1..6,
     one round of the default prompts, 32 tokens; no peers, no plots. Its report goes to bench/quick/,
     so a full `specexport bench` report in bench/ survives a rebuild; its γ choice is stored unless a
     fuller bench stored one for the same graphs."""
     gammas = tuple(range(1, min(6, max_verify_tokens - 1) + 1))
+    built = read_manifest(Path(output_dir))["models"]["target"]["precisions"]
+    # a latency report: GPU precisions (accuracy only on this CPU path, and slow to emulate) are left to
+    # `specexport bench --precisions ...`
     cfg = BenchConfig(output_dir=Path(output_dir), prompts=DEFAULT_PROMPTS, gammas=gammas, max_new_tokens=32,
-                      rounds=1, peers=False, plots=False, out=Path(output_dir) / "bench" / "quick")
+                      rounds=1, peers=False, plots=False, out=Path(output_dir) / "bench" / "quick",
+                      precisions=tuple(p for p in built if p not in GPU_PRECISIONS))
     return run_bench(cfg, log=log)
 
 
