@@ -149,7 +149,8 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
         for b in pipe.opened:
             b.timings = None
     max_t = max(cfg.gammas) + 1
-    isolated = {(tp, dp): _isolated_costs(pipes[tp], dp, max_t, clock) for tp, dp in costs}
+    isolated = {(tp, dp): _isolated_costs(pipes[tp], dp, max_t, clock) for tp, dp in costs    # γ prediction only:
+                if tp not in GPU_PRECISIONS and dp not in GPU_PRECISIONS}                        # not accuracy rows
     rows = [_row(c, runs, costs) for c in configs]
     choice = _gamma_choice(rows, costs, isolated, max(cfg.gammas))
     report = {
