@@ -294,7 +294,9 @@ def test_bench_reports_gpu_precisions_as_accuracy_only_with_their_acceptance(bui
     drop = {(d["target"], d["draft"]): d for d in report["acceptance_drop"]}
     assert drop[("fp8", "fp8")]["tokens_per_pass"] == fp8["mean_accepted_tokens"]
     assert "fp8/fp8" not in report["gamma_auto"]                     # no γ choice from emulated timings
-    assert "accuracy only" in render_markdown(report)
+    assert not [k for k in report["method_auto"] if "fp8" in k]      # nor a method choice
+    markdown = render_markdown(report)
+    assert "accuracy only" in markdown and "-x" not in markdown
 
 
 def test_without_modelopt_fp8_is_refused_in_one_line_before_any_work(gpu_fields, write_yaml, tmp_path, monkeypatch,

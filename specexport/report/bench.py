@@ -387,8 +387,9 @@ def method_choices(rows) -> dict:
     speedup among those that precision pair can run (draft-free rows and rows with that draft);
     vanilla when none of them beat vanilla."""
     choices = {}
-    pairs = {(r["precision"], r["draft_precision"] or "-") for r in rows}
-    pairs |= {(r["precision"], "-") for r in rows}
+    timed = [r for r in rows if not r.get("accuracy_only")]        # accuracy-only rows measured no speed
+    pairs = {(r["precision"], r["draft_precision"] or "-") for r in timed}
+    pairs |= {(r["precision"], "-") for r in timed}
     for tp, dp in pairs:
         candidates = [r for r in rows if r["precision"] == tp and r["method"] != VANILLA and r["speedup_vs_vanilla"]
                       and (r["draft_precision"] or "-") in ("-", dp)]

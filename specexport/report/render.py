@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _f(v, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
+def _f(v, fmt: str, unit: str = "") -> str:
+    return "-" if v is None else format(v, fmt) + unit
 
 
 def _speedup(r: dict, key: str = "speedup_vs_vanilla", ci_key: str = "speedup_ci95") -> str:
@@ -43,7 +43,7 @@ def render_markdown(report: dict) -> str:
                      f"{_f(r['tpot_ms_p90'], '.3f')} | {_f(r['acceptance_rate'], '.3f')} | "
                      f"{_f(r['mean_accepted_tokens'], '.2f')} | "
                      f"{'accuracy only' if r.get('accuracy_only') else _speedup(r)} | "
-                     f"{_f(r['ideal_speedup'], '.2f')}x | {_f(r['efficiency'], '.2f')} | "
+                     f"{_f(r['ideal_speedup'], '.2f', 'x')} | {_f(r['efficiency'], '.2f')} | "
                      f"{_speedup(r, 'speedup_vs_fp32_vanilla', 'speedup_vs_fp32_ci95')} |")
     lines += ["", "## Where the time goes", "",
               "Draft: the draft's (or heads') cost of one call in target decode steps. Verify: a target pass's "
@@ -57,8 +57,8 @@ def render_markdown(report: dict) -> str:
         g = f"tree {r['tree']}" if r.get("tree") else (r["gamma"] or "-")
         lines.append(f"| {r['precision']} | {r['draft_precision'] or '-'} | {r['method']} | {g} | "
                      f"{_f(r['draft_step_ratio'], '.2f')} | {_f(r['verify_step_ratio'], '.2f')} | "
-                     f"{_f(r['ideal_speedup'], '.2f')}x | {_f(r['ideal_free_draft'], '.2f')}x | "
-                     f"{_f(r['ideal_free_verify'], '.2f')}x | {r['capped_by'] or '-'} |")
+                     f"{_f(r['ideal_speedup'], '.2f', 'x')} | {_f(r['ideal_free_draft'], '.2f', 'x')} | "
+                     f"{_f(r['ideal_free_verify'], '.2f', 'x')} | {r['capped_by'] or '-'} |")
     lines += ["", "## γ chosen for `--gamma auto`", ""]
     for key, c in report["gamma_auto"].items():
         verdict = "vanilla (speculation predicted to lose)" if c["gamma"] == 0 else f"γ = {c['gamma']}"
