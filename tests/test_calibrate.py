@@ -183,6 +183,16 @@ def test_the_plugin_graph_passes_the_parity_gate_against_pytorch(built_llama, ti
     assert compare(source, onnx_logits(None, io, case, session=cpu_session(wrong))).max_rel_error > 1e-2
 
 
+def test_activation_quantized_graphs_pad_one_row_calls_at_any_difference():
+    from specexport.export.quality import min_tokens_for
+
+    for scheme in ("modelopt", "smoothquant", "static_qdq"):
+        assert min_tokens_for({"one_token": 1e-6, "two_tokens": 0.0}, scheme) == 2
+        assert min_tokens_for({"one_token": 0.0, "two_tokens": 0.0}, scheme) == 1
+    assert min_tokens_for({"one_token": 1e-6, "two_tokens": 0.0}, "matmulnbits") == 1
+    assert min_tokens_for({"one_token": 1e-3, "two_tokens": 0.0}, "cast") == 2
+
+
 def test_what_stays_unquantized(built_llama):
     from specexport.calibrate.ptq import kept_high_precision
 
@@ -296,7 +306,7 @@ def test_bench_reports_gpu_precisions_as_accuracy_only_with_their_acceptance(bui
     assert "fp8/fp8" not in report["gamma_auto"]                     # no γ choice from emulated timings
     assert not [k for k in report["method_auto"] if "fp8" in k]      # nor a method choice
     markdown = render_markdown(report)
-    assert "accuracy only" in markdown and "-x" not in markdown
+    assert "accuracy only" in markdown and "| -x |" not in markdown
 
 
 def test_without_modelopt_fp8_is_refused_in_one_line_before_any_work(gpu_fields, write_yaml, tmp_path, monkeypatch,

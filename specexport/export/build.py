@@ -205,7 +205,8 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
 
     `samples` caches this model's eval sequences between its quantized precisions."""
     from specexport.calibrate.ptq import ORT_OPTIMIZATION
-    from specexport.export.quality import ROW_TOLERANCE, measure_quality, row_dependence, runtime_session
+    from specexport.export.quality import (ROW_TOLERANCE, measure_quality, min_tokens_for, row_dependence,
+                                           runtime_session)
     from specexport.export.quantize import CALIBRATED, cpu_graph, describe, quantize_graph
     from specexport.export.to_onnx import check_graph_io
     from specexport.export.validate import compare, onnx_logits, parity_case
@@ -249,7 +250,7 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
             raise ParityError(f"{mp.role} {precision}: quality gate against fp32 failed: {'; '.join(failures)}. "
                               f"Measured {quality.describe()}, on {text['description']}. The gate is "
                               f"quality_gates.{precision} in the model.yaml")
-        min_tokens = 2 if rows["one_token"] > ROW_TOLERANCE else 1
+        min_tokens = min_tokens_for(rows, scheme["scheme"])
         if mp.role == "target" and rows["two_tokens"] > ROW_TOLERANCE:
             raise ParityError(f"target {precision} ({scheme['scheme']}): a token's logits depend on the other tokens "
                               f"of the same pass (relative {rows['two_tokens']:.1e} > {ROW_TOLERANCE:.0e}), so "
