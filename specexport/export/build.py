@@ -207,7 +207,7 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
     from specexport.calibrate.ptq import ORT_OPTIMIZATION
     from specexport.export.quality import (ROW_TOLERANCE, measure_quality, min_tokens_for, row_dependence,
                                            runtime_session)
-    from specexport.export.quantize import CALIBRATED, cpu_graph, describe, quantize_graph
+    from specexport.export.quantize import CALIBRATED, MODELOPT, cpu_graph, describe, quantize_graph
     from specexport.export.to_onnx import check_graph_io
     from specexport.export.validate import compare, onnx_logits, parity_case
 
@@ -223,7 +223,7 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
         calibration, calibrated_on, feeds = [], {}, []
         if scheme["scheme"] in CALIBRATED:
             calibration, calibrated_on = _calibration_sequences(plan, mp, reference)
-        if scheme["scheme"] in ("modelopt", "smoothquant"):
+        if scheme["scheme"] in MODELOPT:
             from specexport.calibrate.feeds import runtime_feeds
 
             feeds, record = runtime_feeds(reference, mp.io, calibration)

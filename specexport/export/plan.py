@@ -113,9 +113,11 @@ def _check_quantizers(cfg: BuildConfig) -> None:
     import importlib.util
 
     from specexport.config import GPU_PRECISIONS
+    from specexport.export.quantize import MODELOPT
 
-    gpu = sorted({p for m in (cfg.target, cfg.draft) if m is not None for p in m.precisions if p in GPU_PRECISIONS})
-    modelopt = [p for p in gpu if p != "fp16"]
+    models = [m for m in (cfg.target, cfg.draft) if m is not None]
+    gpu = sorted({p for m in models for p in m.precisions if p in GPU_PRECISIONS})
+    modelopt = [p for m in models for p in m.precisions if m.quantization.get(p, {}).get("scheme") in MODELOPT]
     needed = (("modelopt", "onnx_graphsurgeon", "onnxslim", "polygraphy", "lief", "cppimport") if modelopt else ()) \
         + (("onnxruntime_extensions",) if gpu else ())
     missing = [name for name in needed if importlib.util.find_spec(name) is None]

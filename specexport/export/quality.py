@@ -22,20 +22,22 @@ EVAL_LENGTH = 128           # tokens per sequence (at most max_seq_len)
 SAMPLE_SEED = 0             # sequences sampled from the fp32 graph when there is no eval_text
 SAMPLE_TEMPERATURE = 1.0
 ROW_TOLERANCE = 1e-4        # a target graph's rows must not depend on each other more than this (relative)
-ACTIVATION_QUANTIZED = ("static_qdq", "modelopt", "smoothquant")   # schemes with static activation Q/DQ
+SETTINGS = {"sequences": EVAL_SEQUENCES, "length": EVAL_LENGTH, "seed": SAMPLE_SEED,
+            "temperature": SAMPLE_TEMPERATURE}     # part of the stage fingerprint
 
 
 def min_tokens_for(rows: dict, scheme: str) -> int:
     """Rows per call the runtime must run this graph with (it pads shorter calls) so that a verify pass
-    computes what decoding computes: 2 when one-row calls differ from multi-row ones. For graphs that
-    quantize activations any difference counts: a 1e-6 change in the K/V a one-row call writes moves
-    values across rounding steps in later calls, and on SmolLM2-135M int8_sq (one-row difference 1.0e-6,
-    multi-row exactly 0) greedy speculative output differed from vanilla on 2 of 3 prompts within 32
-    tokens; others tolerate ROW_TOLERANCE (fp32 kernels' 1e-7 differences do not grow)."""
-    limit = 0.0 if scheme in ACTIVATION_QUANTIZED else ROW_TOLERANCE
+    computes what decoding computes: 2 when one-row calls differ from multi-row ones. For schemes that
+    quantize activations (quantize.CALIBRATED) any difference counts: a 1e-6 change in the K/V a
+    one-row call writes moves values across rounding steps in later calls, and on SmolLM2-135M int8_sq
+    (one-row difference 1.0e-6, multi-row exactly 0) greedy speculative output differed from vanilla on
+    2 of 3 prompts within 32 tokens; others tolerate ROW_TOLERANCE (fp32 kernels' 1e-7 differences do
+    not grow)."""
+    from specexport.export.quantize import CALIBRATED
+
+    limit = 0.0 if scheme in CALIBRATED else ROW_TOLERANCE
     return 2 if rows["one_token"] > limit else 1
-SETTINGS = {"sequences": EVAL_SEQUENCES, "length": EVAL_LENGTH, "seed": SAMPLE_SEED,
-            "temperature": SAMPLE_TEMPERATURE}     # part of the stage fingerprint
 
 
 @dataclass(frozen=True)

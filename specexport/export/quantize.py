@@ -51,7 +51,8 @@ SCHEMES = {
 }
 DEFAULT_SCHEMES = {"int8": "matmulnbits", "int4": "matmulnbits", "fp16": "cast", "fp8": "modelopt",
                    "int8_sq": "smoothquant"}
-CALIBRATED = ("static_qdq", "modelopt", "smoothquant")        # schemes that need calibration data
+MODELOPT = ("modelopt", "smoothquant")                        # made by calibrate/ptq.py (NVIDIA ModelOpt)
+CALIBRATED = ("static_qdq", *MODELOPT)       # need calibration data; they quantize activations with static scales
 ROW_INDEPENDENT = {"matmulnbits": True, "static_qdq": True, "dynamic": False, "cast": True, "modelopt": True,
                    "smoothquant": True}
 TOOLS = {
@@ -101,7 +102,7 @@ def quantize_graph(source: Path, dest: Path, precision: str, scheme: dict | None
             del half
             onnx.save(emulate(stand_in), str(emulated), save_as_external_data=True, location=emulated.name + ".data")
             return [dest, dest.with_name(dest.name + ".data"), emulated, emulated.with_name(emulated.name + ".data")]
-        elif kind in ("modelopt", "smoothquant"):
+        elif kind in MODELOPT:
             from specexport.calibrate.ptq import quantize_qdq
 
             quantize_qdq(source, dest, precision, scheme, list(feeds))
@@ -182,7 +183,7 @@ def describe(precision: str, scheme: dict | None = None, *, calibration_sequence
         method, extra = CALIBRATORS[scheme.get("calibrate", "minmax")]
         out["calibration"] = {"method": method, **extra, "sequences": calibration_sequences,
                               "smoothquant_alpha": scheme.get("smooth_alpha", 0.0), **(calibration or {})}
-    if scheme["scheme"] in ("modelopt", "smoothquant"):
+    if scheme["scheme"] in MODELOPT:
         out["calibration"] = {"method": scheme["calibrate"], "sequences": calibration_sequences, **(calibration or {})}
         out["high_precision"] = "fp32"
         from importlib.metadata import version

@@ -46,6 +46,10 @@ SPEED_KEYS = ("tokens_per_s", "ttft_ms", "prefill_ms", "draft_prefill_ms", "tpot
               "speedup_vs_fp32_vanilla", "speedup_vs_fp32_ci95")
 
 
+def accuracy_only(precision: str, draft_precision: str | None) -> bool:
+    return precision in GPU_PRECISIONS or draft_precision in GPU_PRECISIONS
+
+
 class Config(NamedTuple):
     """One row of the report."""
     method: str
@@ -149,8 +153,8 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
         for b in pipe.opened:
             b.timings = None
     max_t = max(cfg.gammas) + 1
-    isolated = {(tp, dp): _isolated_costs(pipes[tp], dp, max_t, clock) for tp, dp in costs    # γ prediction only:
-                if tp not in GPU_PRECISIONS and dp not in GPU_PRECISIONS}                        # not accuracy rows
+    isolated = {(tp, dp): _isolated_costs(pipes[tp], dp, max_t, clock) for tp, dp in costs
+                if not accuracy_only(tp, dp)}            # only the γ choice uses these: accuracy rows make none
     rows = [_row(c, runs, costs) for c in configs]
     choice = _gamma_choice(rows, costs, isolated, max(cfg.gammas))
     report = {
@@ -354,7 +358,7 @@ def _row(c: Config, runs, costs) -> dict:
         "efficiency": speedup / ideal if speedup and ideal else None, **where,
         "speedup_vs_fp32_vanilla": tps / fp32_tps if tps and fp32_tps else None,
         "speedup_vs_fp32_ci95": acc.speedup_interval(st, fp32) if fp32_tps else None,
-        "accuracy_only": tp in GPU_PRECISIONS or dp in GPU_PRECISIONS,
+        "accuracy_only": accuracy_only(tp, dp),
     }
     return {**row, **dict.fromkeys(SPEED_KEYS)} if row["accuracy_only"] else row
 

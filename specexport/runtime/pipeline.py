@@ -165,7 +165,7 @@ class Pipeline:
         options = dict(self._options)
         if stage.get("min_tokens", 1) > 1:          # the build measured this graph's one-row kernels differ
             options["min_tokens"] = stage["min_tokens"]
-        if stage.get("ort_optimization", "all") != "all":     # FP8 Q/DQ graphs: basic (calibrate/ptq.py)
+        if stage.get("ort_optimization", "all") != "all":     # Q/DQ graphs: basic (calibrate/ptq.py)
             options["optimization"] = stage["ort_optimization"]
         if "cpu_graph" in stage:                    # fp16: its fp32 stand-in for CPUs (calibrate/fp16.emulate)
             options["graph"] = stage["cpu_graph"]

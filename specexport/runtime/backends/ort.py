@@ -80,19 +80,15 @@ class OrtBackend(Backend):
         return StepOutput(out.logits[T - 1:T] if last_only else out.logits[:T], out.hidden[:T])
 
     def _rows(self, tokens, depths, tree_mask, last_only) -> StepOutput:
-        T, P = len(tokens), self.length
+        T = len(tokens)
         bind_in, bind_out = self._bind_in, self._bind_out
         # numpy inputs are bound by address: each must be a live, contiguous local until _run
-        tokens = np.ascontiguousarray(tokens)
-        positions = P + (self._arange[:T] if depths is None else np.asarray(depths, dtype=np.int64))
-        mask = self._mask[:T * (P + T)].reshape(1, T, P + T)        # a view of the flat buffer
-        mask[0, :, :P] = True
-        mask[0, :, P:] = self._causal[:T, :T] if tree_mask is None else tree_mask
-        bind_in("input_ids", tokens.reshape(1, T))
-        bind_in("position_ids", positions.reshape(1, T))
+        tokens, positions, mask, rows = self._small_inputs(tokens, depths, tree_mask, last_only)
+        bind_in("input_ids", tokens)
+        bind_in("position_ids", positions)
         bind_in("attention_mask", mask)
-        R = 1 if last_only else T                       # prefill: the next token's logits only
-        bind_in("logits_rows", self._arange[T - R:T].reshape(1, R))
+        bind_in("logits_rows", rows)
+        R = rows.shape[1]
         shape = self.kv_shape
         for (kp, vp), (pk, pv, nk, nv) in zip(self._kv_ptrs, self._kv_names):
             bind_in(pk, shape, kp)
@@ -108,6 +104,18 @@ class OrtBackend(Backend):
         self._run()
         return StepOutput(self.logits[0, :R], self.hidden[0, :T])
 
+    def _small_inputs(self, tokens, depths, tree_mask, last_only):
+        """(input_ids, position_ids, attention_mask, logits_rows) of one call, each [1, ...] and contiguous;
+        the mask is a view of the flat buffer."""
+        T, P = len(tokens), self.length
+        positions = P + (self._arange[:T] if depths is None else np.asarray(depths, dtype=np.int64))
+        mask = self._mask[:T * (P + T)].reshape(1, T, P + T)
+        mask[0, :, :P] = True
+        mask[0, :, P:] = self._causal[:T, :T] if tree_mask is None else tree_mask
+        R = 1 if last_only else T                       # prefill: the next token's logits only
+        return (np.ascontiguousarray(tokens).reshape(1, T), positions.reshape(1, T), mask,
+                self._arange[T - R:T].reshape(1, R))
+
     def _move_rows(self, keep: np.ndarray) -> None:
         dest = self.length + np.arange(len(keep))
         src = self.length + keep
@@ -119,13 +127,13 @@ class OrtBackend(Backend):
         return sum(b.nbytes for b in (*self.k, *self.v))
 
 
-# the manifest's ort_optimization -> ORT's level (FP8 Q/DQ graphs: basic; full optimisation fuses them
-# into kernels that have no FP8)
+# the manifest's ort_optimization -> ORT's level (Q/DQ graphs: basic, so they compute what they say;
+# calibrate/ptq.py)
 OPTIMIZATION_LEVELS = {"all": "ORT_ENABLE_ALL", "basic": "ORT_ENABLE_BASIC"}
 
 
 def open_session(path: Path, *, threads: int | None, spin: bool, session_options: dict | None = None,
-                 optimization: str = "all", graph: str = "model.onnx"):
+                 optimization: str = "all"):
     """An ORT CPU session of a built graph, with one-line errors naming the file."""
     ort = require("onnxruntime")
     if not path.is_file():

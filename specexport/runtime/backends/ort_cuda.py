@@ -9,7 +9,8 @@ Buffers:
                  present_key.i (the same memory: GroupQueryAttention's CUDA kernel updates it in place)
     logits, hidden, aux: host arrays, bound as outputs: ONNX Runtime copies them back at the end of
                  each run, the one host synchronisation per forward
-Inputs (token ids, positions, the mask, logits_rows) are small host arrays copied in by the run.
+The KV buffers are bound once; each forward binds only the small host inputs (token ids, positions,
+the mask, logits_rows: OrtBackend._small_inputs) and the host outputs.
 Committing a tree path moves KV rows on the device by a host round trip of each buffer (OrtValue has
 no device-to-device slice copy): chains never move rows; trees pay O(cache) per accepted tree.
 What this backend does not change: which graph runs (model.onnx; an fp16 build's real fp16 graph,
@@ -69,6 +70,11 @@ class OrtCudaBackend(OrtBackend):
         self._causal = np.tril(np.ones((max_tokens, max_tokens), dtype=bool))
         self._arange = np.arange(max_tokens, dtype=np.int64)
         self.last_aux = None
+        for k, v, (pk, pv, nk, nv) in zip(self.k, self.v, self._kv_names):
+            self.binding.bind_ortvalue_input(pk, k)
+            self.binding.bind_ortvalue_input(pv, v)
+            self.binding.bind_ortvalue_output(nk, k)      # the same device memory: updated in place
+            self.binding.bind_ortvalue_output(nv, v)
 
     def _init_base(self, **sizes) -> None:
         super(OrtBackend, self).__init__(**sizes)          # Backend's, not the CPU backend's buffers
@@ -76,23 +82,14 @@ class OrtCudaBackend(OrtBackend):
     def _rows(self, tokens, depths, tree_mask, last_only):
         from specexport.runtime.backends.base import StepOutput
 
-        T, P, b = len(tokens), self.length, self.binding
-        positions = P + (self._arange[:T] if depths is None else np.asarray(depths, dtype=np.int64))
-        mask = self._mask[:T * (P + T)].reshape(1, T, P + T)
-        mask[0, :, :P] = True
-        mask[0, :, P:] = self._causal[:T, :T] if tree_mask is None else tree_mask
-        R = 1 if last_only else T
-        b.clear_binding_inputs()
-        b.clear_binding_outputs()
-        b.bind_cpu_input("input_ids", np.ascontiguousarray(tokens).reshape(1, T))
-        b.bind_cpu_input("position_ids", positions.reshape(1, T))
-        b.bind_cpu_input("attention_mask", np.ascontiguousarray(mask))
-        b.bind_cpu_input("logits_rows", self._arange[T - R:T].reshape(1, R))
-        for k, v, (pk, pv, nk, nv) in zip(self.k, self.v, self._kv_names):
-            b.bind_ortvalue_input(pk, k)
-            b.bind_ortvalue_input(pv, v)
-            b.bind_ortvalue_output(nk, k)             # the same device memory: updated in place
-            b.bind_ortvalue_output(nv, v)
+        T, b = len(tokens), self.binding
+        tokens, positions, mask, rows = self._small_inputs(tokens, depths, tree_mask, last_only)
+        R = rows.shape[1]
+        # binding a name again replaces it; the KV OrtValues were bound once, in __init__
+        b.bind_cpu_input("input_ids", tokens)
+        b.bind_cpu_input("position_ids", positions)
+        b.bind_cpu_input("attention_mask", mask)
+        b.bind_cpu_input("logits_rows", rows)
         b.bind_output("logits", "cpu", 0, np.float32, (1, R, self.io.vocab_size), self.logits.ctypes.data)
         b.bind_output("hidden_states", "cpu", 0, np.float32, (1, T, self.io.hidden_size), self.hidden.ctypes.data)
         if self.aux is not None:
