@@ -72,7 +72,7 @@ def test_versions_come_from_the_keys_and_d2t_maps_to_target_ids(tmp_path):
     write_eagle3(tmp_path / "e3x", aux=[1, 5, 10])
     assert load_eagle(tmp_path / "e3x", hidden_size=H, vocab_size=V, num_layers=12).aux_layers == (1, 5, 10)
     # a target so shallow that the default layers coincide
-    assert eagle3_layers({}, 4) == (2, 2, 1) and eagle3_layers({}, 3) == (2, 1, 0)
+    assert eagle3_layers({}, 4) == (1, 2, 2) and eagle3_layers({}, 3) == (0, 1, 2)
     write_eagle1(tmp_path / "nobias", bias=False)
     assert "fc.bias" not in load_eagle(tmp_path / "nobias", hidden_size=H, vocab_size=V, num_layers=2).tensors
 

@@ -110,9 +110,11 @@ def load_eagle(path, *, hidden_size: int, vocab_size: int, num_layers: int) -> E
 def eagle3_layers(config: dict, num_layers: int, where: str = "eagle") -> tuple[int, ...]:
     """The target layers whose inputs EAGLE-3 concatenates, in that order (fc's columns follow it): the
     checkpoint's eagle_config.eagle_aux_hidden_state_layer_ids, else 2, N//2, N-3 (as EAGLE-3 trains
-    them). A target so shallow that these coincide still gives three features (a layer may repeat)."""
+    them), low to high: the published code collects them while walking the layers in order. A target so
+    shallow that these coincide still gives three features: a repeated layer repeats its input (the
+    published code would collect it once and fail on fc's width)."""
     ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    layers = tuple(int(i) for i in ids) if ids else (2, num_layers // 2, num_layers - 3)
+    layers = tuple(sorted(int(i) for i in ids) if ids else sorted((2, num_layers // 2, num_layers - 3)))
     if len(layers) != 3 or not all(0 <= i < num_layers for i in layers):
         raise SpecexportError(f"{where}: EAGLE-3 reads three target layers in 0..{num_layers - 1}; got {list(layers)}")
     return layers
