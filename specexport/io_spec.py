@@ -38,6 +38,23 @@ Heads graphs (HeadsIO) take the target's final hidden state and have no KV:
                                                   head_topk_logprobs  float32 [B, T, N, K]
 N heads (Medusa: head n predicts the token n + 2 places after the hidden state's position), the K
 most likely tokens of each head's own distribution in descending order with their log-probabilities.
+
+EAGLE head graphs (EagleIO) are one decoder layer with a KV cache of their own; row j of that cache
+holds token x_{j+1} read with the feature of position j, and predicts x_{j+2}:
+  input_ids       int64 [B, T]          ->  topk_ids        int64   [B, R, K]  draft-vocabulary ids
+  position_ids    int64 [B, T]              topk_logprobs   float32 [B, R, K]  log-softmax, descending
+  attention_mask  bool  [B, T, P+T]         hidden_states   float32 [B, T, H]  the head's output state
+  logits_rows     int64 [B, R]              present_key.0 / present_value.0    the cache, new rows written
+  features        float32 [B, T, F]     the target's feature (EAGLE-1: its final state, F = H; EAGLE-3:
+                                        three layers' inputs, F = 3H); zeros on rows that read the
+                                        head's own state instead
+  draft_hidden    float32 [B, T, H]     the head's own output state of the row's parent (a draft level
+                                        beyond the first); zeros on rows that read the target's feature
+  past_key.0 / past_value.0 float32 [B, Hkv, C, D]
+The head's attention_mask says what each new row sees among *all* P cached rows, not only the
+committed ones: while a draft tree grows, the rows of earlier levels sit in the cache past the
+committed ones, and a new row must see its own ancestors among them and nothing else (the target
+graph's mask has the same shape; its runtime only ever sets the past part to all-visible).
 """
 from __future__ import annotations
 
@@ -223,3 +240,87 @@ class HeadsIO:
 
 def _spec_dict(t: TensorSpec) -> dict:
     return {"name": t.name, "dtype": t.dtype, "axes": list(t.axes)}
+
+
+@dataclass(frozen=True)
+class EagleIO:
+    """The IO table of an EAGLE head graph: see the module docstring."""
+    version: int                     # 1 (EAGLE-1/2) or 3
+    hidden_size: int
+    feature_width: int               # H (EAGLE-1) or 3H (EAGLE-3)
+    num_kv_heads: int
+    head_dim: int
+    top_k: int                       # ids per row the graph returns (the widest expansion + 1)
+    inputs: tuple[TensorSpec, ...] = field(init=False)
+    outputs: tuple[TensorSpec, ...] = field(init=False)
+    num_layers = 1                   # one decoder layer: past_key.0 / past_value.0
+
+    def __post_init__(self):
+        kv_axes = ("batch", self.num_kv_heads, "capacity", self.head_dim)
+        per_row = ("batch", "rows", self.top_k)
+        object.__setattr__(self, "inputs", (
+            TensorSpec("input_ids", "int64", ("batch", "tokens")),
+            TensorSpec("position_ids", "int64", ("batch", "tokens")),
+            TensorSpec("attention_mask", "bool", ("batch", "tokens", "total")),
+            TensorSpec("logits_rows", "int64", ("batch", "rows")),
+            TensorSpec("features", "float32", ("batch", "tokens", self.feature_width)),
+            TensorSpec("draft_hidden", "float32", ("batch", "tokens", self.hidden_size)),
+            *(TensorSpec(n, "float32", kv_axes) for n in ModelIO.past_names(0))))
+        object.__setattr__(self, "outputs", (
+            TensorSpec("topk_ids", "int64", per_row),
+            TensorSpec("topk_logprobs", "float32", per_row),
+            TensorSpec("hidden_states", "float32", ("batch", "tokens", self.hidden_size)),
+            *(TensorSpec(n, "float32", kv_axes) for n in ModelIO.present_names(0))))
+
+    input_names = ModelIO.input_names
+    output_names = ModelIO.output_names
+    past_names = staticmethod(ModelIO.past_names)
+    present_names = staticmethod(ModelIO.present_names)
+    spec = ModelIO.spec
+
+    def empty_caches(self, batch: int = 1, capacity: int = 0) -> list:
+        import numpy as np
+
+        return [np.zeros((batch, self.num_kv_heads, capacity, self.head_dim), np.float32) for _ in range(2)]
+
+    def feeds(self, tokens, *, features=None, draft_hidden=None, positions=None, mask=None, past=None,
+              rows=None) -> dict:
+        """The input dict of one plain session.run (checks and tools): tokens [T] at positions [T]
+        (default: after the past), features [T, F] and draft_hidden [T, H] (default zeros), mask
+        [T, P+T] over every cached row and the new ones (default: all past visible, causal new)."""
+        import numpy as np
+
+        tokens = np.asarray(tokens, np.int64).reshape(-1)
+        T = len(tokens)
+        past = self.empty_caches() if past is None else past
+        P = past[0].shape[2]
+        if mask is None:
+            mask = np.ones((T, P + T), bool)
+            mask[:, P:] = np.tril(np.ones((T, T), bool))
+        zeros = np.zeros
+        return {"input_ids": tokens[None],
+                "position_ids": np.asarray(P + np.arange(T) if positions is None else positions, np.int64)[None],
+                "attention_mask": np.asarray(mask, bool)[None],
+                "logits_rows": np.asarray(np.arange(T) if rows is None else rows, np.int64).reshape(1, -1),
+                "features": np.asarray(zeros((T, self.feature_width)) if features is None else features,
+                                       np.float32)[None],
+                "draft_hidden": np.asarray(zeros((T, self.hidden_size)) if draft_hidden is None else draft_hidden,
+                                           np.float32)[None],
+                **dict(zip(self.past_names(0), past))}
+
+    def to_dict(self) -> dict:
+        return {"version": self.version, "hidden_size": self.hidden_size, "feature_width": self.feature_width,
+                "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "top_k": self.top_k,
+                "contract": CONTRACT_VERSION,
+                "inputs": [_spec_dict(t) for t in self.inputs], "outputs": [_spec_dict(t) for t in self.outputs]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EagleIO":
+        io = cls(version=d["version"], hidden_size=d["hidden_size"], feature_width=d["feature_width"],
+                 num_kv_heads=d["num_kv_heads"], head_dim=d["head_dim"], top_k=d["top_k"])
+        if [t.get("name") for t in d.get("inputs", [])] != io.input_names or d.get("contract") != CONTRACT_VERSION:
+            from specexport.errors import SpecexportError
+
+            raise SpecexportError("manifest EAGLE head IO table does not match this version's tensor layout "
+                                  "(rebuild it)")
+        return io

@@ -241,3 +241,58 @@ def decode_many(target, proposer, prompt, params, runs: int, *, max_new: int, se
                                             params=params, rng=rng, stats=stats)))
         proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
     return out, proposed, accepted
+
+
+# ------------------------------------------------------------------------------------------------
+# A tabular EAGLE head
+# ------------------------------------------------------------------------------------------------
+class TabularEagleHead(Backend):
+    """An EAGLE head behind OrtEagleHead's interface (`draft`), with a real (token) KV cache.
+
+    Row j's prediction is `table[prev, token]` over the draft vocabulary `vocab_ids` (its top K, in
+    draft ids), where prev is the previous token as the row's input state says it (the target's
+    feature of position j, or the parent's own state: `(prev2, prev)` is both what TabularBackend
+    reports as hidden and what this head returns as its state). With the target's own table it is an
+    oracle: its top-1 is the target's most likely token within the draft vocabulary. What a real head
+    would silently get wrong is checked: the last cached row the mask lets a row see (for a catch-up
+    row the row before it; for a draft level its parent's row, or the root's for depth 1) must hold
+    that same previous token, so a cache that kept another branch's rows, or a feature or state fed to
+    the wrong row, fails at once.
+    """
+
+    def __init__(self, table: np.ndarray, *, vocab_ids=None, top_k: int = 3, capacity: int, max_tokens: int):
+        V = table.shape[-1]
+        super().__init__(capacity=capacity, max_tokens=max_tokens, vocab_size=0)
+        self.vocab_ids = np.arange(V) if vocab_ids is None else np.asarray(vocab_ids, np.int64)   # [Vd]
+        logits = np.asarray(table, np.float32)[..., self.vocab_ids]                               # [V, V, Vd]
+        self.logprobs_table = log_softmax(logits.astype(np.float64)).astype(np.float32)
+        self.order = np.argsort(-self.logprobs_table, axis=-1, kind="stable")[..., :top_k]         # [V, V, K]
+        self.top_k, self.hidden_size = top_k, 2
+        self.rows = np.full(capacity, -1, np.int64)                                # [capacity] token per cache row
+        self.calls = 0
+
+    def draft(self, tokens, positions, *, features=None, own=None, past_mask=None, last_only=False, phase="decode"):
+        T, P = len(tokens), self.length
+        assert 1 <= T <= self.max_tokens and P + T <= self.capacity
+        assert (features is None) != (own is None)
+        states = np.asarray(features if features is not None else own)
+        assert np.array_equal(np.asarray(positions), P + np.arange(T)) if past_mask is None else \
+            len(set(np.asarray(positions).tolist())) == 1
+        self.rows[P:P + T] = tokens
+        self._pending = T
+        ids, lps, hidden = [], [], np.empty((T, 2), np.float32)
+        for i in range(T):
+            visible = (np.arange(P) if past_mask is None else np.flatnonzero(past_mask[i])).tolist()
+            visible += list(range(P, P + i)) if past_mask is None else []
+            prev = int(states[i][-1])
+            if visible:
+                seen = int(self.rows[visible[-1]])
+                assert seen == prev, f"row {P + i}: its input state says previous token {prev}, its cache {seen}"
+            hidden[i] = (prev, tokens[i])
+            ids.append(self.order[prev, tokens[i]])
+            lps.append(self.logprobs_table[prev, tokens[i]][self.order[prev, tokens[i]]])
+        self.calls += 1
+        from specexport.runtime.backends.eagle import HeadStep
+
+        ids, lps = np.asarray(ids), np.asarray(lps)
+        return HeadStep(ids[-1:] if last_only else ids, lps[-1:] if last_only else lps, hidden)

@@ -164,7 +164,7 @@ def test_medusa_greedy_equals_plain_greedy_and_reads_the_last_committed_state():
     proposer = MedusaTree(heads, TREE)
     seen = []
     original = proposer.features
-    proposer.features = lambda hidden: (seen.append(hidden[-1].copy()), original(hidden))
+    proposer.features = lambda hidden, start: (seen.append(hidden[-1].copy()), original(hidden, start))
     accepted = greedy_against_plain(proposer, seed=9,
                                     after_chunk=lambda seq: seen and np.testing.assert_array_equal(
                                         seen[-1], [seq[-3] if len(seq) > 2 else 0, seq[-2]]))

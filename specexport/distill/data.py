@@ -68,6 +68,23 @@ def prompts_from_corpus(folder: Path, tokenizer, *, count: int, tokens: int, see
     return prompts
 
 
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_chat(prompts: list[list[int]], tokenizer) -> list[list[int]]:
+    """Each prompt's text as one user message of the tokenizer's chat template, with the generation
+    prompt (add_generation_prompt=True): what a chat deployment's target continues. The template's own
+    special tokens (BOS, role markers) come from its text, so the ids are encoded without adding more."""
+    rendered = []
+    for ids in prompts:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+        rendered.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
+    return rendered
+
+
 def generate_sequences(model, prompts: list[list[int]], *, new_tokens: int, batch_size: int, seed: int,
                        eos_ids=(), temperature: float = 1.0, progress=None) -> list[list[int]]:
     """The target's sampled continuations: prompt + up to new_tokens tokens each, cut after EOS (seeded).

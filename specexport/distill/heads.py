@@ -14,6 +14,8 @@ The output is the published Medusa-1 layout (export/medusa.py: medusa_lm_head.sa
 config.json; `--projection shared` writes the "version 2" layout that reuses the target's lm_head),
 so heads made here load in other tools and `medusa: {path: OUT}` builds them; train_report.json
 holds each head's top-1 and top-k accuracy on held-out prompts (the target's greedy continuations).
+
+--kind eagle1 / eagle3 train an EAGLE head instead (distill/eagle.py), from the same data.
 """
 from __future__ import annotations
 
@@ -27,7 +29,11 @@ from specexport._optional import require
 from specexport.distill import train as distill
 from specexport.errors import SpecexportError
 
-KINDS = ("medusa",)                 # eagle1 / eagle3 come with the EAGLE issue
+KINDS = ("medusa", "eagle1", "eagle3")
+EAGLE_KINDS = ("eagle1", "eagle3")
+# Options of the EAGLE kinds only: left out of a Medusa run's fingerprint, so Medusa state saved before
+# they existed still resumes.
+EAGLE_FIELDS = ("draft_vocab", "ttt_steps", "chat_template", "intermediate_size")
 
 
 @dataclass(frozen=True)
@@ -53,17 +59,29 @@ class HeadsTrainConfig:
     top_k: int = 10                         # the k of the reported top-k accuracy
     decay: float = 0.8                      # head k's loss weight decay^k (Medusa's λ_k)
     device: str | None = None
+    # EAGLE kinds (distill/eagle.py)
+    draft_vocab: int | None = None          # EAGLE-3: the N most frequent tokens only (None: the full vocabulary)
+    ttt_steps: int = 3                      # training-time-test unroll
+    eval_depth: int = 5                     # chain depth of the held-out acceptance length
+    chat_template: str = "auto"             # auto | on | off: prompts as a user message of the tokenizer's template
+    intermediate_size: int | None = None    # the head's MLP width (default: the target's)
 
     def fingerprint(self) -> str:
-        keep = {k: str(v) for k, v in asdict(self).items() if k not in ("steps", "checkpoint_every", "device", "top_k")}
+        skip = ("steps", "checkpoint_every", "device", "top_k", "eval_depth")
+        skip += EAGLE_FIELDS if self.kind == "medusa" else ()
+        keep = {k: str(v) for k, v in asdict(self).items() if k not in skip}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
     """Run (or resume) training; returns the report written to <out>/train_report.json."""
+    _check(cfg)
+    if cfg.kind in EAGLE_KINDS:
+        from specexport.distill.eagle import train_eagle
+
+        return train_eagle(cfg, console=console, on_step=on_step)
     torch = require("torch")
     transformers = require("transformers")
-    _check(cfg)
     transformers.utils.logging.disable_progress_bar()
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     state_dir = cfg.out.parent / f".{cfg.out.name}.heads"
@@ -113,12 +131,15 @@ def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
 
 def _check(cfg: HeadsTrainConfig) -> None:
     if cfg.kind not in KINDS:
-        raise SpecexportError(f"--kind: {cfg.kind!r} is not supported; supported: {', '.join(KINDS)} (EAGLE heads "
-                              f"come with their own issue)")
-    if cfg.projection not in ("own", "shared"):
-        raise SpecexportError(f"--projection: expected own or shared, got {cfg.projection!r}")
+        raise SpecexportError(f"--kind: {cfg.kind!r} is not supported; supported: {', '.join(KINDS)}")
     if cfg.dtype not in ("float32", "float16"):
         raise SpecexportError(f"--dtype: expected float32 or float16, got {cfg.dtype!r}")
+    if cfg.kind in EAGLE_KINDS:             # the rest in distill/eagle.py
+        return
+    if cfg.draft_vocab is not None or cfg.chat_template == "on":
+        raise SpecexportError("--draft-vocab and --chat-template on are EAGLE options; --kind medusa takes neither")
+    if cfg.projection not in ("own", "shared"):
+        raise SpecexportError(f"--projection: expected own or shared, got {cfg.projection!r}")
     for name in ("heads", "layers", "top_k"):
         if getattr(cfg, name) < 1:
             raise SpecexportError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(cfg, name)}")

@@ -67,6 +67,8 @@ DATA_FIELDS = ("target", "prompts", "corpus", "num_prompts", "prompt_tokens", "n
 
 def data_fingerprint(cfg) -> str:
     keep = {k: str(getattr(cfg, k)) for k in DATA_FIELDS}
+    if _chat(cfg):           # only when on: fingerprints made before the option existed stay valid
+        keep["chat_template"] = "on"
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -147,6 +149,8 @@ def _load_or_make_data(cfg, target, tokenizer, state_dir: Path, console) -> dict
                                                    tokens=cfg.prompt_tokens, seed=cfg.seed)
     else:
         prompts = distill_data.prompts_from_files(cfg.prompts, tokenizer, max_tokens=cfg.prompt_tokens)
+    if _chat(cfg):
+        prompts = distill_data.render_chat(prompts, tokenizer)
     rng = np.random.default_rng(cfg.seed)
     order = rng.permutation(len(prompts))
     n_held = min(cfg.heldout, max(1, len(prompts) // 5))
@@ -164,6 +168,11 @@ def _load_or_make_data(cfg, target, tokenizer, state_dir: Path, console) -> dict
     data = {"fingerprint": data_fingerprint(cfg), "train": seqs, "heldout": _greedy_heldout(target, held, cfg.new_tokens)}
     atomic_save(data, path)
     return data
+
+
+def _chat(cfg) -> bool:
+    """Prompts rendered with the chat template: train-heads' EAGLE kinds, once "auto" is resolved."""
+    return getattr(cfg, "chat_template", "off") == "on"
 
 
 def _eos_ids(model):

@@ -120,6 +120,33 @@ def eagle3_layers(config: dict, num_layers: int, where: str = "eagle") -> tuple[
     return layers
 
 
+def rope_frequencies(config: dict, head_dim: int, where: str = "eagle.path") -> tuple[np.ndarray, float]:
+    """(inv_freq [D/2] float32, attention scaling) of the head's RoPE, from its own config: rope_theta
+    (10000 when missing), and the scaling the config names (linear, llama3, yarn: transformers'
+    ROPE_INIT_FUNCTIONS, the same code the target's graph uses)."""
+    transformers = require("transformers")
+    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "auto_map")}
+    fields.setdefault("rope_theta", 10000.0)
+    try:
+        cfg = transformers.LlamaConfig(**fields)
+    except Exception as err:                     # transformers validates rope fields its own way
+        raise SpecexportError(f"{where}/config.json: its RoPE settings are not valid ({err})") from None
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", "default")
+    theta = float(rope.get("rope_theta") or fields["rope_theta"])
+    if kind == "default":
+        return (1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)).astype(np.float32), 1.0
+    from specexport.export.arch import STATIC_ROPE_TYPES
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind not in STATIC_ROPE_TYPES:
+        raise SpecexportError(f"{where}/config.json: rope type {kind!r} is not supported for a head; supported: "
+                              f"{', '.join(STATIC_ROPE_TYPES)}")
+    cfg.head_dim = head_dim
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](cfg, "cpu")
+    return inv_freq.float().numpy(), float(scale)
+
+
 def _read_weights(path: Path, where: str) -> dict:
     torch = require("torch")
     for name in WEIGHT_FILES:
@@ -162,7 +189,8 @@ def _head_class():
             self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
             self.hidden = int(cfg["hidden_size"])
             self.head_dim = int(cfg.get("head_dim") or self.hidden // self.heads)
-            self.theta = float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0)
+            inv_freq, self.rope_scale = rope_frequencies(cfg, self.head_dim)
+            self.inv_freq = torch.from_numpy(inv_freq)
             self.eps = float(cfg.get("rms_norm_eps", 1e-6))
             prefix = "layers.0." if w.version == 1 else "midlayer."
             self.t = {k: v for k, v in w.tensors.items()}
@@ -177,9 +205,9 @@ def _head_class():
 
         def _rope(self, x, positions):                       # x [B, heads, T, D]
             d = self.head_dim
-            inv = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-            ang = positions.float()[:, None] * inv[None]      # [T, D/2]
-            cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+            ang = positions.float()[:, None] * self.inv_freq[None]      # [T, D/2]
+            cos = torch.cat([ang, ang], -1).cos() * self.rope_scale
+            sin = torch.cat([ang, ang], -1).sin() * self.rope_scale
             half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
             return x * cos + half * sin
 

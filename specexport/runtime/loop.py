@@ -123,7 +123,7 @@ def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int
     stats.gamma, stats.prompt_tokens = depth, n
     stats.proposed_at, stats.accepted_at = np.zeros(depth, np.int64), np.zeros(depth, np.int64)
     target.reset()
-    features = proposer.features if depth and proposer.wants_features else None
+    features = _feature_sink(proposer) if depth and proposer.wants_features else None
     logits = prefill(target, prompt, prefill_chunk, features=features)
     stats.prefill_s = clock() - start
     if depth:
@@ -146,7 +146,7 @@ def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int
             target.commit(1)
             new = np.array([_choose(out.logits[0], params, rng)])
             if features is not None:
-                features(out.hidden[:1])
+                features(out, slice(0, 1), target.length - 1)
             stats.count_forward("target", 1)
             stats.rounds.append((0, 0))
         else:
@@ -178,7 +178,7 @@ def _verify(target, proposer, proposal, seq, n, params, rng, stats, features) ->
         verdict = accept_tree(tree, tokens, warp(out.logits[:T], params), rng.random(T))
     k = verdict.n_accepted
     if features is not None:                    # before the commit moves rows (hidden is per forward row)
-        features(out.hidden[verdict.path])
+        features(out, verdict.path, target.length)
     target.commit(k + 1 if chain else verdict.path)     # only the accepted rows, compacted
     proposer.accepted(seq, n, proposal, verdict)
     stats.proposed += T - 1
@@ -191,15 +191,30 @@ def _verify(target, proposer, proposal, seq, n, params, rng, stats, features) ->
 
 def prefill(backend: Backend, prompt: np.ndarray, chunk: int, *, features=None) -> np.ndarray:
     """Run the prompt in chunks and commit it; returns the last position's logits [V] (a copy).
-    features: called with each chunk's final hidden states [chunk, H] (a proposer that reads them)."""
+    features: called with each chunk's output, rows and first position (_feature_sink)."""
     chunk = min(chunk, backend.max_tokens)
     for s in range(0, len(prompt), chunk):
         part = prompt[s:s + chunk]
         out = backend.forward(part, phase="prefill")
         if features is not None:
-            features(out.hidden)
+            features(out, slice(None), backend.length)
         backend.commit(len(part))
     return np.array(out.logits[-1])
+
+
+def _feature_sink(proposer):
+    """features(out, rows, start): hand the proposer the target states it reads (proposer.feature_source)
+    of the given rows of a forward, which the target commits at positions start, start + 1, ..."""
+    aux = proposer.feature_source == "aux"
+
+    def sink(out, rows, start: int) -> None:
+        states = out.aux if aux else out.hidden
+        if states is None:
+            raise SpecexportError("the target graph exports no aux_hidden_states, which this proposer reads "
+                                  "(rebuild it with the head in the model.yaml)")
+        proposer.features(states[rows], start)
+
+    return sink
 
 
 def _choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -23,6 +23,7 @@ from specexport.errors import SpecexportError
 class StepOutput:
     logits: np.ndarray              # [T, V] float32 ([1, V] after a prefill forward); may be a view of a reused buffer
     hidden: np.ndarray | None       # [T, H] final post-norm hidden state, same caveat
+    aux: np.ndarray | None = None   # [T, k*H] the inputs of the graph's aux_hidden_layers (EAGLE-3), same caveat
 
 
 class Backend:

@@ -77,7 +77,7 @@ class OrtBackend(Backend):
         out = self._rows(tokens, depths, tree_mask, last_only=False)
         if self.last_aux is not None:
             self.last_aux = self.last_aux[:T]
-        return StepOutput(out.logits[T - 1:T] if last_only else out.logits[:T], out.hidden[:T])
+        return StepOutput(out.logits[T - 1:T] if last_only else out.logits[:T], out.hidden[:T], self.last_aux)
 
     def _rows(self, tokens, depths, tree_mask, last_only) -> StepOutput:
         T = len(tokens)
@@ -102,7 +102,7 @@ class OrtBackend(Backend):
             bind_out("aux_hidden_states", (1, T, self.aux.shape[-1]), aux_ptr)
             self.last_aux = self.aux[0, :T]
         self._run()
-        return StepOutput(self.logits[0, :R], self.hidden[0, :T])
+        return StepOutput(self.logits[0, :R], self.hidden[0, :T], self.last_aux)
 
     def _small_inputs(self, tokens, depths, tree_mask, last_only):
         """(input_ids, position_ids, attention_mask, logits_rows) of one call, each [1, ...] and contiguous;
@@ -158,7 +158,8 @@ def open_session(path: Path, *, threads: int | None, spin: bool, session_options
 
 
 def _binding_calls(ort, session, binding):
-    """(bind_input, bind_output, run) for float32 CPU buffers and numpy inputs.
+    """(bind_input, bind_output, run) for CPU buffers (float32 unless bind_output is given a dtype) and
+    numpy inputs.
 
     Why not only the public IOBinding methods: each public bind_input/bind_output builds a new
     OrtDevice and checks pinning, and a forward makes 4 x layers + 5 of these calls. On the small
@@ -178,8 +179,8 @@ def _binding_calls(ort, session, binding):
             else:
                 c_binding.bind_input(name, cpu, f32, arr_or_shape, ptr)
 
-        def bind_out(name, shape, ptr):
-            c_binding.bind_output(name, cpu, f32, shape, ptr)
+        def bind_out(name, shape, ptr, dtype=f32):
+            c_binding.bind_output(name, cpu, dtype, shape, ptr)
 
         return bind_in, bind_out, lambda: c_session.run_with_iobinding(c_binding, None)
 
@@ -189,7 +190,7 @@ def _binding_calls(ort, session, binding):
         else:
             binding.bind_input(name, "cpu", 0, np.float32, arr_or_shape, ptr)
 
-    def bind_out(name, shape, ptr):
-        binding.bind_output(name, "cpu", 0, np.float32, shape, ptr)
+    def bind_out(name, shape, ptr, dtype=np.float32):
+        binding.bind_output(name, "cpu", 0, dtype, shape, ptr)
 
     return bind_in, bind_out, lambda: session.run_with_iobinding(binding)

@@ -96,7 +96,7 @@ class OrtCudaBackend(OrtBackend):
             b.bind_output("aux_hidden_states", "cpu", 0, np.float32, (1, T, self.aux.shape[-1]), self.aux.ctypes.data)
             self.last_aux = self.aux[0, :T]
         self.session.run_with_iobinding(b)
-        return StepOutput(self.logits[0, :R], self.hidden[0, :T])
+        return StepOutput(self.logits[0, :R], self.hidden[0, :T], self.last_aux)
 
     def _move_rows(self, keep: np.ndarray) -> None:
         dest, src = self.length + np.arange(len(keep)), self.length + keep

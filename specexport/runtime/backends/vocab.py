@@ -47,7 +47,7 @@ class ReducedVocab:
         out = self.inner.forward(tokens, depths=depths, tree_mask=tree_mask, phase=phase)
         full = self._full[:len(out.logits)]
         full[:, self.ids] = out.logits          # the other columns stay -inf: probability 0 after any warp
-        return StepOutput(full, out.hidden)
+        return StepOutput(full, out.hidden, out.aux)
 
     def __getattr__(self, name):                # length, capacity, commit, rollback, reset, timings, ...
         return getattr(self.inner, name)

@@ -54,6 +54,7 @@ class Proposer:
     capacity: int | None = None
     role: str = "draft"
     wants_features: bool = False    # True: the loop calls features() with the target's hidden states
+    feature_source: str = "hidden"  # what features() gets: "hidden" (final post-norm) or "aux" (aux layers' inputs)
 
     def begin(self, prompt: np.ndarray, prefill_chunk: int) -> None:
         """A new generation starts with `prompt` (prefill a model here)."""
@@ -64,16 +65,19 @@ class Proposer:
     def accepted(self, seq: np.ndarray, n: int, proposal: Proposal, verdict) -> None:
         """The verdict of the round that `propose(seq, n, ...)` started (seq is not yet extended)."""
 
-    def features(self, hidden: np.ndarray) -> None:
-        """(wants_features) The target's final hidden states [k, H] of the rows it is committing, in
-        order: each prefill chunk (before `begin`), the accepted path of a round, a plain step's row.
-        The last row is the state whose logits chose the newest token. `hidden` is a view of the
-        backend's reused buffer: copy what you keep."""
+    def features(self, hidden: np.ndarray, start: int) -> None:
+        """(wants_features) The target's states [k, H] (feature_source "hidden": final, post-norm;
+        "aux": the inputs of its aux layers, [k, n*H]) of the rows it is committing at positions
+        start..start+k-1, in order: each prefill chunk (before `begin`; start 0 is a new generation),
+        the accepted path of a round, a plain step's row. The last row is the state whose logits chose
+        the newest token. `hidden` is a view of the backend's reused buffer: copy what you keep."""
 
 
 from specexport.runtime.proposers.draft import DraftChain       # noqa: E402  (the proposers, by name)
 from specexport.runtime.proposers.draft_tree import DraftTree   # noqa: E402
+from specexport.runtime.proposers.eagle import DynamicTree, EagleTree   # noqa: E402
 from specexport.runtime.proposers.lookup import PromptLookup    # noqa: E402
 from specexport.runtime.proposers.medusa import MedusaTree      # noqa: E402
 
-__all__ = ["DraftChain", "DraftTree", "Limits", "MedusaTree", "PromptLookup", "Proposal", "Proposer"]
+__all__ = ["DraftChain", "DraftTree", "DynamicTree", "EagleTree", "Limits", "MedusaTree", "PromptLookup", "Proposal",
+           "Proposer"]

@@ -38,7 +38,7 @@ class MedusaTree(Proposer):
                              f"graph returns the top {heads.top_k} (medusa.top_k in the model.yaml)")
         self._hidden = None
 
-    def features(self, hidden: np.ndarray) -> None:
+    def features(self, hidden: np.ndarray, start: int) -> None:
         self._hidden = np.array(hidden[-1])                 # [H] the state that chose the newest token
 
     def propose(self, seq, n, limits: Limits, params, rng, stats) -> Proposal:

