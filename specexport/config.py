@@ -23,6 +23,8 @@ Relative paths resolve against the YAML file's folder.
     # draft, optional: vocab: 8192 (the target's most frequent tokens) or vocab: ids.json (a list of ids);
     #   a draft folder with a draft_vocab.json (written by distill-draft --draft-vocab) uses it by default
     medusa: {path: heads/medusa, top_k: 10}   # optional: Medusa heads for the target (published formats)
+    eagle: {path: heads/eagle3, top_k: 10}    # optional: an EAGLE-1 or EAGLE-3 head (published formats; the
+                                              #   version comes from its keys, the target's aux layers follow)
 """
 from __future__ import annotations
 
@@ -43,8 +45,8 @@ BACKENDS = ("onnxruntime", "tensorrt")   # tensorrt: refused by the build where 
 MODEL_ROLES = ("target", "draft")
 TOP_KEYS = {"name", "target", "draft", "max_seq_len", "precisions", "backends", "output",
             "max_verify_tokens", "parity_tolerance", "eval_text", "calibration_text", "quality_gates", "medusa",
-            "quantization"}
-HEAD_KINDS = ("medusa",)                 # heads on the target's hidden states, built as their own graphs
+            "quantization", "eagle"}
+HEAD_KINDS = ("medusa", "eagle")         # heads on the target's hidden states, built as their own graphs
 HEADS_KEYS = {"path", "top_k"}
 MODEL_KEYS = {"path", "aux_hidden_layers", "precisions", "quantization", "vocab"}
 # Quality gates of the quantized graphs against the fp32 graph, on held-out text: the share of positions
@@ -70,9 +72,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class HeadsConfig:
-    kind: str                                       # "medusa"
+    kind: str                                       # "medusa" or "eagle"
     path: Path                                      # a folder in one of the published layouts
-    top_k: int = 10                                 # ids per head the graph returns (the widest tree rank + 1)
+    top_k: int = 10                                 # ids per head (per EAGLE row) the graph returns (the widest
+                                                    #   tree rank + 1)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,11 @@ class BuildConfig:
     quality_gates: dict = field(default_factory=lambda: {p: dict(g) for p, g in DEFAULT_QUALITY_GATES.items()})
     source: Path | None = None                      # the YAML file this came from
     medusa: "HeadsConfig | None" = None
+    eagle: "HeadsConfig | None" = None
+
+    @property
+    def heads(self) -> list["HeadsConfig"]:
+        return [h for h in (self.medusa, self.eagle) if h is not None]
 
     @property
     def models(self) -> list[ModelConfig]:
@@ -152,6 +160,7 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
         quality_gates=_quality_gates(raw.get("quality_gates")),
         source=source,
         medusa=_heads(raw["medusa"], "medusa", base) if raw.get("medusa") is not None else None,
+        eagle=_heads(raw["eagle"], "eagle", base) if raw.get("eagle") is not None else None,
     )
     _check_output_writable(cfg.output)
     return cfg

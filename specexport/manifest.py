@@ -6,6 +6,7 @@ Layout of an output folder (schema 2):
     tokenizer-<hash>/                  tokenizer files copied from the target checkpoint
     <role>/<precision>-<id>/model.onnx (+ model.onnx.data) per model (target, draft) and precision
     medusa/fp32-<id>/model.onnx        the Medusa heads' graph, when the build has heads (key `heads`)
+    eagle/fp32-<id>/model.onnx         the EAGLE head's graph (key `heads.eagle`)
     bench/                             the latest `specexport bench` report
 
 Stage folders carry a fresh id each time they are built, so a rebuild writes beside the files the
@@ -75,6 +76,8 @@ _MODEL = {"source": str, "model_type": str, "fingerprint": str, "vocab_size": in
           "special_tokens": {"eos_token_ids": (list, type(None))}, "precisions": _Each(_STAGE)}
 _HEADS = {"source": str, "format": str, "num_heads": int, "num_layers": int, "top_k": int, "fingerprint": str,
           "io": dict, "precisions": _Each(_STAGE)}
+_EAGLE = {"source": str, "version": int, "aux_layers": list, "target_ids": (list, type(None)), "top_k": int,
+          "fingerprint": str, "io": dict, "scratch_rows": int, "precisions": _Each(_STAGE)}
 # What the runtime, the bench and inspect read. Other keys may be present (figures, config echo).
 SCHEMA = {"schema_version": int, "name": str, "created": str, "build_id": str, "max_seq_len": int,
           "max_verify_tokens": int, "tokenizer": {"dir": str, "files": _FILES},
@@ -100,8 +103,10 @@ def read_manifest(output_dir: str | os.PathLike) -> dict:
         raise SpecexportError(f"{path}: schema_version {version!r} is not supported; this specexport reads "
                               f"{SCHEMA_VERSION} (rebuild with `specexport build`)")
     validate_manifest(data, where=str(path))
-    if "heads" in data:                     # optional: builds with Medusa heads
-        _check(data["heads"], _Each(_HEADS), str(path), "heads")
+    if "heads" in data:                     # optional: builds with Medusa heads or an EAGLE head
+        _check(data["heads"], dict, str(path), "heads")
+        for kind, entry in data["heads"].items():
+            _check(entry, _EAGLE if kind == "eagle" else _HEADS, str(path), f"heads.{kind}")
     if "target" not in data["models"]:
         raise SpecexportError(f"{path}: models.target: missing key")
     return data

@@ -11,13 +11,16 @@ from specexport.cli import cli
 @click.argument("prompt")
 @click.option("--method", default="draft", show_default=True,
               help="vanilla | draft (a draft model) | lookup (prompt lookup: copies from earlier text, target only) "
-                   "| medusa (the build's Medusa heads) | auto (what `specexport bench` measured fastest)")
+                   "| medusa (the build's Medusa heads) | eagle (the build's EAGLE head) | auto (what `specexport "
+                   "bench` measured fastest)")
 @click.option("--gamma", default="4", show_default=True,
               help="Draft tokens proposed per round, or 'auto' (the γ `specexport bench` measured best).")
 @click.option("--tree", default=None,
               help="Draft a static token tree instead of a chain: small | wide | deep, or JSON rank paths "
                    "like '[[0],[1],[0,0]]'. With --method medusa: auto (the default: the tree "
-                   "the build measured) | small | medium | large or rank paths.")
+                   "the build measured) | small | medium | large or rank paths. With --method eagle: auto (the "
+                   "default) | dynamic | '{\"top_k\": 4, \"depth\": 5, \"total_tokens\": 15}' (EAGLE-2's "
+                   "dynamic tree) | a static tree (small | wide | deep or rank paths).")
 @click.option("--sampled-children", is_flag=True,
               help="With --tree and --temperature > 0: draw each node's children from the draft (multi-draft "
                    "verification) instead of taking its top-ranked tokens.")
@@ -62,7 +65,7 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
     line = (f"[{label}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.tokens_per_second:.1f} tok/s, "
             f"TTFT {s.ttft_s * 1e3:.1f} ms, TPOT {s.tpot_s * 1e3:.2f} ms")
     if s.proposed:
-        shape = f"tree depth {s.gamma}" if method == "medusa" or tree is not None else f"γ={s.gamma}"
+        shape = f"tree depth {s.gamma}" if method in ("medusa", "eagle") or tree is not None else f"γ={s.gamma}"
         line += (f", {shape}, acceptance {s.acceptance_rate:.2f}, "
                  f"{s.mean_accepted_tokens:.2f} tokens per target pass")
     click.secho(line, fg="cyan", err=True)
@@ -78,12 +81,13 @@ def _tree(text: str | None):
 
     from specexport.errors import SpecexportError
 
-    if text is None or not text.lstrip().startswith("["):
+    if text is None or not text.lstrip().startswith(("[", "{")):
         return text
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
-        raise SpecexportError(f"--tree: not a JSON list of rank paths ({err.msg}): {text!r}") from None
+        raise SpecexportError(f"--tree: not a JSON list of rank paths or a JSON object of dynamic-tree settings "
+                              f"({err.msg}): {text!r}") from None
 
 
 def _int_gamma(text: str) -> int:

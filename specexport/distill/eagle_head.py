@@ -85,7 +85,7 @@ def ttt_mask(T: int, s: int, device=None):
     torch = require("torch")
     i = torch.arange(T, device=device)[:, None]
     j = torch.arange(T, device=device)[None]
-    blocks = [j <= i - s] + [j == i - s + t for t in range(1, s + 1)]
+    blocks = [j <= i] + [j == i - s + t for t in range(1, s + 1)]
     return torch.cat(blocks, 1)
 
 
@@ -141,7 +141,9 @@ def _head_class():
                 self.midlayer = Layer(s, 2 * H, eagle3=True)
                 self.norm = Norm(H)
                 self.lm_head = linear(H, s.draft_vocab)
-                ids_t = torch.arange(s.vocab) if ids is None else torch.as_tensor(ids, dtype=torch.long)
+                # without ids: the full vocabulary, or (a reduced one) placeholders for load_state_dict
+                ids_t = torch.arange(s.draft_vocab) if ids is None else torch.as_tensor(ids, dtype=torch.long)
+                assert len(ids_t) == s.draft_vocab, (len(ids_t), s.draft_vocab)
                 self.register_buffer("d2t", ids_t - torch.arange(len(ids_t)))                # [Vd] int64
                 self.register_buffer("t2d", torch.isin(torch.arange(s.vocab), ids_t))       # [V] bool
             else:

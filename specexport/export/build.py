@@ -28,6 +28,7 @@ import numpy as np
 from specexport import __version__
 from specexport.errors import ParityError, SpecexportError
 from specexport.config import GPU_PRECISIONS
+from specexport.export.eagle_stage import eagle_stage
 from specexport.export.plan import ModelPlan, Plan, tool_versions
 from specexport.locking import output_lock
 from specexport.export.outdir import StageFolders, remove_unreferenced, reusable_tokenizer, tokenizer_digest
@@ -79,7 +80,9 @@ def run_build(plan: Plan, *, force: bool = False, reporter: Reporter | None = No
         folders = StageFolders(out)
         try:
             results, plan = _run_stages(plan, previous, force, folders, reporter)   # plan: with measured vocab ids
-            heads = {hp.role: _heads_stage(plan, hp, previous, force, folders, reporter, results) for hp in plan.heads}
+            heads = {hp.role: (eagle_stage if hp.role == "eagle" else _heads_stage)(plan, hp, previous, force, folders,
+                                                                                  reporter, results)
+                     for hp in plan.heads}
             with reporter.stage("copy tokenizer"):
                 tokenizer = _tokenizer_stage(plan, out, previous, folders)
             manifest = _manifest(plan, results, tokenizer, previous, heads)

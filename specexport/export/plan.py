@@ -38,10 +38,10 @@ class ModelPlan:
 
 @dataclass(frozen=True)
 class HeadsPlan:
-    """Heads on the target's hidden states (Medusa), exported as their own graph."""
+    """Heads on the target's states (Medusa, EAGLE), exported as their own graph."""
     config: HeadsConfig
-    weights: object                     # export.medusa.MedusaWeights, checked against the target
-    io: HeadsIO
+    weights: object                     # export.medusa.MedusaWeights or export.eagle.EagleWeights, checked
+    io: object                          # HeadsIO (Medusa) or EagleIO
     fingerprint: str
 
     @property
@@ -88,6 +88,12 @@ def plan_build(cfg: BuildConfig) -> Plan:
         engines_unavailable("backends: tensorrt")
     _check_quantizers(cfg)
     target = _plan_model(cfg.target, cfg)
+    eagle = _plan_eagle(cfg.eagle, target) if cfg.eagle is not None else None
+    if eagle is not None and not set(eagle.weights.aux_layers) <= set(target.io.aux_hidden_layers):
+        # the target exports the layers an EAGLE-3 head reads, whatever aux_hidden_layers says
+        layers = tuple(sorted(set(eagle.weights.aux_layers) | set(target.io.aux_hidden_layers)))
+        target = _plan_model(dataclasses.replace(cfg.target, aux_hidden_layers=layers), cfg)
+        eagle = _plan_eagle(cfg.eagle, target)
     models = [target]
     vocab = _tokenizer_vocab(cfg.target)
     if cfg.draft is not None:
@@ -101,7 +107,8 @@ def plan_build(cfg: BuildConfig) -> Plan:
                       if (cfg.target.path / f).is_file())
     special = {"bos_token_id": target.arch.bos_token_id, "eos_token_ids": list(target.eos_token_ids),
                "pad_token_id": target.arch.pad_token_id}
-    heads = (_plan_medusa(cfg.medusa, target),) if cfg.medusa is not None else ()
+    heads = ((_plan_medusa(cfg.medusa, target),) if cfg.medusa is not None else ()) + \
+        ((eagle,) if eagle is not None else ())
     return Plan(config=cfg, models=tuple(models), tokenizer_files=tok_files, special_tokens=special,
                 eval_ids=_text_ids(cfg, cfg.eval_text, "eval_text"),
                 calibration_ids=_text_ids(cfg, cfg.calibration_text, "calibration_text"), heads=heads)
@@ -139,6 +146,24 @@ def _plan_medusa(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
                "file": f"{weights.file.name}:{stat.st_size}:{stat.st_mtime_ns}"}
     fingerprint = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
     return HeadsPlan(config=hc, weights=weights, io=io, fingerprint=fingerprint)
+
+
+def _plan_eagle(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
+    from specexport.export.eagle import WEIGHT_FILES, load_eagle
+    from specexport.export.eagle_graph import io_for
+
+    arch = target.arch
+    weights = load_eagle(hc.path, hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+                         num_layers=arch.num_layers)
+    if hc.top_k > (weights.draft_vocab or arch.vocab_size):
+        raise SpecexportError(f"eagle.top_k: {hc.top_k} exceeds the head's vocabulary "
+                              f"({weights.draft_vocab or arch.vocab_size})")
+    files = [hc.path / n for n in ("config.json", *WEIGHT_FILES) if (hc.path / n).is_file()]
+    options = {"target": target.fingerprint, "top_k": hc.top_k, "graph_code": source_hash(EAGLE_SOURCES),
+               "files": [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]}
+    fingerprint = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
+    return HeadsPlan(config=hc, weights=weights, io=io_for(weights, target_hidden=arch.hidden_size, top_k=hc.top_k),
+                     fingerprint=fingerprint)
 
 
 def _text_ids(cfg: BuildConfig, path: Path | None, key: str) -> tuple[int, ...] | None:
@@ -271,6 +296,8 @@ GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gq
                  "export/adapters/*.py")
 QUANTIZER_SOURCES = ("export/quantize.py", "export/smooth.py", "export/quality.py", "calibrate/*.py")
 HEADS_SOURCES = ("io_spec.py", "export/medusa.py", "export/medusa_tree.py", "export/to_onnx.py")
+EAGLE_SOURCES = ("io_spec.py", "export/eagle.py", "export/eagle_graph.py", "export/eagle_stage.py", "export/gqa.py",
+                 "export/to_onnx.py")
 
 
 def source_hash(patterns) -> str:

@@ -22,10 +22,10 @@ from specexport.manifest import check_files, file_problems, listed_files, read_m
 from specexport.runtime.backends import open_backend
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
-from specexport.runtime.proposers import DraftChain, DraftTree, MedusaTree, PromptLookup
+from specexport.runtime.proposers import DraftChain, DraftTree, DynamicTree, EagleTree, MedusaTree, PromptLookup
 from specexport.runtime.sampling import SamplingParams
 
-METHODS = ("vanilla", "draft", "lookup", "medusa")   # eagle comes with its own issue
+METHODS = ("vanilla", "draft", "lookup", "medusa", "eagle")
 PREFILL_CHUNK = 64
 # Static draft trees (rank paths: the r-th most likely draft token at each depth). "wide" branches at
 # the first two levels, "deep" follows the top-1 path further; both 15 nodes, for max_verify_tokens 16.
@@ -95,6 +95,7 @@ class Pipeline:
         self.target = self._open("target")
         self.drafts: dict = {}                      # draft backends opened so far, by precision
         self._medusa = None                         # the Medusa heads, opened on first use
+        self._eagle = None                          # the EAGLE head, opened on first use
         tok = self.manifest["tokenizer"]
         check_files(self.dir, {f"{tok['dir']}/{name}": meta for name, meta in tok["files"].items()})
         tok_path = self.dir / tok["dir"] / "tokenizer.json"
@@ -129,6 +130,24 @@ class Pipeline:
             check_files(self.dir, stage["files"])
             self._medusa = open_heads(self.backend_kind, self.dir / stage["dir"], io=HeadsIO.from_dict(entry["io"]))
         return self._medusa
+
+    @property
+    def eagle(self):
+        """The EAGLE head (runtime/backends/eagle.py), opened on first use."""
+        if self._eagle is None:
+            from specexport.io_spec import EagleIO
+            from specexport.runtime.backends.eagle import open_eagle_head
+
+            entry = self.manifest.get("heads", {}).get("eagle")
+            if entry is None:
+                raise SpecexportError("method: 'eagle' was not built (no eagle: head in the model.yaml)")
+            stage = entry["precisions"]["fp32"]
+            check_files(self.dir, stage["files"])
+            io = EagleIO.from_dict(entry["io"])
+            self._eagle = open_eagle_head(self.backend_kind, self.dir / stage["dir"], io=io,
+                                          capacity=self.capacity + entry["scratch_rows"],
+                                          max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK, io.top_k))
+        return self._eagle
 
     @property
     def draft(self):
@@ -202,7 +221,11 @@ class Pipeline:
         draft's top-ranked tokens verified with the q-free rule; both are lossless.
         method medusa: the build's Medusa heads propose a static tree, `tree`: "auto" (the default: the
         tree the build made from the heads' measured accuracy and the verify cost), rank paths, or the
-        name of one of MEDUSA_TREES (cut to the heads' count); gamma is not used."""
+        name of one of MEDUSA_TREES (cut to the heads' count); gamma is not used.
+        method eagle: the build's EAGLE head drafts a token tree from the target's own states, `tree`:
+        "auto" (the default: the dynamic tree the build measured best), "dynamic" or a mapping
+        {"top_k": 4, "depth": 5, "total_tokens": 15} (EAGLE-2's dynamic tree), or a static tree (rank
+        paths or a DRAFT_TREES name); gamma is not used."""
         ids = self._prompt_ids(prompt, prompt_ids)
         params = self._params(temperature, top_k, top_p)
         proposer = self._proposer_for(method, gamma, draft_stop, lookup_branches, tree, sampled_children)
@@ -280,11 +303,13 @@ class Pipeline:
         if method == "vanilla":
             return None
         if method not in self.methods:
-            what = "Medusa heads" if method == "medusa" else "draft model"
+            what = {"medusa": "Medusa heads", "eagle": "EAGLE head"}.get(method, "draft model")
             raise SpecexportError(f"method: {method!r} was not built (no {what} in this build); "
                                   f"available: {', '.join(self.methods)}")
         if method == "medusa":
             return self._medusa_tree(("auto" if self._auto_medusa_tree() else "medium") if tree is None else tree)
+        if method == "eagle":
+            return self._eagle_tree("auto" if tree is None else tree)
         if method == "lookup":
             gamma = self._check_gamma(gamma, auto=False)
             if not isinstance(lookup_branches, int) or lookup_branches < 1:
@@ -347,6 +372,43 @@ class Pipeline:
             paths = [p for p in paths if len(p) <= heads.num_heads and max(p) < heads.top_k]
         return self._fitting(lambda paths: MedusaTree(heads, paths), paths)
 
+    def _eagle_tree(self, tree) -> EagleTree:
+        """tree: "auto" (what the build measured best), "dynamic" (DynamicTree's defaults), a mapping
+        {top_k, depth, total_tokens} (a dynamic tree), or a static tree (rank paths or a DRAFT_TREES name)."""
+        entry = self.manifest["heads"]["eagle"]
+        if tree == "auto":
+            auto = entry.get("auto_tree")
+            if not auto:
+                raise SpecexportError("tree: 'auto' needs the tree the build measured; this build has none "
+                                      "(rebuild it with this version)")
+            tree = {k: auto[k] for k in ("top_k", "depth", "total_tokens")}
+        if tree == "dynamic":
+            tree = {}
+        if isinstance(tree, dict):
+            unknown = set(tree) - {"top_k", "depth", "total_tokens"}
+            if unknown:
+                raise SpecexportError(f"tree: unknown keys {sorted(unknown)} for a dynamic EAGLE tree; allowed: "
+                                      f"top_k, depth, total_tokens")
+            try:
+                shape = DynamicTree(**tree)
+            except ValueError as err:
+                raise SpecexportError(str(err)) from None
+            if shape.scratch_rows > entry["scratch_rows"]:
+                raise SpecexportError(f"tree: (depth - 1) x top_k = {shape.scratch_rows} draft rows; the head's "
+                                      f"cache has {entry['scratch_rows']} beyond max_seq_len")
+        else:
+            shape = _named_tree(tree, DRAFT_TREES)
+        version = entry["version"]
+        columns = None
+        if version == 3:
+            from specexport.runtime.proposers.eagle import feature_columns
+
+            target_io = self.manifest["models"]["target"]["io"]
+            columns = feature_columns(target_io["aux_hidden_layers"], entry["aux_layers"], target_io["hidden_size"])
+        head = self.eagle
+        return self._fitting(lambda t: EagleTree(head, t, target_ids=entry.get("target_ids"), feature_columns=columns,
+                                                 feature_source="aux" if version == 3 else "hidden"), shape)
+
     def _fitting(self, make, paths):
         """make(paths) with one-line errors, checked against the graph's verify width."""
         try:
@@ -375,8 +437,9 @@ class Pipeline:
 
     @property
     def opened(self) -> list:
-        """The models opened so far: target, drafts, Medusa heads (what close() closes and the bench times)."""
-        return [self.target, *self.drafts.values(), *([self._medusa] if self._medusa is not None else [])]
+        """The models opened so far: target, drafts, Medusa heads, EAGLE head (what close() closes and the bench
+        times)."""
+        return [self.target, *self.drafts.values(), *(h for h in (self._medusa, self._eagle) if h is not None)]
 
     @property
     def opened_heads(self):

@@ -218,6 +218,20 @@ class EagleTree(Proposer):
         return tree.parents, ids, calls
 
 
+def feature_columns(target_layers, head_layers, hidden_size: int) -> np.ndarray | None:
+    """Columns of the target's aux states [k*H] (its aux_hidden_layers, each once, ascending) that form
+    an EAGLE-3 head's feature [3H] (its layers, low to high, a repeated layer repeated); None when they
+    are the same. Example: target (1, 2), head (1, 2, 2), H 2 -> [0, 1, 2, 3, 2, 3]."""
+    target_layers, head_layers = list(target_layers), list(head_layers)
+    if target_layers == head_layers:
+        return None
+    missing = sorted(set(head_layers) - set(target_layers))
+    if missing:
+        raise SpecexportError(f"EAGLE-3 head reads layers {head_layers}; the target graph exports {target_layers} "
+                              f"(rebuild it with the head in the model.yaml)")
+    return np.concatenate([target_layers.index(l) * hidden_size + np.arange(hidden_size) for l in head_layers])
+
+
 def _best_closed(score: np.ndarray, parent: np.ndarray, depth: np.ndarray, total: int) -> list[int]:
     """The `total` best candidates by cumulative log-prob (ties: shallower first), each taken only once
     its parent is in, so the result is a tree (a child's log-prob sum never exceeds its parent's, up to

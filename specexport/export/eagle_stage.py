@@ -1,0 +1,168 @@
+"""The build's EAGLE stage: export the head, check it against the published head in PyTorch on the
+target fp32 graph's own features, choose `tree: auto`, and check the speculative output.
+
+`tree: auto` (EAGLE-2's dynamic tree has three knobs; which are best depends on the head's accuracy
+and on what a verify pass of T tokens costs on this machine, 1.15x-1.6x a step on a CPU): for each
+candidate (top_k, depth, total_tokens) the build decodes the target's greedy continuations of
+held-out prefixes with the graphs just built, counts the tokens each target pass gave, and predicts
+the speedup over vanilla from the measured costs: tokens per pass x c(1) / (c(T + 1) + the head's
+time per round), c(T) the target's median T-token pass. Every one of those decodes must equal vanilla
+greedy decoding token for token: the build's end-to-end check of the head, the proposer and the target
+graph together.
+"""
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+
+import numpy as np
+
+from specexport.errors import ParityError
+from specexport.manifest import files_intact
+
+# (top_k, depth, total_tokens) tried by tree: auto; total_tokens is capped by max_verify_tokens - 1
+AUTO_CANDIDATES = ((1, 3, 3), (1, 5, 5), (2, 4, 7), (2, 6, 11), (4, 5, 15), (4, 6, 31), (8, 6, 63))
+AUTO_PROMPTS, AUTO_PREFIX, AUTO_TOKENS = 4, 16, 48
+SCRATCH_ROWS = 512            # head cache rows beyond max_seq_len for a round's draft levels (runtime too)
+
+
+def eagle_stage(plan, hp, previous: dict, force: bool, folders, reporter, results) -> dict:
+    """Export + parity + tree: auto for an EAGLE head; the manifest's heads.eagle record (reused when
+    unchanged)."""
+    from specexport.export.build import _eval_sequences, _files_entry
+    from specexport.export.eagle_graph import export_head, head_parity
+    from specexport.export.quality import runtime_session
+    from specexport.export.validate import parity_case
+
+    out, cfg, target, w = plan.config.output, plan.config, plan.target, hp.weights
+    old = previous.get("heads", {}).get(hp.role, {})
+    entry = old.get("precisions", {}).get("fp32")
+    target_rebuilt = any(r.role == "target" and not r.skipped for r in results)
+    if (not force and not target_rebuilt and entry and old.get("fingerprint") == hp.fingerprint
+            and files_intact(out, entry["files"])):
+        reporter.note(f"[dim]- {hp.role} head: unchanged, reused ({entry['dir']})[/]")
+        return old
+    target_dir = out / next(r.entry["dir"] for r in results if r.role == "target" and r.precision == "fp32")
+    partial, final = folders.new(hp.role, "fp32")
+    start = time.perf_counter()
+    try:
+        embed, lm_head = target_embeddings(target, w.version)
+        label = (f"EAGLE-{w.version}" + (f", layers {list(w.aux_layers)}, draft vocabulary {w.draft_vocab}"
+                                         if w.version == 3 else ""))
+        with reporter.stage(f"export the {label} head to ONNX"):
+            names = [f.name for f in export_head(w, embed, lm_head, hp.io, partial / "model.onnx")]
+        with reporter.stage(f"check the {hp.role} head against PyTorch on the target's features"):
+            case = parity_case(target.io, max_seq_len=cfg.max_seq_len, max_verify_tokens=cfg.max_verify_tokens)
+            session = runtime_session(target_dir / "model.onnx")
+            seq = case.seq[:min(len(case.seq), 24)]
+            feats = target_features(session, target.io, seq, w)
+            report = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", seq, feats[:-1])
+        del embed, lm_head
+        if not report["max_rel_error"] <= cfg.parity_tolerance:
+            raise ParityError(f"{hp.role} head: parity check failed: relative error {report['max_rel_error']:.3e} "
+                              f"({', '.join(f'{k} {v:.2e}' for k, v in report['per_phase'].items())}) > tolerance "
+                              f"{cfg.parity_tolerance:.1e}")
+        sequences, text = _eval_sequences(plan, target, session, reporter, {})
+        del session
+        with reporter.stage("tree: auto from greedy decoding of held-out prefixes (and its check against vanilla)"):
+            auto = auto_tree(target_dir, partial, plan, hp, sequences)
+        reporter.note(f"  tree auto: top_k {auto['top_k']}, depth {auto['depth']}, {auto['total_tokens']} tokens, "
+                      f"{auto['tokens_per_pass']:.2f} tokens per target pass, predicted {auto['predicted_speedup']:.2f}x")
+        folders.publish(partial, final)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    stage = {**_files_entry(out, final, names), "parity_reference": "pytorch",
+             "parity_max_rel_error": report["max_rel_error"], "parity_per_phase": report["per_phase"],
+             "parity_rows": report["rows"], "parity_tolerance": cfg.parity_tolerance,
+             "build_seconds": round(time.perf_counter() - start, 2)}
+    return {"source": str(hp.config.path), "version": w.version, "aux_layers": list(w.aux_layers),
+            "draft_vocab": w.draft_vocab, "target_ids": None if w.version != 3 else w.target_ids().tolist(),
+            "top_k": hp.io.top_k, "fingerprint": hp.fingerprint, "io": hp.io.to_dict(),
+            "scratch_rows": SCRATCH_ROWS, "auto_tree": {**auto, "text": text["description"]},
+            "precisions": {"fp32": stage}}
+
+
+def target_embeddings(target, version: int):
+    """The target's embedding [V, H] and (EAGLE-1) lm_head [V, H] as float32 numpy; a tied lm_head is
+    the embedding array itself, so the head graph stores it once."""
+    from specexport.export.registry import get_adapter
+    from specexport.export.to_onnx import load_hf_model
+
+    model = load_hf_model(target.config.path)
+    adapter = get_adapter(target.arch.model_type)
+    emb_w, head_w = adapter.embed_tokens(model).weight, adapter.lm_head(model).weight
+    embed = emb_w.detach().float().numpy().copy()
+    if version != 1:
+        return embed, None
+    return embed, (embed if head_w is emb_w else head_w.detach().float().numpy().copy())
+
+
+def target_features(session, target_io, tokens, weights) -> np.ndarray:
+    """[S, F] the head's features of every position of `tokens`, from the target graph (an open session):
+    EAGLE-1 its final state, EAGLE-3 its aux layers' inputs in the head's order."""
+    from specexport.export.medusa import target_states
+    from specexport.runtime.proposers.eagle import feature_columns
+
+    if weights.version == 1:
+        return target_states(session, target_io, tokens)[0]
+    aux, = target_states(session, target_io, tokens, ("aux_hidden_states",))
+    columns = feature_columns(target_io.aux_hidden_layers, weights.aux_layers, target_io.hidden_size)
+    return aux if columns is None else aux[:, columns]
+
+
+def auto_tree(target_dir, head_dir, plan, hp, sequences) -> dict:
+    """Decode greedy continuations of held-out prefixes with each candidate tree; check them against
+    vanilla; choose by predicted speedup (module docstring)."""
+    from specexport.export.medusa_tree import greedy_continuation, verify_costs
+    from specexport.runtime.backends.eagle import OrtEagleHead
+    from specexport.runtime.backends.ort import OrtBackend
+    from specexport.runtime.loop import DecodeStats, decode
+    from specexport.runtime.proposers.eagle import DynamicTree, EagleTree, feature_columns
+    from specexport.runtime.sampling import SamplingParams
+
+    cfg, target, w = plan.config, plan.target, hp.weights
+    max_nodes = cfg.max_verify_tokens - 1
+    candidates = sorted({(min(k, hp.io.top_k), d, min(t, max_nodes)) for k, d, t in AUTO_CANDIDATES})
+    prefixes = [seq[:AUTO_PREFIX] for seq in sequences if len(seq) > AUTO_PREFIX][:AUTO_PROMPTS]
+    length = min(AUTO_PREFIX + AUTO_TOKENS, cfg.max_seq_len - 1)
+    with OrtBackend(target_dir, io=target.io, capacity=cfg.max_seq_len, max_tokens=max(cfg.max_verify_tokens, 64)) \
+            as backend, OrtEagleHead(head_dir, io=hp.io, capacity=cfg.max_seq_len + SCRATCH_ROWS,
+                                     max_tokens=max(cfg.max_verify_tokens, 64, hp.io.top_k)) as head:
+        vanilla = [greedy_continuation(backend, p, length) for p in prefixes]
+        costs = verify_costs(backend, range(1, max_nodes + 2))
+        source = "hidden" if w.version == 1 else "aux"
+        columns = None if w.version == 1 else feature_columns(target.io.aux_hidden_layers, w.aux_layers,
+                                                              target.io.hidden_size)
+        ids = None if w.version == 1 else w.target_ids()
+        measured = {}
+        for k, d, t in candidates:
+            proposer = EagleTree(head, DynamicTree(top_k=k, depth=d, total_tokens=t), target_ids=ids,
+                                 feature_columns=columns, feature_source=source)
+            passes = tokens = 0
+            verify, head_time = [], []
+            head.timings = {}
+            for prefix, expected in zip(prefixes, vanilla):
+                stats = DecodeStats()
+                got = np.concatenate([prefix, *decode(backend, proposer, prefix, max_new_tokens=length - len(prefix),
+                                                      params=SamplingParams(0.0), rng=np.random.default_rng(0),
+                                                      stats=stats)])
+                if not np.array_equal(got, expected):
+                    at = int(np.flatnonzero(got != expected)[0])
+                    raise ParityError(f"eagle head: greedy speculative decoding (tree top_k {k}, depth {d}, {t} tokens) "
+                                      f"differs from vanilla greedy decoding at token {at - len(prefix)} of a "
+                                      f"held-out prefix: the head graph, its proposer or the target graph is wrong")
+                passes += stats.target_passes
+                tokens += stats.emitted - 1
+                verify += [costs[min(p + 1, max_nodes + 1)] for p, _ in stats.rounds]
+            head_time = sum(sum(v) for (phase, _), v in head.timings.items() if phase == "decode")
+            head.timings = None
+            per_pass = tokens / max(passes, 1)
+            cost = statistics.fmean(verify) + head_time / max(passes, 1)
+            measured[(k, d, t)] = {"tokens_per_pass": per_pass, "predicted_speedup": per_pass * costs[1] / cost,
+                                   "head_ms_per_round": 1e3 * head_time / max(passes, 1)}
+    best = max(measured, key=lambda c: measured[c]["predicted_speedup"])
+    return {"top_k": best[0], "depth": best[1], "total_tokens": best[2], **measured[best],
+            "candidates": [{"top_k": k, "depth": d, "total_tokens": t, **m} for (k, d, t), m in measured.items()],
+            "prefixes": len(prefixes), "tokens": length,
+            "verify_cost_ms": {str(t): round(c * 1e3, 4) for t, c in costs.items()}}
