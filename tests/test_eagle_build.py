@@ -206,7 +206,7 @@ def test_sampled_eagle_matches_the_exported_targets_exact_distribution(eagle_bui
     import specexport
 
     params = SamplingParams(1.0, top_k=4)
-    with specexport.load(eagle_builds["e3"]) as pipe:
+    with specexport.load(eagle_builds["e1"]) as pipe:
         prompt = [5, 17, 42, 9, 5, 17]
         target = pipe.target
 

@@ -44,10 +44,14 @@ def inspect(output_dir, as_json, verify, verbose):
             table.add_row(role, mm["model_type"], str(io["num_layers"]), str(mm["vocab_size"]), precision,
                           "\n".join(e["files"]), f"{e['size_bytes'] / 2**20:.1f} MiB")
     for kind, h in m.get("heads", {}).items():
+        if kind == "eagle":
+            what = (f"EAGLE-{h['version']}" + (f", layers {h['aux_layers']}" if h["aux_layers"] else ""),
+                    "1 layer", f"{h.get('draft_vocab') or m['models']['target']['vocab_size']}, top-{h['top_k']}")
+        else:
+            what = (f"{h['format']}, lm_head {h.get('lm_head', '?')}", f"{h['num_heads']} heads x {h['num_layers']}",
+                    f"top-{h['top_k']}")
         for precision, e in h["precisions"].items():
-            table.add_row(kind, f"{h['format']}, lm_head {h.get('lm_head', '?')}",
-                          f"{h['num_heads']} heads x {h['num_layers']}", f"top-{h['top_k']}", precision,
-                          "\n".join(e["files"]), f"{e['size_bytes'] / 2**20:.1f} MiB")
+            table.add_row(kind, *what, precision, "\n".join(e["files"]), f"{e['size_bytes'] / 2**20:.1f} MiB")
     console.print(table)
     console.print(checks_table(m, title="checks"))
     if verbose:

@@ -85,7 +85,7 @@ def ttt_mask(T: int, s: int, device=None):
     torch = require("torch")
     i = torch.arange(T, device=device)[:, None]
     j = torch.arange(T, device=device)[None]
-    blocks = [j <= i] + [j == i - s + t for t in range(1, s + 1)]
+    blocks = [j <= i - s] + [j == i - s + t for t in range(1, s + 1)]
     return torch.cat(blocks, 1)
 
 
