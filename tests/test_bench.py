@@ -353,7 +353,7 @@ def test_bench_cli(built_llama, tmp_path, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--gammas", "0"], "--gammas: expected integers >= 1"),
     (["--draft-stops", "1.5"], "--draft-stops: expected probabilities"),
-    (["--methods", "vanilla,eagle"], "--methods: 'eagle' is not a method"),
+    (["--methods", "vanilla,hydra"], "--methods: 'hydra' is not a method"),
     (["--precisions", "int4"], "--precisions: 'int4' was not built"),
     (["--prompts", "MISSING"], "--prompts: .*missing.jsonl: no such file"),
     (["--prompts", "BAD"], "--prompts: .*bad.jsonl line 2: not JSON"),

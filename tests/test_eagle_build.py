@@ -252,3 +252,15 @@ def test_eagle_errors_and_cli(eagle_builds, built_draft_only, capsys):
                  '{"top_k": 2, "depth": 3, "total_tokens": 5}', "--max-new-tokens", "12"]) == 0
     assert main(["inspect", str(eagle_builds["e3"])]) == 0
     assert "eagle" in capsys.readouterr().out
+
+
+def test_bench_rows_for_eagle(eagle_builds, tmp_path):
+    from specexport.report.bench import BenchConfig, run_bench
+
+    report = run_bench(BenchConfig(output_dir=eagle_builds["e3"], prompts=("hello", "a b c"), methods=("vanilla", "eagle"),
+                                   eagle_trees=("auto", "small"), gammas=(2,), max_new_tokens=24, rounds=1, threads=1,
+                                   peers=False, plots=False, out=tmp_path / "bench"), log=lambda m: None)
+    rows = [r for r in report["rows"] if r["method"] == "eagle"]
+    assert [r["tree"] for r in rows] == ["auto", "small"]
+    assert all(r["ideal_speedup"] and r["mean_accepted_tokens"] >= 1 and r["draft_step_ratio"] for r in rows)
+    assert "fp32/eagle" in report["step_costs_ms"] and report["step_costs_ms"]["fp32/eagle"]["draft"]

@@ -22,6 +22,8 @@ def _csv(value, cast=str):
 @click.option("--trees", default="", help="Comma list of draft trees (small, wide, deep): a draft-tree row each.")
 @click.option("--medusa-trees", default="auto", show_default=True,
               help="Comma list of Medusa trees (auto, small, medium, large): a row each when --methods has medusa.")
+@click.option("--eagle-trees", default="auto", show_default=True,
+              help="Comma list of EAGLE trees (auto, dynamic, small, wide, deep): a row each when --methods has eagle.")
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False),
               help="JSON-lines file of prompt strings (default: a few built-in code prompts).")
 @click.option("--max-new-tokens", default=128, show_default=True)
@@ -33,8 +35,8 @@ def _csv(value, cast=str):
                    "assisted generation, onnxruntime-genai greedy and n-gram (each where installed).")
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="Report folder (default: OUTPUT_DIR/bench).")
 @click.option("-v", "--verbose", is_flag=True)
-def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_trees, prompts_file, max_new_tokens, rounds, threads, peers,
-          out, verbose):
+def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_trees, eagle_trees, prompts_file,
+          max_new_tokens, rounds, threads, peers, out, verbose):
     """Measure tokens/s, TTFT, TPOT, acceptance and speedup; write report.json, report.md and plots."""
     from specexport.errors import SpecexportError
     from specexport.report.bench import BenchConfig, run_bench
@@ -59,6 +61,7 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
         raise SpecexportError(f"--draft-stops: expected probabilities in (0, 1), got {draft_stops!r}")
     cfg = BenchConfig(output_dir=Path(output_dir), prompts=prompts, precisions=_csv(precisions), draft_stops=stops,
                       trees=_csv(trees) or (), medusa_trees=_csv(medusa_trees) or ("auto",),
+                      eagle_trees=_csv(eagle_trees) or ("auto",),
                       methods=_csv(methods) or ("vanilla",), gammas=gamma_list, max_new_tokens=max_new_tokens,
                       rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))

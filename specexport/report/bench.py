@@ -28,7 +28,8 @@ from specexport.report.model import choose_gamma, extend, predicted_speedup
 from specexport.report.threads import ThreadSetting, fastest_for_vanilla
 
 DEFAULT_PROMPTS = ("def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):")
-METHODS = ("vanilla", "draft", "lookup", "medusa")
+METHODS = ("vanilla", "draft", "lookup", "medusa", "eagle")
+HEAD_METHODS = ("medusa", "eagle")               # proposers that read the target's states: priced as "draft"
 # A peer's thread pools (torch's OpenMP, ONNX Runtime's) spin for a while after it answers, in its own
 # process but on our cores: measured on the demo, the run right after the peers had its prefill 38%
 # slower (20.3 vs 14.7 ms) until this pause was added. Rotating the order spreads whatever remains.
@@ -57,7 +58,13 @@ class Config(NamedTuple):
     draft_precision: str | None
     gamma: int                      # chain length, or lookup's longest proposal; 0 for vanilla
     draft_stop: float = 0.0
-    tree: str | None = None         # a DRAFT_TREES name (draft) or a MEDUSA_TREES name (medusa)
+    tree: str | None = None         # a DRAFT_TREES name (draft), a MEDUSA_TREES name (medusa), or auto / dynamic /
+                                    #   a DRAFT_TREES name (eagle)
+
+    @property
+    def proposer(self) -> str | None:
+        """What proposes besides the target: the draft's precision, "medusa" or "eagle", or None."""
+        return self.draft_precision or (self.method if self.method in HEAD_METHODS else None)
 
 
 VANILLA = "vanilla"
@@ -73,6 +80,7 @@ class BenchConfig:
     draft_stops: tuple[float, ...] = ()             # adaptive-γ rows, at the largest γ, per value
     trees: tuple[str, ...] = ()                     # draft-tree rows (DRAFT_TREES names), per precision
     medusa_trees: tuple[str, ...] = ("auto",)       # Medusa rows ("auto" or MEDUSA_TREES names) with method medusa
+    eagle_trees: tuple[str, ...] = ("auto",)        # EAGLE rows ("auto", "dynamic" or DRAFT_TREES names) with eagle
     max_new_tokens: int = 128
     rounds: int = 3
     out: Path | None = None                         # default: <output_dir>/bench
@@ -112,9 +120,9 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
     for tp, dp in drafts:                           # open every draft before the runs
         pipes[tp].use_draft_precision(dp)
         pipes[tp].draft.clock = clock
-    if any(c.method == "medusa" for c in configs):
+    for kind in {c.method for c in configs} & set(HEAD_METHODS):
         for pipe in pipes.values():
-            pipe.medusa.clock = clock
+            getattr(pipe, kind).clock = clock
     log(f"bench: warm-up, {len(configs)} configurations")
     for c in configs:
         _run(pipes, c, cfg.prompts[0], cfg.max_new_tokens)
@@ -144,17 +152,17 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
     finally:
         for peer in peers:
             peer.close()
-    # "draft" prices every forward that is not the target's: the draft model's, or the Medusa heads'
-    # (rows without a draft model; lookup rows make none)
-    costs = {(tp, dp): {"target": acc.decode_costs(pipes[tp].target.timings),
-                        "draft": acc.decode_costs(_proposer_timings(pipes[tp], dp))}
-             for tp, dp in {(c.precision, c.draft_precision) for c in configs}}
+    # "draft" prices every forward that is not the target's: the draft model's, or the Medusa / EAGLE
+    # heads' (keyed by Config.proposer; lookup rows make none)
+    costs = {(tp, key): {"target": acc.decode_costs(pipes[tp].target.timings),
+                         "draft": acc.decode_costs(_proposer_timings(pipes[tp], key))}
+             for tp, key in {(c.precision, c.proposer) for c in configs}}
     for pipe in pipes.values():                     # the isolated timing below is not part of the runs
         for b in pipe.opened:
             b.timings = None
     max_t = max(cfg.gammas) + 1
-    isolated = {(tp, dp): _isolated_costs(pipes[tp], dp, max_t, clock) for tp, dp in costs
-                if not accuracy_only(tp, dp)}            # only the γ choice uses these: accuracy rows make none
+    isolated = {(tp, key): _isolated_costs(pipes[tp], None if key in HEAD_METHODS else key, max_t, clock)
+                for tp, key in costs if not accuracy_only(tp, key)}   # only the γ choice uses these
     rows = [_row(c, runs, costs) for c in configs]
     choice = _gamma_choice(rows, costs, isolated, max(cfg.gammas))
     report = {
@@ -167,8 +175,8 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
                      "thread_probe_tokens_per_s": probes,
                      "draft_threads": 1},
         "rows": rows,
-        "step_costs_ms": {f"{tp}/{dp or '-'}": _ms(v) for (tp, dp), v in costs.items()},
-        "step_costs_isolated_ms": {f"{tp}/{dp or '-'}": _ms(v) for (tp, dp), v in isolated.items()},
+        "step_costs_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in costs.items()},
+        "step_costs_isolated_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in isolated.items()},
         "gamma_auto": {f"{tp}/{dp}": c for (tp, dp), c in choice.items()},
         "acceptance_drop": _acceptance_drop(rows),
         "memory": _memory(manifest, pipes, peers),
@@ -189,10 +197,10 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
     return report
 
 
-def _proposer_timings(pipe, dp) -> dict | None:
-    """Timings of what proposes in rows of draft precision `dp`: that draft, else the Medusa heads
-    (None when neither ran: lookup rows make no proposer forwards)."""
-    model = pipe.drafts[dp] if dp else pipe.opened_heads
+def _proposer_timings(pipe, key) -> dict | None:
+    """Timings of what proposes in rows whose Config.proposer is `key`: a draft precision, "medusa" or
+    "eagle" (their heads), None for rows that make no proposer forwards (vanilla, lookup)."""
+    model = pipe.opened_heads.get(key) if key in HEAD_METHODS else pipe.drafts[key] if key else None
     return model.timings if model is not None else None
 
 
@@ -213,6 +221,8 @@ def _check_request(cfg: BenchConfig, manifest: dict) -> tuple[list[str], bool]:
         raise SpecexportError(f"--methods: {cfg.output_dir} has no draft model; 'vanilla' and 'lookup' can run")
     if "medusa" in cfg.methods and "medusa" not in manifest.get("heads", {}):
         raise SpecexportError(f"--methods: {cfg.output_dir} has no Medusa heads (add medusa: to the model.yaml)")
+    if "eagle" in cfg.methods and "eagle" not in manifest.get("heads", {}):
+        raise SpecexportError(f"--methods: {cfg.output_dir} has no EAGLE head (add eagle: to the model.yaml)")
     return precisions, "draft" in models and "draft" in cfg.methods
 
 
@@ -255,6 +265,8 @@ def _configs(precisions, manifest, cfg, has_draft):
                     raise SpecexportError(f"--medusa-trees: {name!r} has {tree.size - 1} nodes; this build verifies at "
                                           f"most max_verify_tokens - 1 = {manifest['max_verify_tokens'] - 1}")
                 configs.append(Config("medusa", p, None, int(tree.depths.max()), tree=name))   # depth as written
+        if "eagle" in cfg.methods:
+            configs += [Config("eagle", p, None, _eagle_depth(name, manifest), tree=name) for name in cfg.eagle_trees]
         if p in draft_built:
             configs += [Config("draft", p, p, g) for g in cfg.gammas]
             configs += [Config("draft", p, p, max(cfg.gammas), stop) for stop in cfg.draft_stops if stop > 0]
@@ -272,6 +284,25 @@ def _configs(precisions, manifest, cfg, has_draft):
             if d != "fp32":
                 configs += [Config("draft", "fp32", d, g) for g in cfg.gammas]
     return configs
+
+
+def _eagle_depth(name: str, manifest: dict) -> int:
+    """The depth an EAGLE row's tree reaches (its γ column): auto's measured, dynamic's default, a static tree's."""
+    from specexport.runtime.pipeline import DRAFT_TREES
+    from specexport.runtime.proposers import DynamicTree
+    from specexport.runtime.tree import from_rank_paths
+
+    if name == "auto":
+        auto = manifest["heads"]["eagle"].get("auto_tree")
+        if not auto:
+            raise SpecexportError("--eagle-trees: 'auto' needs the tree the build measured; this build has none")
+        return int(auto["depth"])
+    if name == "dynamic":
+        return DynamicTree().depth
+    if name not in DRAFT_TREES:
+        raise SpecexportError(f"--eagle-trees: {name!r} is not a known tree; known: auto, dynamic, "
+                              f"{', '.join(DRAFT_TREES)}")
+    return int(from_rank_paths(DRAFT_TREES[name])[0].depths.max())
 
 
 def _reference_outputs(cfg, pipes) -> list[list[int]]:
@@ -333,7 +364,7 @@ def _row(c: Config, runs, costs) -> dict:
     method, tp, dp, g, stop = c.method, c.precision, c.draft_precision, c.gamma, c.draft_stop
     st = runs[c]
     vanilla = runs.get(Config(VANILLA, tp, None, 0))
-    cost = costs[(tp, dp)]
+    cost = costs[(tp, c.proposer)]
     c1 = cost["target"].get(1)          # one target session per precision: vanilla's T = 1 forwards are these
     tps = acc.throughput(st)
     base = acc.throughput(vanilla) if vanilla else None

@@ -442,9 +442,9 @@ class Pipeline:
         return [self.target, *self.drafts.values(), *(h for h in (self._medusa, self._eagle) if h is not None)]
 
     @property
-    def opened_heads(self):
-        """The Medusa heads if something opened them, else None (without opening them)."""
-        return self._medusa
+    def opened_heads(self) -> dict:
+        """The heads something opened, by kind ("medusa", "eagle"), without opening any."""
+        return {k: h for k, h in (("medusa", self._medusa), ("eagle", self._eagle)) if h is not None}
 
     def close(self) -> None:
         for b in self.opened:
