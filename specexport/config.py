@@ -4,7 +4,7 @@ Every error names the key path and what was expected, e.g. `draft.path: models/d
 Relative paths resolve against the YAML file's folder.
 
     name: demo                        # output goes to engines/<name> unless `output` is given
-    target: {path: models/target}     # HF directory: config.json, weights, tokenizer files
+    target: {path: models/target}     # HF directory: config.json, weights, tokenizer files; or a .gguf file
     draft: {path: models/draft}       # optional; same tokenizer and vocabulary as the target
     max_seq_len: 1024                 # capacity of the static KV buffers (prompt + generated)
     precisions: [fp32, int8, int4]    # fp32 is always built: the reference and the source of the others;
@@ -68,6 +68,8 @@ class ModelConfig:
     precisions: tuple[str, ...] = ("fp32",)         # what this model is built in; always fp32 first
     quantization: dict = field(default_factory=dict)   # precision -> scheme settings (quantize.SCHEMES)
     vocab: int | Path | None = None                 # draft only: its output vocabulary, N most frequent or a file
+    gguf: Path | None = None                        # the GGUF file `path` was converted from (export/gguf.py);
+                                                    #   until plan_build converts it, `path` is that file
 
 
 @dataclass(frozen=True)
@@ -265,6 +267,11 @@ def _with_folder(raw, key: str, allowed: set, base: Path, example: str) -> tuple
 
 
 def _model(raw, role: str, base: Path, precisions: tuple[str, ...], schemes: dict) -> ModelConfig:
+    gguf = _gguf_file(raw, role, base)
+    if gguf is not None:                    # converted into a checkpoint folder by plan_build
+        raw = {"path": str(gguf)} if isinstance(raw, str) else raw
+        _check_keys(raw, MODEL_KEYS, ("path",), prefix=f"{role}.")
+        return _model_options(raw, role, gguf, precisions, schemes, base, gguf=gguf)
     raw, path, shown = _with_folder(raw, role, MODEL_KEYS, base, f"models/{role}")
     if not (path / "config.json").is_file():
         raise SpecexportError(f"{role}.path: {shown} has no config.json")
@@ -272,6 +279,26 @@ def _model(raw, role: str, base: Path, precisions: tuple[str, ...], schemes: dic
         raise SpecexportError(f"{role}.path: {shown} has no weights (*.safetensors or pytorch_model*.bin)")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise SpecexportError(f"{role}.path: {shown} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    return _model_options(raw, role, path.resolve(), precisions, schemes, base)
+
+
+def _gguf_file(raw, role: str, base: Path) -> Path | None:
+    """The model's path when it names a file: a GGUF file (resolved), else an error; None for a folder."""
+    value = raw if isinstance(raw, str) else raw.get("path") if isinstance(raw, dict) else None
+    if not isinstance(value, str):
+        return None
+    path = Path(value) if Path(value).is_absolute() else base / value
+    if not path.is_file():
+        return None
+    from specexport.export.gguf import is_gguf
+
+    if not is_gguf(path):
+        raise SpecexportError(f"{role}.path: {_show(value)} is a file but not a GGUF file; expected a checkpoint "
+                              f"folder (config.json, weights, tokenizer) or a .gguf file")
+    return path.resolve()
+
+
+def _model_options(raw: dict, role: str, path: Path, precisions, schemes, base: Path, *, gguf=None) -> ModelConfig:
     aux = raw.get("aux_hidden_layers", ())
     if aux != "eagle3":
         if not isinstance(aux, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in aux):
@@ -280,8 +307,8 @@ def _model(raw, role: str, base: Path, precisions: tuple[str, ...], schemes: dic
     if raw.get("precisions") is not None:
         precisions = _precisions(raw["precisions"], f"{role}.precisions")
     schemes = _quantization(raw.get("quantization"), f"{role}.quantization", schemes)
-    return ModelConfig(role=role, path=path.resolve(), aux_hidden_layers=aux, precisions=precisions,
-                       quantization=schemes, vocab=_vocab(raw.get("vocab"), role, base, path))
+    return ModelConfig(role=role, path=path, aux_hidden_layers=aux, precisions=precisions,
+                       quantization=schemes, vocab=_vocab(raw.get("vocab"), role, base, path), gguf=gguf)
 
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"    # in a draft checkpoint: the ids it was trained to propose

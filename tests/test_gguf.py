@@ -246,3 +246,30 @@ def test_cache_root(monkeypatch, tmp_path):
     assert gguf_mod._cache_root(tmp_path / "c") == tmp_path / "c"
     monkeypatch.delenv("SPECEXPORT_CACHE")
     assert gguf_mod._cache_root(None) == Path.home() / ".cache" / "specexport" / "gguf"
+
+
+def test_a_gguf_file_builds_as_a_model_path(smollm_like, tmp_path, monkeypatch, write_yaml, run_build):
+    """target: {path: tiny.gguf} in a model.yaml: the build converts it once (cached), exports the folder,
+    records the file, and decodes; a file that is not a GGUF is refused naming the key."""
+    import specexport
+    from specexport.config import load_config
+    from specexport.manifest import read_manifest
+
+    model, tok, path, _ = smollm_like
+    monkeypatch.setenv("SPECEXPORT_CACHE", str(tmp_path / "cache"))
+    yaml = write_yaml(tmp_path / "m.yaml", name="g", target={"path": str(path)}, max_seq_len=64,
+                      output=tmp_path / "out")
+    assert load_config(yaml).target.gguf == path.resolve()
+    assert run_build(yaml, "--no-bench") == 0
+    m = read_manifest(tmp_path / "out")
+    assert m["models"]["target"]["gguf"] == str(path.resolve())
+    assert (tmp_path / "cache" / "gguf").is_dir()
+    prompt = tok("def fib(n):")["input_ids"]
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):]
+    with specexport.load(tmp_path / "out") as pipe:
+        assert pipe.generate(prompt_ids=prompt, max_new_tokens=12, method="lookup").token_ids == expected.tolist()
+    (tmp_path / "x.gguf").write_text("not a model")
+    bad = write_yaml(tmp_path / "bad.yaml", name="g", target={"path": str(tmp_path / "x.gguf")}, max_seq_len=64)
+    with pytest.raises(SpecexportError, match="target.path: .*x.gguf is a file but not a GGUF file"):
+        load_config(bad)

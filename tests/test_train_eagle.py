@@ -102,7 +102,8 @@ def _assert_reference_equals_module(w: EagleWeights):
             emb = torch.randn(2, 7, H, generator=g)
             feat = torch.randn(2, 7, H if own or w.version == 1 else 3 * H, generator=g)
             with torch.no_grad():
-                for a, b in zip(ours(emb, feat, pos, mask, lm, own_hidden=own), ref(emb, feat, pos, mask, lm, own_hidden=own)):
+                pairs = zip(ours(emb, feat, pos, mask, lm, own_hidden=own), ref(emb, feat, pos, mask, lm, own_hidden=own))
+                for a, b in pairs:
                     assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
 
 
@@ -230,6 +231,7 @@ def test_fingerprints_of_existing_runs_do_not_change(target, corpus, tmp_path):
      "error: --draft-vocab, --ttt-steps: EAGLE option(s), not taken by --kind medusa"),
     (["--kind", "eagle1", "--draft-vocab", "64"], "error: --draft-vocab: EAGLE-1 heads project through"),
     (["--kind", "eagle3", "--ttt-steps", "0"], "error: --ttt-steps: expected >= 1, got 0"),
+    (["--kind", "eagle3", "--draft-vocab", "384"], "error: --draft-vocab: 384 is not smaller than the target's"),
     (["--kind", "eagle3", "--chat-template", "maybe"], "error: --chat-template: expected auto, on or off"),
     (["--kind", "eagle3", "--chat-template", "on"], "error: --chat-template on: the tokenizer of"),
     (["--kind", "eagle2"], "error: --kind: 'eagle2' is not supported; supported: medusa, eagle1, eagle3"),

@@ -20,8 +20,10 @@ def build(config, dry_run, force, bench, verbose):
     from specexport.config import load_config
     from specexport.export.plan import plan_build
 
+    from rich.console import Console
+
     cfg = load_config(config)
-    plan = plan_build(cfg)
+    plan = plan_build(cfg, console=Console(stderr=True))
     _print_plan(plan)
     if dry_run:
         return

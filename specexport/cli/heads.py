@@ -37,7 +37,8 @@ EAGLE_ONLY = ("draft_vocab", "ttt_steps", "eval_depth", "chat_template", "interm
 @click.option("--chat-template", default="auto", show_default=True,
               help="EAGLE: auto|on|off: render each prompt as a user message of the tokenizer's chat template "
                    "(auto: when it has one).")
-@click.option("--intermediate-size", default=None, type=int, help="EAGLE: the head's MLP width (default: the target's).")
+@click.option("--intermediate-size", default=None, type=int,
+              help="EAGLE: the head's MLP width (default: the target's).")
 @click.option("--dtype", default="float32", show_default=True, help="float32 or float16 (of the written weights).")
 @self_distillation_options
 @click.option("--top-k", default=10, show_default=True, help="Medusa: k of the reported top-k accuracy.")

@@ -68,15 +68,8 @@ def train_eagle(cfg, *, console=None, on_step=None) -> dict:
 
     head = fresh()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
-    step, history = 0, []
     state_path = state_dir / "state.pt"
-    if state_path.is_file():
-        state = torch.load(state_path, map_location=device, weights_only=False)
-        if state["fingerprint"] == cfg.fingerprint():
-            head.load_state_dict(state["head"])
-            opt.load_state_dict(state["opt"])
-            step, history = state["step"], state["history"]
-            distill._say(console, f"resuming from step {step}")
+    step, history = _resume(state_path, head, opt, cfg, console)
     before = evaluate(target, fresh(), data["heldout"], aux=aux, depth=cfg.eval_depth)
     progress = distill._progress(console, cfg.steps, step, label=f"train-heads {cfg.kind}")
     start, seen = time.perf_counter(), 0
@@ -99,6 +92,20 @@ def train_eagle(cfg, *, console=None, on_step=None) -> dict:
     return _write_outputs(cfg, head, hcfg, target, data["heldout"], aux, before=before, after=after, history=history)
 
 
+def _resume(path: Path, head, opt, cfg, console) -> tuple[int, list]:
+    """(step, loss history) of the saved state when it is this run's (its fingerprint), else (0, [])."""
+    torch = require("torch")
+    if not path.is_file():
+        return 0, []
+    state = torch.load(path, map_location=next(head.parameters()).device, weights_only=False)
+    if state["fingerprint"] != cfg.fingerprint():
+        return 0, []
+    head.load_state_dict(state["head"])
+    opt.load_state_dict(state["opt"])
+    distill._say(console, f"resuming from step {state['step']}")
+    return state["step"], state["history"]
+
+
 # -- options -----------------------------------------------------------------------------------
 
 def check(cfg) -> None:
@@ -114,8 +121,12 @@ def check(cfg) -> None:
     if cfg.intermediate_size is not None and cfg.intermediate_size < 1:
         raise SpecexportError(f"--intermediate-size: expected >= 1, got {cfg.intermediate_size}")
     distill._check(cfg)
+    tcfg = json.loads((cfg.target / "config.json").read_text())
     if cfg.kind == "eagle3":
-        _aux_layers(cfg, json.loads((cfg.target / "config.json").read_text()).get("num_hidden_layers", 0))
+        _aux_layers(cfg, tcfg.get("num_hidden_layers", 0))
+    if cfg.draft_vocab is not None and cfg.draft_vocab >= tcfg.get("vocab_size", 0):
+        raise SpecexportError(f"--draft-vocab: {cfg.draft_vocab} is not smaller than the target's vocabulary "
+                              f"({tcfg.get('vocab_size')})")
 
 
 def resolve_chat_template(cfg, tokenizer):

@@ -537,6 +537,7 @@ def _manifest(plan: Plan, results: list[StageResult], tokenizer: dict, previous:
     for mp in plan.models:
         models[mp.role] = {
             "source": str(mp.config.path),
+            **({"gguf": str(mp.config.gguf)} if mp.config.gguf is not None else {}),
             "model_type": mp.arch.model_type,
             "fingerprint": mp.fingerprint,
             "vocab_size": mp.arch.vocab_size,

@@ -81,12 +81,14 @@ class Plan:
         return self.models[0]
 
 
-def plan_build(cfg: BuildConfig) -> Plan:
+def plan_build(cfg: BuildConfig, *, console=None) -> Plan:
+    """console: a rich Console for progress lines (converting a GGUF model takes tens of seconds)."""
     if "tensorrt" in cfg.backends:               # before any work: one line naming what is missing
         from specexport._tensorrt import engines_unavailable
 
         engines_unavailable("backends: tensorrt")
     _check_quantizers(cfg)
+    cfg = _with_gguf_converted(cfg, console)
     target = _plan_model(cfg.target, cfg)
     eagle = _plan_eagle(cfg.eagle, target) if cfg.eagle is not None else None
     if eagle is not None and not set(eagle.weights.aux_layers) <= set(target.io.aux_hidden_layers):
@@ -112,6 +114,19 @@ def plan_build(cfg: BuildConfig) -> Plan:
     return Plan(config=cfg, models=tuple(models), tokenizer_files=tok_files, special_tokens=special,
                 eval_ids=_text_ids(cfg, cfg.eval_text, "eval_text"),
                 calibration_ids=_text_ids(cfg, cfg.calibration_text, "calibration_text"), heads=heads)
+
+
+def _with_gguf_converted(cfg: BuildConfig, console) -> BuildConfig:
+    """Models given as GGUF files point at their converted checkpoint folders (made once, cached:
+    export/gguf.py); `gguf` keeps the file for the manifest."""
+    from specexport.export.gguf import hf_folder_from_gguf
+
+    changes = {}
+    for mc in cfg.models:
+        if mc.gguf is not None and mc.path == mc.gguf:
+            folder = hf_folder_from_gguf(mc.gguf, console=console)
+            changes[mc.role] = dataclasses.replace(mc, path=folder)
+    return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
 def _check_quantizers(cfg: BuildConfig) -> None:

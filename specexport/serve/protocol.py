@@ -43,9 +43,10 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
-    method: str | None = None                              # extension: vanilla | draft | lookup | medusa | auto
+    method: str | None = None                              # extension: vanilla | draft | lookup | medusa | eagle | auto
     gamma: int | None = Field(None, ge=1)                  # extension: chain length (draft, lookup)
-    tree: Union[str, list[list[int]], None] = None         # extension: a named tree or rank paths
+    tree: Union[str, list[list[int]], dict[str, int], None] = None   # extension: a named tree, rank paths, or
+                                                                     # EAGLE's {top_k, depth, total_tokens}
     # accepted for refusal by name
     logprobs: Union[bool, int, None] = None
     top_logprobs: int | None = None

@@ -8,7 +8,7 @@ config's instance_group count) loads its own Pipeline and decodes one request at
 
 Inputs (one request = one sequence): text_input (BYTES [1]), and optional max_tokens (INT32),
 temperature, top_p (FP32), top_k (INT32), seed (INT64), method (BYTES: vanilla | draft | lookup |
-medusa | auto), stop (BYTES [-1]). Responses: one per decoded piece with text_output; the last one
+medusa | eagle | auto), stop (BYTES [-1]). Responses: one per decoded piece with text_output; the last one
 (flagged final) has an empty text_output, finish_reason ("stop" | "length") and stats (JSON: method,
 prompt and completion tokens, tokens per target pass, acceptance rate). A bad request gets one final
 response carrying a TritonError.
