@@ -252,6 +252,8 @@ def test_eagle_errors_and_cli(eagle_builds, built_draft_only, capsys):
                  '{"top_k": 2, "depth": 3, "total_tokens": 5}', "--max-new-tokens", "12"]) == 0
     assert main(["inspect", str(eagle_builds["e3"])]) == 0
     assert "eagle" in capsys.readouterr().out
+    assert main(["generate", str(eagle_builds["e3"]), "hi", "--chat"]) == 1
+    assert "has no chat template" in capsys.readouterr().err
 
 
 def test_bench_rows_for_eagle(eagle_builds, tmp_path):

@@ -26,6 +26,7 @@ def _csv(value, cast=str):
               help="Comma list of EAGLE trees (auto, dynamic, small, wide, deep): a row each when --methods has eagle.")
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False),
               help="JSON-lines file of prompt strings (default: a few built-in code prompts).")
+@click.option("--chat", is_flag=True, help="Send each prompt as a user message in the build's chat template.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--rounds", default=3, show_default=True, help="Repetitions of every configuration, interleaved.")
 @click.option("--threads", default=None, type=int,
@@ -35,7 +36,7 @@ def _csv(value, cast=str):
                    "assisted generation, onnxruntime-genai greedy and n-gram (each where installed).")
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="Report folder (default: OUTPUT_DIR/bench).")
 @click.option("-v", "--verbose", is_flag=True)
-def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_trees, eagle_trees, prompts_file,
+def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_trees, eagle_trees, prompts_file, chat,
           max_new_tokens, rounds, threads, peers, out, verbose):
     """Measure tokens/s, TTFT, TPOT, acceptance and speedup; write report.json, report.md and plots."""
     from specexport.errors import SpecexportError
@@ -47,6 +48,12 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
         from specexport.report.bench import DEFAULT_PROMPTS
 
         prompts = DEFAULT_PROMPTS
+    if chat:
+        from specexport.manifest import read_manifest
+        from specexport.serve.chat import user_prompt
+
+        manifest = read_manifest(output_dir)
+        prompts = tuple(user_prompt(Path(output_dir), manifest, p) for p in prompts)
     try:
         gamma_list = _csv(gammas, int)
     except ValueError:

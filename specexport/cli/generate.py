@@ -38,10 +38,11 @@ from specexport.cli import cli
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, or cuda / cuda:N: ONNX Runtime's CUDA execution provider (onnxruntime-gpu).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--chat", is_flag=True, help="Send PROMPT as a user message in the build's chat template.")
 @click.option("--compare", is_flag=True, help="Also time vanilla decoding on the same build and print the speedup.")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
 def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_stop, temperature, top_k, top_p, max_new_tokens, seed,
-             precision, draft_precision, threads, draft_threads, device, stop, compare, verbose):
+             precision, draft_precision, threads, draft_threads, device, stop, chat, compare, verbose):
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
 
@@ -49,11 +50,14 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
                            draft_threads=draft_threads, **({"device": device} if device != "cpu" else {}))
     gamma = gamma if gamma == "auto" else _int_gamma(gamma)
     tree = _tree(tree)
+    shown = prompt
+    if chat:
+        prompt = pipe.chat_prompt(prompt)
     pieces = pipe.stream(prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma, draft_stop=draft_stop,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tree=tree,
                          sampled_children=sampled_children)
     first = next(pieces, "")            # input errors surface here, before anything is printed
-    click.echo(prompt + first, nl=False)
+    click.echo((f"> {shown}\n" if chat else prompt) + first, nl=False)
     for piece in pieces:
         click.echo(piece, nl=False)
     out = pipe.last_output

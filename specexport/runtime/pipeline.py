@@ -262,6 +262,13 @@ class Pipeline:
         if final.startswith(text) and len(final) > len(text):
             yield final[len(text):]          # what the detokenizer held back (an unfinished character)
 
+    def chat_prompt(self, text: str) -> str:
+        """`text` as one user message in the build's chat template, ready for generate() (what a chat
+        client sends to `specexport serve`); an error when the tokenizer has no chat template."""
+        from specexport.serve.chat import user_prompt
+
+        return user_prompt(self.dir, self.manifest, text)
+
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids as generate() feeds them (special tokens included), checked."""
         return self._prompt_ids(prompt, None).tolist()

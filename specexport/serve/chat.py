@@ -42,6 +42,15 @@ class ChatTemplate:
             raise SpecexportError(f"messages: the chat template could not render them ({err})") from None
 
 
+def user_prompt(build_dir: Path, manifest: dict, text: str) -> str:
+    """`text` as one user message in a build's chat template (what a chat client sends); an error
+    naming the build when its tokenizer has none."""
+    template = load_chat_template(Path(build_dir) / manifest["tokenizer"]["dir"])
+    if template is None:
+        raise SpecexportError(f"chat: the tokenizer of {build_dir} has no chat template")
+    return template.render([{"role": "user", "content": text}])
+
+
 def load_chat_template(tokenizer_dir: Path) -> ChatTemplate | None:
     """The build's chat template, or None when the tokenizer has none."""
     return _load(str(tokenizer_dir))

@@ -1,0 +1,51 @@
+"""Chat prompts for SmolLM2-135M-Instruct: training prompts for `train-heads` and held-out ones for the
+bench and the README, written deterministically from templates x topics (no dataset download here).
+
+    python examples/smollm2/make_prompts.py      # writes train.txt (paragraphs) and heldout.jsonl
+
+Held-out prompts use topics and templates the training prompts never use.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+TEMPLATES = [
+    "Explain {t} in simple terms.", "What is {t}? Give a short answer.", "Write a short paragraph about {t}.",
+    "Give me three tips about {t}.", "Why is {t} important?", "Describe how {t} works, step by step.",
+    "What are the pros and cons of {t}?", "Summarize the history of {t} in a few sentences.",
+    "Write a Python function related to {t}, with a docstring.", "How would you teach {t} to a child?",
+    "List five facts about {t}.", "What are common mistakes people make with {t}?",
+]
+TOPICS = [
+    "photosynthesis", "the water cycle", "gravity", "volcanoes", "the solar system", "electricity", "magnets",
+    "the human heart", "vaccines", "climate change", "recycling", "healthy sleep", "drinking water", "exercise",
+    "learning a new language", "saving money", "cooking pasta", "growing tomatoes", "time management",
+    "public speaking", "writing an essay", "reading books", "the internet", "email etiquette", "passwords",
+    "sorting algorithms", "binary search", "recursion", "hash tables", "linked lists", "Python lists",
+    "Python dictionaries", "unit testing", "version control with git", "regular expressions", "JSON files",
+    "databases", "SQL queries", "web browsers", "operating systems", "computer memory", "CPUs", "batteries",
+    "solar panels", "wind power", "bicycles", "trains", "airplanes", "bridges", "the Roman Empire",
+    "the printing press", "music theory", "painting with watercolors", "chess openings", "football",
+    "the Olympic games", "friendship", "kindness", "teamwork", "job interviews", "resumes",
+]
+HELDOUT_TEMPLATES = ["Can you explain {t} briefly?", "Write a few sentences about {t} for a beginner.",
+                     "What should everyone know about {t}?"]
+HELDOUT_TOPICS = ["earthquakes", "the moon", "rainbows", "bread baking", "stack data structures", "HTTP requests",
+                  "meditation", "libraries", "ocean tides", "compilers"]
+
+
+def main(out: Path = Path(__file__).parent) -> None:
+    rng = random.Random(0)
+    train = [tmpl.format(t=t) for t in TOPICS for tmpl in TEMPLATES]
+    rng.shuffle(train)
+    (out / "train.txt").write_text("\n\n".join(train) + "\n")
+    held = [tmpl.format(t=t) for t in HELDOUT_TOPICS for tmpl in HELDOUT_TEMPLATES]
+    rng.shuffle(held)
+    (out / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in held))
+    print(f"{len(train)} training prompts, {len(held)} held-out prompts in {out}")
+
+
+if __name__ == "__main__":
+    main()
