@@ -1,7 +1,8 @@
 """Where TensorRT is needed: one check that fails at once, in one line, naming what is missing.
 
 TensorRT engines (`backends: [tensorrt]`, `load(..., backend="tensorrt")`) need TensorRT's Python
-bindings with its libraries and an NVIDIA GPU. The bindings import lazily, here only.
+bindings with its libraries, TensorRT 11 or later (the engine graph's TRT_KVCacheUpdate / TRT_Attention
+custom ops: export/trt_graph.py) and an NVIDIA GPU. The bindings import lazily, here only.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from specexport.errors import SpecexportError
 
 HOW = ("TensorRT engines need an NVIDIA GPU with its driver and TensorRT 11 (`pip install tensorrt` there); "
        "ONNX Runtime (backends: [onnxruntime]) builds and runs without it")
+MIN_MAJOR = 11
 
 
 def require_tensorrt(where: str):
@@ -21,9 +23,27 @@ def require_tensorrt(where: str):
     return tensorrt
 
 
-def engines_unavailable(where: str):
-    """TensorRT present: engine building and the engine backend are not in this version yet."""
+def require_engines(where: str, *, gpu: bool = True):
+    """The tensorrt module where engines can be built and run, else SpecexportError("<where>: ...") in one
+    line: TensorRT absent (require_tensorrt's words), older than 11, or (gpu) no NVIDIA GPU to build on.
+    Cheap: an import, a version string and, for the GPU, torch.cuda or one nvidia-smi call. UNVERIFIED
+    with a real TensorRT (its present-branches run here only with a fake tensorrt module)."""
     trt = require_tensorrt(where)
-    raise SpecexportError(f"{where}: TensorRT {trt.__version__} is installed, but building and "
-                          "running TensorRT engines is not implemented in this version of specexport (the "
-                          "tree-attention plugin is: specexport.plugins.trt_plugin); use backends: [onnxruntime]")
+    version = str(getattr(trt, "__version__", "0"))
+    try:
+        major = int(version.split(".")[0])
+    except ValueError:
+        major = 0
+    if major < MIN_MAJOR:
+        raise SpecexportError(f"{where}: TensorRT {version} is installed; engines need TensorRT {MIN_MAJOR} or later "
+                              f"(its ONNX parser's TRT_KVCacheUpdate and TRT_Attention ops). {HOW}")
+    if gpu:
+        from specexport.plugins.trt_plugin import gpu_arch
+
+        try:
+            gpu_arch()
+        except SpecexportError as err:
+            raise SpecexportError(f"{where}: TensorRT {version} is installed, but {str(err).split(': ', 1)[-1]}; "
+                                  "engines are built and run on the GPU they are for") from None
+    return trt
+

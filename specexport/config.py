@@ -17,6 +17,7 @@ Relative paths resolve against the YAML file's folder.
     calibration_text: data/calib.txt  # optional: text that calibrates the Q/DQ graphs' activation ranges
     quality_gates: {int4: {min_top1: 0.8, max_kl: 0.2}}   # optional: per quantized precision
     quantization: {int8: {scheme: static_qdq}}   # optional: how int8/int4 are made (export/quantize.py)
+    tensorrt: {attention: native}     # optional, with backends: [tensorrt]: native (TRT_Attention) or plugin
     # per model, optional: aux_hidden_layers: [2, 8, 13] or "eagle3" (layers whose inputs are exported)
     # per model, optional: precisions: [int4] (overrides the top-level list for that model)
     # per model, optional: quantization: {int8: {scheme: dynamic}} (over the top-level one)
@@ -45,7 +46,7 @@ BACKENDS = ("onnxruntime", "tensorrt")   # tensorrt: refused by the build where 
 MODEL_ROLES = ("target", "draft")
 TOP_KEYS = {"name", "target", "draft", "max_seq_len", "precisions", "backends", "output",
             "max_verify_tokens", "parity_tolerance", "eval_text", "calibration_text", "quality_gates", "medusa",
-            "quantization", "eagle"}
+            "quantization", "eagle", "tensorrt"}
 HEAD_KINDS = ("medusa", "eagle")         # heads on the target's hidden states, built as their own graphs
 HEADS_KEYS = {"path", "top_k"}
 MODEL_KEYS = {"path", "aux_hidden_layers", "precisions", "quantization", "vocab"}
@@ -97,6 +98,7 @@ class BuildConfig:
     source: Path | None = None                      # the YAML file this came from
     medusa: "HeadsConfig | None" = None
     eagle: "HeadsConfig | None" = None
+    tensorrt: dict = field(default_factory=lambda: {"attention": "native"})   # engine options (backends: tensorrt)
 
     @property
     def heads(self) -> list["HeadsConfig"]:
@@ -163,6 +165,7 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
         source=source,
         medusa=_heads(raw["medusa"], "medusa", base) if raw.get("medusa") is not None else None,
         eagle=_heads(raw["eagle"], "eagle", base) if raw.get("eagle") is not None else None,
+        tensorrt=_tensorrt_options(raw.get("tensorrt")),
     )
     _check_output_writable(cfg.output)
     return cfg
@@ -375,6 +378,22 @@ def _heads(raw, kind: str, base: Path) -> HeadsConfig:
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 64:
         raise SpecexportError(f"{kind}.top_k: expected an integer in 1..64, got {top_k!r}")
     return HeadsConfig(kind=kind, path=path.resolve(), top_k=top_k)
+
+
+TRT_ATTENTION = ("native", "plugin")     # TensorRT 11's TRT_Attention op, or the tree-attention plugin
+
+
+def _tensorrt_options(raw) -> dict:
+    """tensorrt: {attention: native | plugin} (export/trt_graph.py)."""
+    if raw is None:
+        return {"attention": "native"}
+    if not isinstance(raw, dict):
+        raise SpecexportError(f"tensorrt: expected a mapping like {{attention: native}}, got {raw!r}")
+    _check_keys(raw, {"attention"}, (), prefix="tensorrt.")
+    attention = raw.get("attention", "native")
+    if attention not in TRT_ATTENTION:
+        raise SpecexportError(f"tensorrt.attention: expected one of {', '.join(TRT_ATTENTION)}, got {attention!r}")
+    return {"attention": attention}
 
 
 def _check_output_writable(output: Path) -> None:

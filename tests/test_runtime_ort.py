@@ -213,7 +213,8 @@ def test_stream_pieces_add_up_to_the_text(pipe):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(method="eagle"), r"method: 'eagle' is not supported"),
+    (dict(method="hydra"), r"method: 'hydra' is not supported"),
+    (dict(method="eagle"), r"method: 'eagle' was not built \(no EAGLE head in this build\)"),
     (dict(method="medusa"), r"method: 'medusa' was not built \(no Medusa heads in this build\)"),
     (dict(gamma=0), r"gamma: expected an integer in 1\.\.7"),
     (dict(gamma=8), r"gamma: expected an integer in 1\.\.7"),

@@ -182,6 +182,8 @@ def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter,
         if not report.max_rel_error <= tolerance:
             raise ParityError(f"{mp.role} {precision}: parity check failed: {report.describe()} "
                               f"> tolerance {tolerance:.1e}")
+        engine = _engine(plan, mp, precision, partial, partial / "model.onnx", 1, reporter)
+        names += engine.pop("files") if engine else []
         folders.publish(partial, final)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
@@ -191,9 +193,26 @@ def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter,
         "parity_max_rel_error": report.max_rel_error,
         "parity_per_phase": report.per_phase,
         "parity_tolerance": tolerance,
+        **({"engine": engine} if engine else {}),
         "build_seconds": round(time.perf_counter() - start, 2),
     }
     return StageResult(mp.role, precision, entry, skipped=False)
+
+
+def _engine(plan: Plan, mp: ModelPlan, precision: str, folder: Path, fp32_graph: Path, min_tokens: int,
+            reporter: Reporter) -> dict | None:
+    """backends: [tensorrt]: the stage's TensorRT engine, built and self-checked (export/trt_engine.py,
+    UNVERIFIED: no TensorRT where this was written); None without that backend. fp32 and the GPU
+    precisions only (int8/int4 are ONNX Runtime's MatMulNBits, which TensorRT does not parse)."""
+    if "tensorrt" not in plan.config.backends:
+        return None
+    from specexport.export.trt_engine import engine_stage
+
+    cfg = plan.config
+    with reporter.stage(f"build and self-check the {mp.role} {precision} TensorRT engine"):
+        return engine_stage(folder, io=mp.io, precision=precision, fp32_graph=fp32_graph, max_seq_len=cfg.max_seq_len,
+                            max_verify_tokens=cfg.max_verify_tokens, attention=cfg.tensorrt["attention"],
+                            min_tokens=min_tokens, parity_tolerance=cfg.parity_tolerance)
 
 
 def _files_entry(out: Path, final: Path, names: list[str]) -> dict:
@@ -265,6 +284,9 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
             if precision in GPU_PRECISIONS else None
         if plugin:
             names.append(plugin["file"])
+        engine = _engine(plan, mp, precision, partial, source, min_tokens if mp.role == "target" else 1, reporter) \
+            if precision in GPU_PRECISIONS else None
+        names += engine.pop("files") if engine else []
         reporter.note(f"  {mp.role} {precision}: {quality.describe()}, row dependence {rows['two_tokens']:.1e}"
                       + (f" (one-token passes {rows['one_token']:.1e}: run with 2 rows or more)"
                          if min_tokens > 1 and mp.role == "target" else ""))
@@ -278,6 +300,7 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
         "ort_optimization": optimization,      # the session's graph optimisation level (runtime: OrtBackend)
         **({"cpu_graph": on_cpu} if on_cpu != "model.onnx" else {}),   # what ORT CPU runs (gate, runtime)
         **({"plugin_graph": plugin} if plugin else {}),
+        **({"engine": engine} if engine else {}),
         "row_dependence": rows,
         "min_tokens": min_tokens if mp.role == "target" else 1,   # the runtime pads smaller target calls
         "top1_agreement": quality.top1_agreement,

@@ -84,9 +84,14 @@ class Plan:
 def plan_build(cfg: BuildConfig, *, console=None) -> Plan:
     """console: a rich Console for progress lines (converting a GGUF model takes tens of seconds)."""
     if "tensorrt" in cfg.backends:               # before any work: one line naming what is missing
-        from specexport._tensorrt import engines_unavailable
+        import importlib.util
 
-        engines_unavailable("backends: tensorrt")
+        from specexport._tensorrt import require_engines
+
+        require_engines("backends: tensorrt")
+        if importlib.util.find_spec("onnxruntime_extensions") is None:
+            raise SpecexportError("backends: tensorrt: the engine graph's CPU check needs onnxruntime-extensions: "
+                                  "pip install 'specexport[quant]'")
     _check_quantizers(cfg)
     cfg = _with_gguf_converted(cfg, console)
     target = _plan_model(cfg.target, cfg)
@@ -226,6 +231,7 @@ def _plan_model(mc: ModelConfig, cfg: BuildConfig) -> ModelPlan:
         "max_seq_len": cfg.max_seq_len, "max_verify_tokens": cfg.max_verify_tokens,
         "parity_tolerance": cfg.parity_tolerance, "versions": tool_versions(),
         "vocab": list(vocab_ids) if vocab_ids is not None else mc.vocab,
+        "engines": dict(cfg.tensorrt, code=source_hash(ENGINE_SOURCES)) if "tensorrt" in cfg.backends else None,
     })
     return ModelPlan(role=mc.role, config=mc, arch=arch, io=io, eos_token_ids=eos, fingerprint=fingerprint,
                      vocab_ids=vocab_ids)
@@ -309,6 +315,7 @@ def _fingerprint(path: Path, options: dict) -> str:
 GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gqa.py", "export/to_onnx.py",
                  "export/registry.py",
                  "export/adapters/*.py")
+ENGINE_SOURCES = ("export/trt_graph.py", "export/trt_engine.py", "plugins/*.py")
 QUANTIZER_SOURCES = ("export/quantize.py", "export/smooth.py", "export/quality.py", "calibrate/*.py")
 HEADS_SOURCES = ("io_spec.py", "export/medusa.py", "export/medusa_tree.py", "export/to_onnx.py")
 EAGLE_SOURCES = ("io_spec.py", "export/eagle.py", "export/eagle_graph.py", "export/eagle_stage.py", "export/gqa.py",

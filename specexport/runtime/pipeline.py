@@ -80,9 +80,9 @@ class Pipeline:
                                                           else "") + ": the build is damaged; rebuild it")
         self.precision, self.backend_kind = precision, backend
         if backend == "tensorrt":          # at once, before reading the build: what is missing, in one line
-            from specexport._tensorrt import engines_unavailable
+            from specexport._tensorrt import require_engines
 
-            engines_unavailable("backend tensorrt")
+            require_engines("backend tensorrt")
         self.draft_precision = precision if draft_precision is None else draft_precision
         self.capacity = self.manifest["max_seq_len"]
         self.max_verify_tokens = self.manifest["max_verify_tokens"]
@@ -178,10 +178,16 @@ class Pipeline:
             raise SpecexportError(f"{key}: {precision!r} was not built for the {role}; built: "
                                   f"{', '.join(entry['precisions'])}{hint}")
         stage = entry["precisions"][precision]
-        if stage["backend"] != self.backend_kind:
-            raise SpecexportError(f"backend: {self.backend_kind!r} was not built; built: {stage['backend']}")
         check_files(self.dir, stage["files"])      # cheap: sizes; a truncated or missing file names itself
         options = dict(self._options)
+        if self.backend_kind == "tensorrt":         # the stage's engine (export/trt_engine.py)
+            if "engine" not in stage:
+                raise SpecexportError(f"backend: 'tensorrt' was not built for the {role} {precision} (build with "
+                                      f"backends: [tensorrt])")
+            engine = stage["engine"]
+            options = {"engine": engine["file"], "attention": engine["attention"], "min_tokens": engine["min_tokens"]}
+        elif stage["backend"] != self.backend_kind:
+            raise SpecexportError(f"backend: {self.backend_kind!r} was not built; built: {stage['backend']}")
         if stage.get("min_tokens", 1) > 1:          # the build measured this graph's one-row kernels differ
             options["min_tokens"] = stage["min_tokens"]
         if stage.get("ort_optimization", "all") != "all":     # Q/DQ graphs: basic (calibrate/ptq.py)

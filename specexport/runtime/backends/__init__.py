@@ -4,8 +4,9 @@ from __future__ import annotations
 
 
 def open_backend(kind: str, model_dir, *, io, capacity: int, max_tokens: int, device: str = "cpu", **options):
-    """A Backend for one model of a build. kind: 'onnxruntime' (tensorrt comes later); device: 'cpu' or
-    'cuda' / 'cuda:N' (ONNX Runtime's CUDA execution provider, onnxruntime-gpu)."""
+    """A Backend for one model of a build. kind: 'onnxruntime' or 'tensorrt' (its engine; UNVERIFIED:
+    runtime/backends/trt.py); device: 'cpu' or 'cuda' / 'cuda:N' (ONNX Runtime's CUDA execution provider,
+    onnxruntime-gpu; engines always run on a GPU)."""
     from specexport.errors import SpecexportError
 
     if kind == "onnxruntime" and device != "cpu":
@@ -20,7 +21,8 @@ def open_backend(kind: str, model_dir, *, io, capacity: int, max_tokens: int, de
 
         return OrtBackend(model_dir, io=io, capacity=capacity, max_tokens=max_tokens, **options)
     if kind == "tensorrt":
-        from specexport._tensorrt import engines_unavailable
+        from specexport.runtime.backends.trt import open_trt_backend
 
-        engines_unavailable("backend tensorrt")
-    raise SpecexportError(f"backend: {kind!r} is not available in this version; available: onnxruntime")
+        return open_trt_backend(model_dir, io=io, capacity=capacity, max_tokens=max_tokens,
+                                device=device if device.startswith("cuda") else "cuda", **options)
+    raise SpecexportError(f"backend: {kind!r} is not available in this version; available: onnxruntime, tensorrt")
