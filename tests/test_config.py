@@ -113,6 +113,10 @@ def test_missing_config_file(tmp_path, capsys):
      r"\(.*\)\. TensorRT engines need an NVIDIA GPU", "TensorRT"),    # this machine has no TensorRT
     (lambda f: f.update(backends=["tpu"]), r"backends: 'tpu' is not supported; supported: onnxruntime, tensorrt",
      "backends"),
+    (lambda f: f.update(tensorrt={"attention": "flash"}), r"tensorrt\.attention: expected one of native, plugin, "
+     r"got 'flash'", "tensorrt.attention"),
+    (lambda f: f.update(eagle={"path": "nowhere"}), r"eagle\.path: nowhere does not exist or is not a folder",
+     "eagle.path"),
     (lambda f: f.update(parity_tolerance=-1), r"parity_tolerance: expected a positive number", "parity_tolerance"),
     (lambda f: f.update(name="a/b"), r"name: expected a folder-safe string", "name"),
     (lambda f: f["target"].update(aux_hidden_layers="all"), r"target\.aux_hidden_layers: expected a list",
@@ -124,6 +128,7 @@ def test_missing_config_file(tmp_path, capsys):
     (lambda f: f.update(output=5), r"output: ", "output"),
 ], ids=["unknown-key", "unknown-model-key", "missing-max_seq_len", "missing-name", "missing-path",
         "zero-max_seq_len", "str-max_seq_len", "max_verify_tokens", "precision", "tensorrt-absent", "backend",
+        "tensorrt-attention", "eagle-path",
         "tolerance", "name",
         "aux-type", "aux-range", "path-not-a-string", "output-not-a-string"])
 def test_bad_keys_and_values(good, tmp_path, write_yaml, check_error, edit, match, key):
