@@ -70,8 +70,8 @@ def test_trained_heads_build_and_decode_like_vanilla(tiny_checkpoints, corpus, t
 
 
 def test_train_heads_errors(tiny_checkpoints, corpus, tmp_path):
-    with pytest.raises(SpecexportError, match="--kind: 'eagle3' is not supported; supported: medusa"):
-        train_heads(_cfg(tiny_checkpoints["llama"], tmp_path / "x", corpus, kind="eagle3"))
+    with pytest.raises(SpecexportError, match="--kind: 'eagle2' is not supported; supported: medusa, eagle1, eagle3"):
+        train_heads(_cfg(tiny_checkpoints["llama"], tmp_path / "x", corpus, kind="eagle2"))
     with pytest.raises(SpecexportError, match="--projection: expected own or shared"):
         train_heads(_cfg(tiny_checkpoints["llama"], tmp_path / "x", corpus, projection="tied"))
     with pytest.raises(SpecexportError, match="--heads: expected >= 1"):

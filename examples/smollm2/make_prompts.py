@@ -17,6 +17,10 @@ TEMPLATES = [
     "What are the pros and cons of {t}?", "Summarize the history of {t} in a few sentences.",
     "Write a Python function related to {t}, with a docstring.", "How would you teach {t} to a child?",
     "List five facts about {t}.", "What are common mistakes people make with {t}?",
+    "Write a short poem about {t}.", "Compare {t} with something from everyday life.",
+    "What questions should I ask to learn more about {t}?", "Write a short dialogue between two friends about {t}.",
+    "Give an example that shows {t}.", "What is a fun fact about {t}?", "Explain {t} to an expert in one paragraph.",
+    "Write a short story that involves {t}.",
 ]
 TOPICS = [
     "photosynthesis", "the water cycle", "gravity", "volcanoes", "the solar system", "electricity", "magnets",
@@ -29,6 +33,9 @@ TOPICS = [
     "solar panels", "wind power", "bicycles", "trains", "airplanes", "bridges", "the Roman Empire",
     "the printing press", "music theory", "painting with watercolors", "chess openings", "football",
     "the Olympic games", "friendship", "kindness", "teamwork", "job interviews", "resumes",
+    "coffee", "tea", "dogs", "cats", "birds", "forests", "deserts", "rivers", "mountains", "clouds",
+    "photography", "gardening", "the stock market", "inflation", "taxes", "voting", "maps", "clocks",
+    "object-oriented programming", "functional programming", "APIs", "cloud computing", "machine learning",
 ]
 HELDOUT_TEMPLATES = ["Can you explain {t} briefly?", "Write a few sentences about {t} for a beginner.",
                      "What should everyone know about {t}?"]

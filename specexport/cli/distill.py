@@ -8,6 +8,17 @@ import click
 from specexport.cli import cli
 
 
+def checkpoint_folder(target: str, console=None) -> Path:
+    """TARGET as a checkpoint folder: a GGUF file is converted once (cached; export/gguf.py)."""
+    path = Path(target).resolve()
+    if path.is_file():
+        from specexport.export.gguf import hf_folder_from_gguf, is_gguf
+
+        if is_gguf(path):
+            return hf_folder_from_gguf(path, console=console)
+    return path
+
+
 def self_distillation_options(command):
     """The options of the data and the training loop that distill-draft and train-heads share."""
     options = [
@@ -29,7 +40,7 @@ def self_distillation_options(command):
 
 
 @cli.command("distill-draft")
-@click.argument("target", type=click.Path(file_okay=False))
+@click.argument("target", type=click.Path())
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output checkpoint folder.")
 @click.option("--layers", default=2, show_default=True, help="Draft decoder layers.")
 @click.option("--hidden-size", default=None, type=int, help="Draft width (default: the target's).")
@@ -47,13 +58,13 @@ def distill_draft(target, out, layers, hidden_size, intermediate_size, draft_voc
 
     from specexport.distill.train import DistillConfig, distill_draft as run
 
-    cfg = DistillConfig(target=Path(target).resolve(), out=Path(out).resolve(), layers=layers,
+    console = Console(stderr=True)
+    cfg = DistillConfig(target=checkpoint_folder(target, console), out=Path(out).resolve(), layers=layers,
                         hidden_size=hidden_size, intermediate_size=intermediate_size,
                         prompts=tuple(Path(p) for p in prompts), corpus=Path(corpus) if corpus else None,
                         num_prompts=num_prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens, steps=steps,
                         batch_size=batch_size, lr=lr, seed=seed, checkpoint_every=checkpoint_every, device=device,
                         draft_vocab=draft_vocab)
-    console = Console(stderr=True)
     report = run(cfg, console=console)
     console.print(f"[green]✓[/] draft written to {cfg.out} ({report['draft']['parameters']:,} parameters); "
                   f"greedy agreement with the target on held-out prompts: {report['agreement_before']:.3f} before, "

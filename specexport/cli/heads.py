@@ -19,7 +19,7 @@ EAGLE_ONLY = ("draft_vocab", "ttt_steps", "eval_depth", "chat_template", "interm
 
 
 @cli.command("train-heads")
-@click.argument("target", type=click.Path(file_okay=False))
+@click.argument("target", type=click.Path())
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Output folder (Medusa-1 layout, or the published EAGLE-1 / EAGLE-3 layout).")
 @click.option("--kind", default="medusa", show_default=True, help="medusa, eagle1 or eagle3.")
@@ -46,16 +46,17 @@ EAGLE_ONLY = ("draft_vocab", "ttt_steps", "eval_depth", "chat_template", "interm
 @click.option("-v", "--verbose", is_flag=True)
 @click.pass_context
 def train_heads(ctx, target, out, kind, dtype, prompts, corpus, device, verbose, **options):
-    """Self-distill Medusa or EAGLE heads for TARGET (a HF checkpoint folder) into --out."""
+    """Self-distill Medusa or EAGLE heads for TARGET (a HF checkpoint folder or a GGUF file) into --out."""
     from rich.console import Console
 
+    from specexport.cli.distill import checkpoint_folder
     from specexport.distill.heads import EAGLE_KINDS, HeadsTrainConfig, train_heads as run
 
     _refuse_other_kinds_options(ctx, kind)
-    cfg = HeadsTrainConfig(target=Path(target).resolve(), out=Path(out).resolve(), kind=kind, dtype=dtype,
+    console = Console(stderr=True)
+    cfg = HeadsTrainConfig(target=checkpoint_folder(target, console), out=Path(out).resolve(), kind=kind, dtype=dtype,
                            prompts=tuple(Path(p) for p in prompts), corpus=Path(corpus) if corpus else None,
                            device=device, **options)
-    console = Console(stderr=True)
     report = run(cfg, console=console)
     if kind in EAGLE_KINDS:
         b, a = report["before"], report["after"]

@@ -23,6 +23,7 @@ the runtime proposer, train-heads --kind eagle3.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -125,7 +126,8 @@ def rope_frequencies(config: dict, head_dim: int, where: str = "eagle.path") -> 
     (10000 when missing), and the scaling the config names (linear, llama3, yarn: transformers'
     ROPE_INIT_FUNCTIONS, the same code the target's graph uses)."""
     transformers = require("transformers")
-    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type", "auto_map")}
+    # a deep copy: transformers writes rope_theta into the nested rope_scaling dict it is given
+    fields = copy.deepcopy({k: v for k, v in config.items() if k not in ("architectures", "model_type", "auto_map")})
     fields.setdefault("rope_theta", 10000.0)
     try:
         cfg = transformers.LlamaConfig(**fields)
