@@ -138,8 +138,10 @@ def test_a_folder_that_is_not_a_build(tmp_path, capsys, command):
 def test_generate_with_unknown_precision_or_method_is_one_line(build_copy, capsys):
     assert main(["generate", str(build_copy), "x", "--precision", "fp8"]) == 1
     assert "precision: 'fp8' was not built" in _one_error_line(capsys)
+    assert main(["generate", str(build_copy), "x", "--method", "hydra"]) == 1
+    assert "method: 'hydra' is not supported" in _one_error_line(capsys)
     assert main(["generate", str(build_copy), "x", "--method", "eagle"]) == 1
-    assert "method: 'eagle' is not supported" in _one_error_line(capsys)
+    assert "method: 'eagle' was not built (no EAGLE head in this build)" in _one_error_line(capsys)
     assert main(["generate", str(build_copy), "x", "--method", "medusa"]) == 1
     assert "method: 'medusa' was not built (no Medusa heads in this build)" in _one_error_line(capsys)
 
