@@ -179,7 +179,7 @@ def _load_or_make_features(cfg, target, train, aux, state_dir: Path, console) ->
     try:
         for start in range(0, len(train), cfg.batch_size):
             rows = train[start:start + cfg.batch_size]
-            ids, mask = _pad(rows, device)
+            ids, mask = distill.pad_batch(rows, device)
             f, h = target_features(target, ids, mask, aux)
             for r, seq in enumerate(rows):
                 feats.append(f[r, :len(seq)].cpu())
@@ -199,26 +199,12 @@ def _compact(x):
     return half if bool(half.isfinite().all()) else x
 
 
-def _pad(rows, device):
-    """Right-padded token ids and attention mask [B, S] (padding never reaches a real row: causal)."""
-    torch = require("torch")
-    width = max(map(len, rows))
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, seq in enumerate(rows):
-        ids[r, :len(seq)] = torch.tensor(seq)
-        mask[r, :len(seq)] = 1
-    return ids.to(device), mask.to(device)
-
-
 def _batch(store, train, step: int, cfg, device):
     """Batch `step` (the rows distill._batch takes: a pure function of (seed, step)): token ids and mask
     [B, S], features [B, S, F] and final states [B, S, H], float32."""
     torch = require("torch")
-    epoch_len = max(1, len(train) // cfg.batch_size)
-    perm = np.random.default_rng([cfg.seed, step // epoch_len]).permutation(len(train))
-    rows = [int(i) for i in perm[(step % epoch_len) * cfg.batch_size:][:cfg.batch_size]]
-    ids, mask = _pad([train[i] for i in rows], device)
+    rows = distill.batch_rows(len(train), step, cfg)
+    ids, mask = distill.pad_batch([train[i] for i in rows], device)
     off = store["offsets"]
 
     def gather(flat):

@@ -295,12 +295,18 @@ def _init_draft(cfg: DistillConfig, target):
     return draft.train()
 
 
-def _batch(train, step: int, cfg: DistillConfig, device):
-    """Batch `step`: a pure function of (seed, step) so resuming reproduces the same batches."""
+def batch_rows(count: int, step: int, cfg) -> list[int]:
+    """The training sequences of batch `step`: a pure function of (seed, step), so resuming reproduces
+    the same batches (an epoch is a fresh permutation)."""
+    epoch_len = max(1, count // cfg.batch_size)
+    perm = np.random.default_rng([cfg.seed, step // epoch_len]).permutation(count)
+    return [int(i) for i in perm[(step % epoch_len) * cfg.batch_size:][:cfg.batch_size]]
+
+
+def pad_batch(rows, device):
+    """Right-padded token ids and attention mask [B, S] of token lists (padding comes after every real
+    token, so a causal model's real rows never see it)."""
     torch = require("torch")
-    epoch_len = max(1, len(train) // cfg.batch_size)
-    perm = np.random.default_rng([cfg.seed, step // epoch_len]).permutation(len(train))
-    rows = [train[i] for i in perm[(step % epoch_len) * cfg.batch_size:][:cfg.batch_size]]
     width = max(map(len, rows))
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -308,6 +314,11 @@ def _batch(train, step: int, cfg: DistillConfig, device):
         ids[r, :len(seq)] = torch.tensor(seq)
         mask[r, :len(seq)] = 1
     return ids.to(device), mask.to(device)
+
+
+def _batch(train, step: int, cfg: DistillConfig, device):
+    """Batch `step` (batch_rows), padded."""
+    return pad_batch([train[i] for i in batch_rows(len(train), step, cfg)], device)
 
 
 def _kl_step(target, draft, opt, batch, *, lr: float, ids=None) -> float:

@@ -426,17 +426,26 @@ def export_model(mp: ModelPlan, onnx_path: Path) -> list[str]:
     return [f.name for f in onnx_from_module(module, mp.io, onnx_path)]
 
 
+def reused_heads(plan: Plan, hp, previous: dict, force: bool, results: list, reporter: Reporter) -> dict | None:
+    """The previous build's record of these heads when it can be reused (same fingerprint, files intact,
+    the target graph not rebuilt in this run, no --force), else None."""
+    old = previous.get("heads", {}).get(hp.role, {})
+    entry = old.get("precisions", {}).get("fp32")
+    target_rebuilt = any(r.role == "target" and not r.skipped for r in results)
+    if (force or target_rebuilt or not entry or old.get("fingerprint") != hp.fingerprint
+            or not files_intact(plan.config.output, entry["files"])):
+        return None
+    reporter.note(f"[dim]- {hp.role} heads: unchanged, reused ({entry['dir']})[/]")
+    return old
+
+
 def _heads_stage(plan: Plan, hp, previous: dict, force: bool, folders: StageFolders, reporter: Reporter,
                  results: list) -> dict:
     """Medusa heads: export their graph, check it against the published math in PyTorch on the target
     fp32 graph's own hidden states; the manifest's heads.<kind> record (reused when unchanged)."""
     out = plan.config.output
-    old = previous.get("heads", {}).get(hp.role, {})
-    entry = old.get("precisions", {}).get("fp32")
-    target_rebuilt = any(r.role == "target" and not r.skipped for r in results)
-    if (not force and not target_rebuilt and entry and old.get("fingerprint") == hp.fingerprint
-            and files_intact(out, entry["files"])):
-        reporter.note(f"[dim]- {hp.role} heads: unchanged, reused ({entry['dir']})[/]")
+    old = reused_heads(plan, hp, previous, force, results, reporter)
+    if old is not None:
         return old
     from specexport.export.medusa import export_heads, heads_parity, target_states
     from specexport.export.quality import runtime_session

@@ -19,7 +19,6 @@ import time
 import numpy as np
 
 from specexport.errors import ParityError
-from specexport.manifest import files_intact
 
 # (top_k, depth, total_tokens) tried by tree: auto; total_tokens is capped by max_verify_tokens - 1
 AUTO_CANDIDATES = ((1, 3, 3), (1, 5, 5), (2, 4, 7), (2, 6, 11), (4, 5, 15), (4, 6, 31), (8, 6, 63))
@@ -30,18 +29,14 @@ SCRATCH_ROWS = 512            # head cache rows beyond max_seq_len for a round's
 def eagle_stage(plan, hp, previous: dict, force: bool, folders, reporter, results) -> dict:
     """Export + parity + tree: auto for an EAGLE head; the manifest's heads.eagle record (reused when
     unchanged)."""
-    from specexport.export.build import _eval_sequences, _files_entry
+    from specexport.export.build import _eval_sequences, _files_entry, reused_heads
     from specexport.export.eagle_graph import export_head, head_parity
     from specexport.export.quality import runtime_session
     from specexport.export.validate import parity_case
 
     out, cfg, target, w = plan.config.output, plan.config, plan.target, hp.weights
-    old = previous.get("heads", {}).get(hp.role, {})
-    entry = old.get("precisions", {}).get("fp32")
-    target_rebuilt = any(r.role == "target" and not r.skipped for r in results)
-    if (not force and not target_rebuilt and entry and old.get("fingerprint") == hp.fingerprint
-            and files_intact(out, entry["files"])):
-        reporter.note(f"[dim]- {hp.role} head: unchanged, reused ({entry['dir']})[/]")
+    old = reused_heads(plan, hp, previous, force, results, reporter)
+    if old is not None:
         return old
     target_dir = out / next(r.entry["dir"] for r in results if r.role == "target" and r.precision == "fp32")
     partial, final = folders.new(hp.role, "fp32")

@@ -72,6 +72,8 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
     Example: the tiny llama (2 layers, 4/2 heads, D 16) at kv_capacity 128 gets 4 TRT_KVCacheUpdate
     nodes, 2 TRT_Attention nodes, and past_key.0 typed [batch, 2, 128, 16]. Checked on CPU (cpu_session);
     UNVERIFIED: that TensorRT's parser imports it and builds it (no TensorRT where this was written)."""
+    from specexport.plugins.graph import attention_fields
+
     onnx = require("onnx")
     helper = onnx.helper
     if attention not in ATTENTION_OPTIONS:
@@ -124,11 +126,7 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
         if old.op_type != SOURCE_OP:
             nodes.append(old)
             continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in old.attribute}
-        hq, hkv = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
-        scale = float(attrs.get("scale", 0.0)) or 1.0 / np.sqrt(head_dim)
-        q, k, v, past_k, past_v = old.input[:5]
-        out, present_k, present_v = old.output[:3]
+        hq, hkv, scale, (q, k, v, past_k, past_v), (out, present_k, present_v) = attention_fields(old, head_dim)
         p = f"/engine/layers.{count}/attn"
         count += 1
         kv_heads = const(f"{e}/kv_heads_shape{hkv}", [0, -1, hkv, head_dim])
@@ -314,31 +312,10 @@ def _register_reference_ops(ext) -> None:
 
 
 def engine_graph_logits(session, io, case, *, kv_capacity: int) -> dict:
-    """The parity gate's phases (validate.onnx_logits: prefill, prefill_last, decode steps, a tree)
-    through an engine graph's CPU session, the caches of kv_capacity rows fed back from each call's
-    present outputs and the committed length P carried beside them (the mask's width says P + T).
-    Returns {phase: logits [rows, V]} to compare with validate.reference_logits."""
-    from specexport.export.validate import ancestor_mask
+    """The parity gate's phases (prefill, prefill_last, decode steps, a tree) through an engine graph's
+    CPU session, the caches of kv_capacity rows fed back from each call's present outputs and the
+    committed length P carried beside them (the mask's width says P + T): validate.onnx_logits in its
+    fixed-capacity form. Returns {phase: logits [rows, V]} to compare with validate.reference_logits."""
+    from specexport.export.validate import onnx_logits
 
-    caches, committed = io.empty_caches(1, kv_capacity), 0
-
-    def run(tokens, positions, mask, rows=None):
-        feeds = io.feeds(tokens[None], positions=positions, mask=mask, past=caches, past_length=committed, rows=rows)
-        outs = dict(zip(io.output_names, session.run(None, feeds)))
-        return outs["logits"][0], io.presents(outs)
-
-    n, seq = case.n_prompt, case.seq
-    causal = np.tril(np.ones((n, n), bool))
-    out = {}
-    out["prefill_last"], _ = run(seq[:n], np.arange(n), causal, rows=[n - 1])
-    out["prefill"], caches = run(seq[:n], np.arange(n), causal)
-    committed, rows = n, []
-    for s in range(n, case.context):
-        logits, caches = run(seq[s:s + 1], np.array([s]), np.ones((1, 1), bool))
-        committed += 1
-        rows.append(logits[0])
-    out["decode"] = np.stack(rows)
-    if len(case.parents):
-        mask = ancestor_mask(case.parents)
-        out["tree"], _ = run(seq[case.context:], case.context + mask.sum(1) - 1, mask)
-    return out
+    return onnx_logits(None, io, case, session=session, kv_capacity=kv_capacity)

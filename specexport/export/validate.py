@@ -87,11 +87,13 @@ def reference_logits(model, case: ParityCase) -> dict:
     return out
 
 
-def onnx_logits(onnx_path, io: ModelIO, case: ParityCase, *, session=None) -> dict:
+def onnx_logits(onnx_path, io: ModelIO, case: ParityCase, *, session=None, kv_capacity: int | None = None) -> dict:
     """The same phases through the ONNX graph in ONNX Runtime, feeding back the K/V it produced.
 
     `session`: an open session of the graph to use instead (quantized graphs pass one with prepacking
-    on, which their MatMulNBits kernels need to compute what the runtime computes)."""
+    on, which their MatMulNBits kernels need to compute what the runtime computes). `kv_capacity`: the
+    graph's caches have that many rows and the committed length is carried beside them (the TensorRT
+    engine graph's fixed-capacity form, export/trt_graph.py); None: empty caches grown by each call."""
     if session is None:
         ort = require("onnxruntime")
         opts = ort.SessionOptions()
@@ -99,25 +101,25 @@ def onnx_logits(onnx_path, io: ModelIO, case: ParityCase, *, session=None) -> di
         # times only, so it skips that and keeps the build's peak memory near two copies of the weights.
         opts.add_session_config_entry("session.disable_prepacking", "1")
         session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
-    past = io.empty_caches()
+    state = {"past": io.empty_caches(1, kv_capacity or 0), "committed": 0}
 
-    def run(tokens, positions, mask, rows=None):
-        feeds = io.feeds(tokens[None], positions=positions, mask=mask, past=past, rows=rows)
+    def run(tokens, positions, mask, rows=None, commit=True):
+        feeds = io.feeds(tokens[None], positions=positions, mask=mask, past=state["past"], rows=rows,
+                         past_length=state["committed"] if kv_capacity else None)
         outs = dict(zip(io.output_names, session.run(None, feeds)))
-        return outs["logits"][0], io.presents(outs)
+        if commit:
+            state["past"], state["committed"] = io.presents(outs), state["committed"] + len(tokens)
+        return outs["logits"][0]
 
     n, seq = case.n_prompt, case.seq
-    out = {}
-    out["prefill_last"], _ = run(seq[:n], np.arange(n), np.tril(np.ones((n, n), bool)), rows=[n - 1])
-    out["prefill"], past = run(seq[:n], np.arange(n), np.tril(np.ones((n, n), bool)))
-    rows = []
-    for s in range(n, case.context):
-        logits, past = run(seq[s:s + 1], np.array([s]), np.ones((1, 1), bool))
-        rows.append(logits[0])
-    out["decode"] = np.stack(rows)
+    causal = np.tril(np.ones((n, n), bool))
+    out = {"prefill_last": run(seq[:n], np.arange(n), causal, rows=[n - 1], commit=False),
+           "prefill": run(seq[:n], np.arange(n), causal)}
+    out["decode"] = np.stack([run(seq[s:s + 1], np.array([s]), np.ones((1, 1), bool))[0]
+                              for s in range(n, case.context)])
     if len(case.parents):
         mask = ancestor_mask(case.parents)
-        out["tree"], _ = run(seq[case.context:], case.context + mask.sum(1) - 1, mask)
+        out["tree"] = run(seq[case.context:], case.context + mask.sum(1) - 1, mask, commit=False)
     return out
 
 

@@ -57,11 +57,7 @@ def plugin_graph(model, *, head_dim: int):
         if node.op_type != ATTENTION_OP:
             nodes.append(node)
             continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        hq, hkv = int(attrs["num_heads"]), int(attrs["kv_num_heads"])
-        scale = float(attrs.get("scale", 0.0)) or 1.0 / np.sqrt(head_dim)
-        q, k, v, past_k, past_v = node.input[:5]
-        out, present_k, present_v = node.output[:3]
+        hq, hkv, scale, (q, k, v, past_k, past_v), (out, present_k, present_v) = attention_fields(node, head_dim)
         p = f"{node.name or 'attention'}.plugin{count}"
         count += 1
         heads = const(f"tree_attention.q_shape{hq}", [-1, hq, head_dim])
@@ -171,3 +167,14 @@ def _register_reference_op(ext) -> None:
         return reference(q, k, v, mask, scale=scale).astype(np.float32)
 
     _REGISTERED.append(tree_attention)
+
+
+def attention_fields(node, head_dim: int):
+    """(heads, kv heads, scale, its 5 inputs q/k/v/past_k/past_v, its 3 outputs out/present_k/present_v) of
+    an exported GroupQueryAttention node (export/gqa.py); a missing scale is 1/sqrt(head_dim), as ORT's."""
+    from onnx import helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    scale = float(attrs.get("scale", 0.0)) or 1.0 / np.sqrt(head_dim)
+    return (int(attrs["num_heads"]), int(attrs["kv_num_heads"]), scale, tuple(node.input[:5]),
+            tuple(node.output[:3]))
