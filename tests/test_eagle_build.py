@@ -266,3 +266,22 @@ def test_bench_rows_for_eagle(eagle_builds, tmp_path):
     assert [r["tree"] for r in rows] == ["auto", "small"]
     assert all(r["ideal_speedup"] and r["mean_accepted_tokens"] >= 1 and r["draft_step_ratio"] for r in rows)
     assert "fp32/eagle" in report["step_costs_ms"] and report["step_costs_ms"]["fp32/eagle"]["draft"]
+
+
+def test_bench_samples_at_a_temperature(eagle_builds, tmp_path):
+    """--temperature 0.7: every row samples (lossless, so vanilla and EAGLE rows are comparable in speed and
+    acceptance), nothing greedy-only is stored in the manifest."""
+    from specexport.manifest import read_manifest
+    from specexport.report.bench import BenchConfig, run_bench
+
+    before = {k: read_manifest(eagle_builds["e1"]).get(k) for k in ("gamma_auto", "method_auto")}
+    report = run_bench(BenchConfig(output_dir=eagle_builds["e1"], prompts=("hello", "a b c"), methods=("vanilla", "eagle"),
+                                   gammas=(2,), max_new_tokens=24, rounds=1, threads=1, temperature=0.7,
+                                   plots=False, out=tmp_path / "bench"), log=lambda m: None)
+    assert report["settings"]["temperature"] == 0.7 and not report["settings"]["greedy"]
+    assert report["peers"] == [{"peer": "all", "skipped": "peers run greedy; this bench samples"}]
+    assert report["gamma_store"][0].startswith("not stored: this bench sampled at temperature 0.7")
+    assert {k: read_manifest(eagle_builds["e1"]).get(k) for k in ("gamma_auto", "method_auto")} == before
+    eagle = next(r for r in report["rows"] if r["method"] == "eagle")
+    assert eagle["speedup_vs_vanilla"] and eagle["mean_accepted_tokens"] >= 1
+    assert "sampled at temperature 0.7" in (tmp_path / "bench" / "report.md").read_text()

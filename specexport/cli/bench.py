@@ -28,6 +28,8 @@ def _csv(value, cast=str):
               help="JSON-lines file of prompt strings (default: a few built-in code prompts).")
 @click.option("--chat", is_flag=True, help="Send each prompt as a user message in the build's chat template.")
 @click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--temperature", default=0.0, show_default=True, type=float,
+              help="0: greedy; > 0: every row samples (lossless), each (prompt, round) cell with its own seed.")
 @click.option("--rounds", default=3, show_default=True, help="Repetitions of every configuration, interleaved.")
 @click.option("--threads", default=None, type=int,
               help="The target's intra-op threads (default: the setting fastest for vanilla, measured first).")
@@ -37,7 +39,7 @@ def _csv(value, cast=str):
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="Report folder (default: OUTPUT_DIR/bench).")
 @click.option("-v", "--verbose", is_flag=True)
 def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_trees, eagle_trees, prompts_file, chat,
-          max_new_tokens, rounds, threads, peers, out, verbose):
+          max_new_tokens, temperature, rounds, threads, peers, out, verbose):
     """Measure tokens/s, TTFT, TPOT, acceptance and speedup; write report.json, report.md and plots."""
     from specexport.errors import SpecexportError
     from specexport.report.bench import BenchConfig, run_bench
@@ -70,6 +72,7 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
                       trees=_csv(trees) or (), medusa_trees=_csv(medusa_trees) or ("auto",),
                       eagle_trees=_csv(eagle_trees) or ("auto",),
                       methods=_csv(methods) or ("vanilla",), gammas=gamma_list, max_new_tokens=max_new_tokens,
+                      temperature=temperature,
                       rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
     from specexport.report.render import render_markdown

@@ -82,6 +82,7 @@ class BenchConfig:
     medusa_trees: tuple[str, ...] = ("auto",)       # Medusa rows ("auto" or MEDUSA_TREES names) with method medusa
     eagle_trees: tuple[str, ...] = ("auto",)        # EAGLE rows ("auto", "dynamic" or DRAFT_TREES names) with eagle
     max_new_tokens: int = 128
+    temperature: float = 0.0                        # > 0: every row samples (seeded per prompt and round), lossless
     rounds: int = 3
     out: Path | None = None                         # default: <output_dir>/bench
     threads: int | None = None                      # the target's intra-op threads; None: the fastest for vanilla
@@ -125,8 +126,8 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
             getattr(pipe, kind).clock = clock
     log(f"bench: warm-up, {len(configs)} configurations")
     for c in configs:
-        _run(pipes, c, cfg.prompts[0], cfg.max_new_tokens)
-    reference = _reference_outputs(cfg, pipes) if cfg.peers else []
+        _run(pipes, c, cfg.prompts[0], cfg.max_new_tokens, cfg.temperature)
+    reference = _reference_outputs(cfg, pipes) if cfg.peers and cfg.temperature == 0 else []
     for pipe in pipes.values():                     # time every forward from here on
         for b in pipe.opened:
             b.timings = {}
@@ -142,7 +143,7 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
                 # rotate the order per cell: no configuration always runs first, right after the peers
                 shift = (r * len(cfg.prompts) + i) % len(configs)
                 for c in configs[shift:] + configs[:shift]:
-                    runs[c].append(_run(pipes, c, prompt, cfg.max_new_tokens))
+                    runs[c].append(_run(pipes, c, prompt, cfg.max_new_tokens, cfg.temperature, seed=r * 1000 + i))
                 for peer in peers:
                     for name in peer.names:
                         peer_runs[name].append((i, peer.run(name, prompt_ids[prompt], cfg.max_new_tokens)))
@@ -170,7 +171,8 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
         "output_dir": str(cfg.output_dir),
         "build_id": manifest["build_id"],
         "settings": {"prompts": len(cfg.prompts), "rounds": cfg.rounds, "max_new_tokens": cfg.max_new_tokens,
-                     "greedy": True, "bootstrap_resamples": acc.BOOTSTRAP_RESAMPLES,
+                     "greedy": cfg.temperature == 0, "temperature": cfg.temperature,
+                     "bootstrap_resamples": acc.BOOTSTRAP_RESAMPLES,
                      "target_threads": {tp: s.label for tp, s in settings.items()},
                      "thread_probe_tokens_per_s": probes,
                      "draft_threads": 1},
@@ -185,12 +187,16 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
     }
     stored = {k: {"gamma": c["gamma"], "predicted_speedup": c["predicted_speedup"],
                   "measured_tokens": c["measured_tokens"]} for k, c in choice.items()}
-    report["gamma_store"] = store_gamma_choices(cfg.output_dir, stored, build_id=manifest["build_id"],
-                                                command=report["command"])
     methods = method_choices(rows)
     report["method_auto"] = {f"{tp}/{dp}": c for (tp, dp), c in methods.items()}
-    report["gamma_store"] += store_gamma_choices(cfg.output_dir, methods, build_id=manifest["build_id"],
-                                                 command=report["command"], section="method_auto")
+    if cfg.temperature == 0:
+        report["gamma_store"] = store_gamma_choices(cfg.output_dir, stored, build_id=manifest["build_id"],
+                                                    command=report["command"])
+        report["gamma_store"] += store_gamma_choices(cfg.output_dir, methods, build_id=manifest["build_id"],
+                                                     command=report["command"], section="method_auto")
+    else:                       # `--gamma auto` / `--method auto` are greedy measurements; this one samples
+        report["gamma_store"] = [f"not stored: this bench sampled at temperature {cfg.temperature} (the stored "
+                                 f"choices are greedy measurements)"]
     for line in report["gamma_store"]:
         log(f"bench: {line}")
     _write_report(report, Path(cfg.out or cfg.output_dir / "bench"), cfg.plots, log)
@@ -231,12 +237,13 @@ def _clocked(pipe, clock):
     return pipe
 
 
-def _run(pipes, c: Config, prompt: str, max_new_tokens: int):
+def _run(pipes, c: Config, prompt: str, max_new_tokens: int, temperature: float = 0.0, *, seed: int = 0):
+    """One generation; sampled (temperature > 0) with the same seed for every configuration of a cell."""
     pipe = pipes[c.precision]
     if c.draft_precision is not None:
         pipe.use_draft_precision(c.draft_precision)
     return pipe.generate(prompt, max_new_tokens=max_new_tokens, method=c.method, gamma=max(c.gamma, 1),
-                         draft_stop=c.draft_stop, tree=c.tree).stats
+                         draft_stop=c.draft_stop, tree=c.tree, temperature=temperature, seed=seed).stats
 
 
 def _configs(precisions, manifest, cfg, has_draft):
@@ -320,6 +327,8 @@ def _reference_outputs(cfg, pipes) -> list[list[int]]:
 def _open_peers(manifest, precisions, cfg, log):
     if not cfg.peers:
         return [], [{"peer": "all", "skipped": "peers not requested"}]
+    if cfg.temperature > 0:
+        return [], [{"peer": "all", "skipped": "peers run greedy; this bench samples"}]
     from specexport.report.peers import PeerProcess, peer_specs
 
     specs, skipped = peer_specs(manifest, precisions, work_dir=Path(cfg.out or cfg.output_dir / "bench") / "peers",

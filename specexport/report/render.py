@@ -19,9 +19,11 @@ def _speedup(r: dict, key: str = "speedup_vs_vanilla", ci_key: str = "speedup_ci
 def render_markdown(report: dict) -> str:
     st = report["settings"]
     threads = "; ".join(f"{tp} target: {label}" for tp, label in st["target_threads"].items())
+    decoding = "greedy" if st.get("greedy", True) else \
+        f"sampled at temperature {st['temperature']} (each cell's runs share a seed)"
     lines = [f"# specexport bench: {report['output_dir']}", "",
              f"`{report['command']}`: {st['prompts']} prompts x {st['rounds']} rounds, {st['max_new_tokens']} new "
-             f"tokens, greedy, every configuration interleaved per prompt after an untimed warm-up.", "",
+             f"tokens, {decoding}, every configuration interleaved per prompt after an untimed warm-up.", "",
              "tok/s, TPOT and speedup are on decode time (first token to last delivered token; prefill is in "
              "TTFT) and count delivered tokens only. Speedup: tok/s over vanilla's on the same target session, "
              f"with a 95% paired-bootstrap interval over (prompt, round) cells ({st['bootstrap_resamples']} "
