@@ -22,7 +22,7 @@ from specexport.runtime import loop
 from specexport.runtime.proposers import DynamicTree, EagleTree
 from specexport.runtime.proposers.eagle import _as_tree, _best_closed
 from specexport.runtime.sampling import SamplingParams
-from test_proposers import (ALPHA, PROMPT, T1, TARGET, TEETH_P, V, accept_tree_stale_bonus,
+from test_proposers import (ALPHA, T1, TARGET, TEETH_P, V, accept_tree_stale_bonus,
                             accept_tree_without_renormalising, fits, greedy_against_plain, run)
 
 # the draft vocabulary: 4 of the 6 target ids, in an order where d2t is not zero (draft id i -> VOCAB[i])

@@ -29,6 +29,7 @@ from specexport import __version__
 from specexport.errors import ParityError, SpecexportError
 from specexport.config import GPU_PRECISIONS
 from specexport.export.eagle_stage import eagle_stage
+from specexport.export.medusa_stage import medusa_stage
 from specexport.export.plan import ModelPlan, Plan, tool_versions
 from specexport.locking import output_lock
 from specexport.export.outdir import StageFolders, remove_unreferenced, reusable_tokenizer, tokenizer_digest
@@ -80,7 +81,7 @@ def run_build(plan: Plan, *, force: bool = False, reporter: Reporter | None = No
         folders = StageFolders(out)
         try:
             results, plan = _run_stages(plan, previous, force, folders, reporter)   # plan: with measured vocab ids
-            heads = {hp.role: (eagle_stage if hp.role == "eagle" else _heads_stage)(plan, hp, previous, force, folders,
+            heads = {hp.role: (eagle_stage if hp.role == "eagle" else medusa_stage)(plan, hp, previous, force, folders,
                                                                                   reporter, results)
                      for hp in plan.heads}
             with reporter.stage("copy tokenizer"):
@@ -188,7 +189,7 @@ def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter,
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     entry = {
-        **_files_entry(out, final, names),
+        **files_entry(out, final, names),
         "parity_reference": "pytorch",
         "parity_max_rel_error": report.max_rel_error,
         "parity_per_phase": report.per_phase,
@@ -215,7 +216,7 @@ def _engine(plan: Plan, mp: ModelPlan, precision: str, folder: Path, fp32_graph:
                             min_tokens=min_tokens, parity_tolerance=cfg.parity_tolerance)
 
 
-def _files_entry(out: Path, final: Path, names: list[str]) -> dict:
+def files_entry(out: Path, final: Path, names: list[str]) -> dict:
     files = [final / name for name in names]
     return {"dir": str(final.relative_to(out)), "backend": "onnxruntime", "files": describe_files(out, files),
             "size_bytes": sum(f.stat().st_size for f in files)}
@@ -241,7 +242,7 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
     options = ", ".join(f"{k} {v}" for k, v in scheme.items() if k != "scheme")
     try:
         reference = runtime_session(source)
-        sequences, text = _eval_sequences(plan, mp, reference, reporter, samples)
+        sequences, text = eval_sequences(plan, mp, reference, reporter, samples)
         calibration, calibrated_on, feeds = [], {}, []
         if scheme["scheme"] in CALIBRATED:
             calibration, calibrated_on = _calibration_sequences(plan, mp, reference)
@@ -294,7 +295,7 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     entry = {
-        **_files_entry(out, final, names),
+        **files_entry(out, final, names),
         "quantization": describe(precision, scheme, calibration_sequences=len(calibration),
                                  calibration=calibrated_on),
         "ort_optimization": optimization,      # the session's graph optimisation level (runtime: OrtBackend)
@@ -383,7 +384,7 @@ def _calibration_sequences(plan: Plan, mp: ModelPlan, fp32_session) -> tuple[lis
     return seqs, {"source": "sampled from the fp32 graph", "seed": SAMPLE_SEED + 1}
 
 
-def _eval_sequences(plan: Plan, mp: ModelPlan, fp32_session, reporter: Reporter, samples: dict):
+def eval_sequences(plan: Plan, mp: ModelPlan, fp32_session, reporter: Reporter, samples: dict):
     """The quality gate's token sequences and a record of where they came from (for the manifest)."""
     from specexport.export.quality import (EVAL_LENGTH, SAMPLE_SEED, SAMPLE_TEMPERATURE, sampled_sequences,
                                            text_sequences)
@@ -437,92 +438,6 @@ def reused_heads(plan: Plan, hp, previous: dict, force: bool, results: list, rep
         return None
     reporter.note(f"[dim]- {hp.role} heads: unchanged, reused ({entry['dir']})[/]")
     return old
-
-
-def _heads_stage(plan: Plan, hp, previous: dict, force: bool, folders: StageFolders, reporter: Reporter,
-                 results: list) -> dict:
-    """Medusa heads: export their graph, check it against the published math in PyTorch on the target
-    fp32 graph's own hidden states; the manifest's heads.<kind> record (reused when unchanged)."""
-    out = plan.config.output
-    old = reused_heads(plan, hp, previous, force, results, reporter)
-    if old is not None:
-        return old
-    from specexport.export.medusa import export_heads, heads_parity, target_states
-    from specexport.export.quality import runtime_session
-    from specexport.export.validate import parity_case
-
-    w, target = hp.weights, plan.target
-    target_dir = next(r.entry["dir"] for r in results if r.role == "target" and r.precision == "fp32")
-    partial, final = folders.new(hp.role, "fp32")
-    start = time.perf_counter()
-    try:
-        label = f"{w.num_heads} heads x {w.num_layers} blocks, {w.format}, lm_head {w.lm_head}"
-        lm_head = _target_lm_head(target) if w.lm_head == "target" else None
-        with reporter.stage(f"export {hp.role} heads ({label}) to ONNX"):
-            names = [f.name for f in export_heads(w, lm_head, hp.io, partial / "model.onnx")]
-        with reporter.stage(f"check {hp.role} heads against PyTorch on the target's hidden states"):
-            case = parity_case(target.io, max_seq_len=plan.config.max_seq_len,
-                               max_verify_tokens=plan.config.max_verify_tokens)
-            hidden, = target_states(runtime_session(out / target_dir / "model.onnx"), target.io, case.seq)
-            report = heads_parity(w, lm_head, hp.io, partial / "model.onnx", hidden)
-        tolerance = plan.config.parity_tolerance
-        if not report["max_rel_error"] <= tolerance:
-            raise ParityError(f"{hp.role} heads: parity check failed: max|Δlog-prob| / max|log-prob| = "
-                              f"{report['max_rel_error']:.3e} > tolerance {tolerance:.1e}")
-        auto = _auto_tree(plan, hp, out / target_dir, partial, reporter)
-        folders.publish(partial, final)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    stage = {**_files_entry(out, final, names), "parity_reference": "pytorch",
-             "parity_max_rel_error": report["max_rel_error"], "parity_rows": report["rows"],
-             "parity_tolerance": tolerance, "build_seconds": round(time.perf_counter() - start, 2)}
-    return {"source": str(hp.config.path), "file": w.file.name, "format": w.format, "num_heads": w.num_heads,
-            "num_layers": w.num_layers, "lm_head": w.lm_head, "top_k": hp.io.top_k,
-            "config_num_heads": w.config_num_heads, "fingerprint": hp.fingerprint, "io": hp.io.to_dict(),
-            "auto_tree": auto, "precisions": {"fp32": stage}}
-
-
-def _auto_tree(plan: Plan, hp, target_dir: Path, heads_dir: Path, reporter: Reporter) -> dict:
-    """`tree: auto`: the heads' accuracy on held-out sequences and the target's verify cost per size
-    (export/medusa_tree.py), measured on the graphs just built."""
-    from specexport.export.medusa_tree import (PREFIX, choose_tree, greedy_continuation, head_accuracy, heads_cost,
-                                               verify_costs)
-    from specexport.export.quality import runtime_session
-    from specexport.runtime.backends.heads import OrtHeads
-    from specexport.runtime.backends.ort import OrtBackend
-
-    target = plan.target
-    session = runtime_session(target_dir / "model.onnx")
-    sequences, text = _eval_sequences(plan, target, session, reporter, {})
-    label = f"greedy continuations of {PREFIX}-token prefixes of {text['label']}"
-    with reporter.stage(f"tree: auto from the heads' accuracy on {label} and the target's verify cost"):
-        max_tokens = plan.config.max_verify_tokens
-        with OrtBackend(target_dir, io=target.io, capacity=plan.config.max_seq_len,
-                        max_tokens=max(max_tokens, 64)) as backend:
-            # what greedy decoding feeds the heads: the target's own continuations, not sampled text
-            sequences = [greedy_continuation(backend, seq[:PREFIX], len(seq)) for seq in sequences
-                         if len(seq) > PREFIX + 2]
-            costs = verify_costs(backend, range(1, max_tokens + 1))
-        acc = head_accuracy(session, target.io, runtime_session(heads_dir / "model.onnx"), sequences, hp.io.top_k,
-                            start=PREFIX - 1)
-        del session
-        heads = OrtHeads(heads_dir, io=hp.io)
-        choice = choose_tree(acc, costs, heads_cost(heads, hp.io.hidden_size), max_tokens - 1)
-    reporter.note(f"  tree auto: {choice['nodes']} nodes, {choice['expected_tokens']:.2f} expected tokens per pass, "
-                  f"predicted {choice['predicted_speedup']:.2f}x (head top-1 accuracy "
-                  f"{', '.join(f'{a:.2f}' for a in acc[:, 0])})")
-    return {**choice, "accuracy": acc.round(4).tolist(),
-            "accuracy_text": f"greedy continuations of {PREFIX}-token prefixes of {text['description']}",
-            "verify_cost_ms": {str(t): round(c * 1e3, 4) for t, c in costs.items()}}
-
-
-def _target_lm_head(target: ModelPlan):
-    """The target's lm_head weight [V, H] (for heads that reuse it), read through its adapter."""
-    from specexport.export.registry import get_adapter
-    from specexport.export.to_onnx import load_hf_model
-
-    model = load_hf_model(target.config.path)
-    return get_adapter(target.arch.model_type).lm_head(model).weight.detach().float().numpy().copy()
 
 
 def _tokenizer_stage(plan: Plan, out: Path, previous: dict, folders: StageFolders) -> dict:

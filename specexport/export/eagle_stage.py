@@ -29,7 +29,7 @@ SCRATCH_ROWS = 512            # head cache rows beyond max_seq_len for a round's
 def eagle_stage(plan, hp, previous: dict, force: bool, folders, reporter, results) -> dict:
     """Export + parity + tree: auto for an EAGLE head; the manifest's heads.eagle record (reused when
     unchanged)."""
-    from specexport.export.build import _eval_sequences, _files_entry, reused_heads
+    from specexport.export.build import eval_sequences, files_entry, reused_heads
     from specexport.export.eagle_graph import export_head, head_parity
     from specexport.export.quality import runtime_session
     from specexport.export.validate import parity_case
@@ -58,7 +58,7 @@ def eagle_stage(plan, hp, previous: dict, force: bool, folders, reporter, result
             raise ParityError(f"{hp.role} head: parity check failed: relative error {report['max_rel_error']:.3e} "
                               f"({', '.join(f'{k} {v:.2e}' for k, v in report['per_phase'].items())}) > tolerance "
                               f"{cfg.parity_tolerance:.1e}")
-        sequences, text = _eval_sequences(plan, target, session, reporter, {})
+        sequences, text = eval_sequences(plan, target, session, reporter, {})
         del session
         with reporter.stage("tree: auto from greedy decoding of held-out prefixes (and its check against vanilla)"):
             auto = auto_tree(target_dir, partial, plan, hp, sequences)
@@ -67,7 +67,7 @@ def eagle_stage(plan, hp, previous: dict, force: bool, folders, reporter, result
         folders.publish(partial, final)
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-    stage = {**_files_entry(out, final, names), "parity_reference": "pytorch",
+    stage = {**files_entry(out, final, names), "parity_reference": "pytorch",
              "parity_max_rel_error": report["max_rel_error"], "parity_per_phase": report["per_phase"],
              "parity_rows": report["rows"], "parity_tolerance": cfg.parity_tolerance,
              "build_seconds": round(time.perf_counter() - start, 2)}

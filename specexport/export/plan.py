@@ -317,7 +317,8 @@ GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gq
                  "export/adapters/*.py")
 ENGINE_SOURCES = ("export/trt_graph.py", "export/trt_engine.py", "plugins/*.py")
 QUANTIZER_SOURCES = ("export/quantize.py", "export/smooth.py", "export/quality.py", "calibrate/*.py")
-HEADS_SOURCES = ("io_spec.py", "export/medusa.py", "export/medusa_tree.py", "export/to_onnx.py")
+HEADS_SOURCES = ("io_spec.py", "export/medusa.py", "export/medusa_tree.py", "export/medusa_stage.py",
+                 "export/to_onnx.py")
 EAGLE_SOURCES = ("io_spec.py", "export/eagle.py", "export/eagle_graph.py", "export/eagle_stage.py", "export/gqa.py",
                  "export/to_onnx.py")
 
