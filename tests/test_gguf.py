@@ -270,6 +270,8 @@ def test_a_gguf_file_builds_as_a_model_path(smollm_like, tmp_path, monkeypatch, 
     with specexport.load(tmp_path / "out") as pipe:
         assert pipe.generate(prompt_ids=prompt, max_new_tokens=12, method="lookup").token_ids == expected.tolist()
         assert pipe.chat_prompt("hi") == "<s>user: hi</s>"            # the GGUF's chat template came along
+        ids = pipe.chat_ids("hi")                                      # the template's <s>, not a second one
+        assert ids == tok("<s>user: hi</s>", add_special_tokens=False)["input_ids"] and ids.count(tok.bos_token_id) == 1
     (tmp_path / "x.gguf").write_text("not a model")
     bad = write_yaml(tmp_path / "bad.yaml", name="g", target={"path": str(tmp_path / "x.gguf")}, max_seq_len=64)
     with pytest.raises(SpecexportError, match="target.path: .*x.gguf is a file but not a GGUF file"):

@@ -50,12 +50,6 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
         from specexport.report.bench import DEFAULT_PROMPTS
 
         prompts = DEFAULT_PROMPTS
-    if chat:
-        from specexport.manifest import read_manifest
-        from specexport.serve.chat import user_prompt
-
-        manifest = read_manifest(output_dir)
-        prompts = tuple(user_prompt(Path(output_dir), manifest, p) for p in prompts)
     try:
         gamma_list = _csv(gammas, int)
     except ValueError:
@@ -72,7 +66,7 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
                       trees=_csv(trees) or (), medusa_trees=_csv(medusa_trees) or ("auto",),
                       eagle_trees=_csv(eagle_trees) or ("auto",),
                       methods=_csv(methods) or ("vanilla",), gammas=gamma_list, max_new_tokens=max_new_tokens,
-                      temperature=temperature,
+                      temperature=temperature, chat=chat,
                       rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
     from specexport.report.render import render_markdown

@@ -50,14 +50,12 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
                            draft_threads=draft_threads, **({"device": device} if device != "cpu" else {}))
     gamma = gamma if gamma == "auto" else _int_gamma(gamma)
     tree = _tree(tree)
-    shown = prompt
-    if chat:
-        prompt = pipe.chat_prompt(prompt)
-    pieces = pipe.stream(prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma, draft_stop=draft_stop,
+    shown, prompt = prompt, {"prompt_ids": pipe.chat_ids(prompt)} if chat else {"prompt": prompt}
+    pieces = pipe.stream(**prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma, draft_stop=draft_stop,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tree=tree,
                          sampled_children=sampled_children)
     first = next(pieces, "")            # input errors surface here, before anything is printed
-    click.echo((f"> {shown}\n" if chat else prompt) + first, nl=False)
+    click.echo((f"> {shown}\n" if chat else shown) + first, nl=False)
     for piece in pieces:
         click.echo(piece, nl=False)
     out = pipe.last_output
@@ -111,7 +109,7 @@ def _compare(pipe, prompt, kwargs, method, repeats: int = 10) -> None:
     runs = {"vanilla": [], method: []}
     for i in range(repeats + 1):
         for m in runs:
-            stats = pipe.generate(prompt, method=m, **kwargs).stats
+            stats = pipe.generate(**prompt, method=m, **kwargs).stats
             if i:                                   # the first pair warms the sessions up
                 runs[m].append(stats)
     v, s = throughput(runs["vanilla"]), throughput(runs[method])

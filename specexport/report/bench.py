@@ -82,6 +82,7 @@ class BenchConfig:
     medusa_trees: tuple[str, ...] = ("auto",)       # Medusa rows ("auto" or MEDUSA_TREES names) with method medusa
     eagle_trees: tuple[str, ...] = ("auto",)        # EAGLE rows ("auto", "dynamic" or DRAFT_TREES names) with eagle
     max_new_tokens: int = 128
+    chat: bool = False                              # each prompt is a user message of the build's chat template
     temperature: float = 0.0                        # > 0: every row samples (seeded per prompt and round), lossless
     rounds: int = 3
     out: Path | None = None                         # default: <output_dir>/bench
@@ -124,15 +125,15 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
     for kind in {c.method for c in configs} & set(HEAD_METHODS):
         for pipe in pipes.values():
             getattr(pipe, kind).clock = clock
+    prompt_ids = {p: _encode(next(iter(pipes.values())), p, cfg.chat) for p in cfg.prompts}
     log(f"bench: warm-up, {len(configs)} configurations")
     for c in configs:
-        _run(pipes, c, cfg.prompts[0], cfg.max_new_tokens, cfg.temperature)
-    reference = _reference_outputs(cfg, pipes) if cfg.peers and cfg.temperature == 0 else []
+        _run(pipes, c, prompt_ids[cfg.prompts[0]], cfg.max_new_tokens, cfg.temperature)
+    reference = _reference_outputs(cfg, pipes, prompt_ids) if cfg.peers and cfg.temperature == 0 else []
     for pipe in pipes.values():                     # time every forward from here on
         for b in pipe.opened:
             b.timings = {}
     peers, peer_skips = _open_peers(manifest, list(pipes), cfg, log)
-    prompt_ids = {p: next(iter(pipes.values())).encode(p) for p in cfg.prompts}
     runs = {c: [] for c in configs}
     peer_runs = {name: [] for peer in peers for name in peer.names}
     log(f"bench: {len(configs)} configurations + {len(peer_runs)} peers x {len(cfg.prompts)} prompts x {cfg.rounds} "
@@ -143,7 +144,8 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
                 # rotate the order per cell: no configuration always runs first, right after the peers
                 shift = (r * len(cfg.prompts) + i) % len(configs)
                 for c in configs[shift:] + configs[:shift]:
-                    runs[c].append(_run(pipes, c, prompt, cfg.max_new_tokens, cfg.temperature, seed=r * 1000 + i))
+                    runs[c].append(_run(pipes, c, prompt_ids[prompt], cfg.max_new_tokens, cfg.temperature,
+                                        seed=r * 1000 + i))
                 for peer in peers:
                     for name in peer.names:
                         peer_runs[name].append((i, peer.run(name, prompt_ids[prompt], cfg.max_new_tokens)))
@@ -237,12 +239,16 @@ def _clocked(pipe, clock):
     return pipe
 
 
-def _run(pipes, c: Config, prompt: str, max_new_tokens: int, temperature: float = 0.0, *, seed: int = 0):
+def _encode(pipe, prompt: str, chat: bool) -> list[int]:
+    return pipe.chat_ids(prompt) if chat else pipe.encode(prompt)
+
+
+def _run(pipes, c: Config, prompt_ids, max_new_tokens: int, temperature: float = 0.0, *, seed: int = 0):
     """One generation; sampled (temperature > 0) with the same seed for every configuration of a cell."""
     pipe = pipes[c.precision]
     if c.draft_precision is not None:
         pipe.use_draft_precision(c.draft_precision)
-    return pipe.generate(prompt, max_new_tokens=max_new_tokens, method=c.method, gamma=max(c.gamma, 1),
+    return pipe.generate(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, method=c.method, gamma=max(c.gamma, 1),
                          draft_stop=c.draft_stop, tree=c.tree, temperature=temperature, seed=seed).stats
 
 
@@ -312,13 +318,14 @@ def _eagle_depth(name: str, manifest: dict) -> int:
     return int(from_rank_paths(DRAFT_TREES[name])[0].depths.max())
 
 
-def _reference_outputs(cfg, pipes) -> list[list[int]]:
+def _reference_outputs(cfg, pipes, prompt_ids: dict) -> list[list[int]]:
     """Our fp32 vanilla output per prompt: what every peer row's "same tokens" is checked against."""
     import specexport
 
     pipe = pipes.get("fp32") or specexport.load(cfg.output_dir, precision="fp32")
     try:
-        return [pipe.generate(p, max_new_tokens=cfg.max_new_tokens, method="vanilla").token_ids for p in cfg.prompts]
+        return [pipe.generate(prompt_ids=prompt_ids[p], max_new_tokens=cfg.max_new_tokens, method="vanilla").token_ids
+                for p in cfg.prompts]
     finally:
         if pipe is not pipes.get("fp32"):
             pipe.close()

@@ -269,11 +269,16 @@ class Pipeline:
             yield final[len(text):]          # what the detokenizer held back (an unfinished character)
 
     def chat_prompt(self, text: str) -> str:
-        """`text` as one user message in the build's chat template, ready for generate() (what a chat
-        client sends to `specexport serve`); an error when the tokenizer has no chat template."""
+        """`text` as one user message in the build's chat template (what a chat client sends to
+        `specexport serve`); an error when the tokenizer has no chat template."""
         from specexport.serve.chat import user_prompt
 
         return user_prompt(self.dir, self.manifest, text)
+
+    def chat_ids(self, text: str) -> list[int]:
+        """chat_prompt(text) as prompt_ids for generate(): encoded without adding special tokens again
+        (the template writes its own), as `specexport serve` encodes it."""
+        return self._prompt_ids(None, self.tokenizer.encode(self.chat_prompt(text), add_special_tokens=False).ids).tolist()
 
     def encode(self, prompt: str) -> list[int]:
         """The prompt's token ids as generate() feeds them (special tokens included), checked."""

@@ -1,0 +1,112 @@
+"""Done-means of issue 11 on a build the tests never saw (e.g. examples/smollm2.yaml with its trained
+EAGLE-3 head): greedy EAGLE decoding equals vanilla token for token, and sampled EAGLE output follows
+the target's exact distribution, tokens outside the head's draft vocabulary included.
+
+    python benchmarks/check_eagle.py BUILD --prompts examples/smollm2/heldout.jsonl --chat [--samples 3000]
+
+1. greedy: vanilla vs EAGLE (tree auto, dynamic defaults, static `small`) on the prompts, 64 new tokens;
+   prints tokens per target pass;
+2. G-test on the first two tokens of sampled EAGLE decoding (temperature 1, one seed per sample, 3 new
+   tokens: x1 comes from the prefill, x2 from the first EAGLE round, whose tree is accepted into or
+   left through the q-free rule's own draw) against the exact joint p(x1) p(x2 | x1) from the fp32
+   target graph: cells are the (x1, x2) pairs with an expected count >= 5, an "other x2" cell per such
+   x1 and one "other" cell. The prompt is the one (of the first 8) where the target puts the most mass
+   outside the head's draft vocabulary (EAGLE-3's d2t), so that path is exercised.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+from scipy import stats as sps
+
+import specexport
+from specexport.export.quality import runtime_session
+from specexport.io_spec import ModelIO
+from specexport.manifest import read_manifest, stage_dir
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("build")
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--chat", action="store_true", help="prompts are user messages of the chat template")
+    ap.add_argument("--samples", type=int, default=3000)
+    ap.add_argument("--greedy-prompts", type=int, default=8)
+    args = ap.parse_args()
+    m = read_manifest(args.build)
+    head = m["heads"]["eagle"]
+    V = m["models"]["target"]["io"]["vocab_size"]
+    in_vocab = np.zeros(V, bool)
+    in_vocab[head["target_ids"] if head["target_ids"] else np.arange(V)] = True
+    print(f"{args.build}: EAGLE-{head['version']} head, draft vocabulary {int(in_vocab.sum())} of {V} ids, "
+          f"tree auto {({k: head['auto_tree'][k] for k in ('top_k', 'depth', 'total_tokens')})}")
+    pipe = specexport.load(args.build)
+    texts = [json.loads(line) for line in open(args.prompts) if line.strip()]
+    prompts = [pipe.chat_ids(t) if args.chat else pipe.encode(t) for t in texts]
+
+    print(f"1. greedy, {args.greedy_prompts} prompts x 64 tokens: vanilla vs EAGLE trees auto / dynamic / small")
+    for p in prompts[:args.greedy_prompts]:
+        ref = pipe.generate(prompt_ids=p, max_new_tokens=64, method="vanilla").token_ids
+        runs = [pipe.generate(prompt_ids=p, max_new_tokens=64, method="eagle", tree=t) for t in ("auto", "dynamic", "small")]
+        print(f"   {len(ref)} tokens: equal {[r.token_ids == ref for r in runs]}, tokens per target pass "
+              f"{[round(r.stats.mean_accepted_tokens, 2) for r in runs]}")
+
+    io = ModelIO.from_dict(m["models"]["target"]["io"])
+    session = runtime_session(stage_dir(args.build, m, "target", "fp32") / "model.onnx")
+
+    def next_dist(ids):
+        return softmax(session.run(["logits"], io.feeds(np.asarray(ids, np.int64)[None]))[0][0, -1].astype(np.float64))
+
+    first = [next_dist(p) for p in prompts[:8]]
+    k = int(np.argmax([d[~in_vocab].sum() for d in first]))
+    prompt, p1 = prompts[k], first[k]
+    n = args.samples
+    tops = [int(x) for x in np.argsort(-p1) if n * p1[x] >= 5]
+    cond = {x: next_dist([*prompt, x]) for x in tops}
+    cells, expected = {}, []
+    for x in tops:
+        covered = 0.0
+        for y in np.argsort(-cond[x]):
+            if n * p1[x] * cond[x][y] < 5:
+                break
+            cells[(x, int(y))] = len(expected)
+            expected.append(p1[x] * cond[x][y])
+            covered += expected[-1]
+        cells[(x, None)] = len(expected)
+        expected.append(p1[x] - covered)
+    other = len(expected)
+    expected.append(1 - sum(expected))
+    expected = np.maximum(np.array(expected), 0) * n
+    outside = {x: cond[x][~in_vocab].sum() for x in tops}
+    exact_oov2 = sum(p1[x] * outside[x] for x in tops) / max(sum(p1[x] for x in tops), 1e-30)
+    print(f"2. G-test: prompt {k} ({len(prompt)} tokens); {len(expected)} cells, {n} samples (EAGLE tree auto, "
+          f"temperature 1); target mass outside the head's vocabulary at token 2: {exact_oov2:.3f}")
+    observed = np.zeros(len(expected))
+    oov2 = accepted = proposed = 0
+    start = time.perf_counter()
+    for s in range(n):
+        out = pipe.generate(prompt_ids=prompt, max_new_tokens=3, method="eagle", temperature=1.0, seed=1000 + s)
+        x, y = out.token_ids[:2]
+        if out.stats.proposed == 0:
+            raise SystemExit(f"sample {s}: no proposal was made, so x2 did not go through speculation")
+        observed[cells.get((x, y), cells.get((x, None), other))] += 1
+        oov2 += not in_vocab[y]
+        accepted, proposed = accepted + out.stats.accepted, proposed + out.stats.proposed
+    keep = expected > 0
+    g, p = sps.power_divergence(observed[keep], expected[keep] * observed.sum() / expected[keep].sum(),
+                                lambda_="log-likelihood")
+    print(f"   G = {g:.1f} on {keep.sum() - 1} degrees of freedom, p = {p:.3f}; second token outside the head's "
+          f"vocabulary in {oov2 / n:.3f} of samples; acceptance {accepted / max(proposed, 1):.3f} of {proposed} "
+          f"proposed nodes; {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
