@@ -229,9 +229,14 @@ def ttt_loss(target, head, batch, steps: int):
     emb = target.get_input_embeddings()(ids[:, 1:])                                  # [B, T, H], T = S - 1
     outs = head.unroll(emb, feats[:, :-1], steps, lm_head=None if head.shape.version == 3 else lm.weight)
     with torch.no_grad():
-        p_logits = lm(final[:, 1:]).float()                                           # [B, T, V]
         if head.shape.version == 3 and head.shape.draft_vocab < head.shape.vocab:
-            p_logits = p_logits[..., head.target_ids()]                               # [B, T, Vd]
+            # only the draft vocabulary's rows of the target's lm_head: the whole projection would cost
+            # V / Vd times more (49152 / 8192 on SmolLM2) for columns p is renormalised without
+            ids = head.target_ids()
+            p_logits = torch.nn.functional.linear(final[:, 1:], lm.weight[ids],
+                                                  None if lm.bias is None else lm.bias[ids]).float()   # [B, T, Vd]
+        else:
+            p_logits = lm(final[:, 1:]).float()                                       # [B, T, V]
         p_log = torch.log_softmax(p_logits, -1)
     loss, total = 0.0, 0.0
     for s, (logits, _) in enumerate(outs):
