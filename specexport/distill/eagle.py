@@ -332,21 +332,29 @@ def _write_outputs(cfg, head, hcfg, target, heldout, aux, *, before, after, hist
               "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
               "loss_first": history[:5], "loss_last": history[-5:],
               "before": before, "after": after,
-              "reference_max_abs_diff": reference_diff(partial, head, target, heldout, aux),
+              "reference_max_abs_diff": reference_diff(partial, head, target, heldout, aux, dtype=cfg.dtype),
               "config": {k: str(v) for k, v in asdict(cfg).items()}}
     (partial / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     distill.swap_into_place(partial, cfg.out)
     return report
 
 
-def reference_diff(folder, head, target, heldout, aux) -> float | None:
-    """Max |logits - logits'| + |hidden - hidden'| of make_head(load_eagle(folder)) against `head` on
-    the first held-out sequence (causal, step 0): 0 up to rounding in float32, the fp16 rounding else."""
+def reference_diff(folder, head, target, heldout, aux, *, dtype: str = "float32") -> float | None:
+    """Max |logits - logits'| and |hidden - hidden'| of make_head(load_eagle(folder)) against `head` on
+    the first held-out sequence (causal, step 0), `head`'s weights rounded to the written dtype first
+    (so fp16 files compare like for like): 0 up to float32 rounding when the files hold what was trained."""
+    import copy
+
     torch = require("torch")
     from specexport.export.eagle import load_eagle, make_head
 
     if not heldout:
         return None
+    if dtype != "float32":
+        head = copy.deepcopy(head)
+        with torch.no_grad():
+            for p in head.parameters():
+                p.copy_(p.to(getattr(torch, dtype)).float())
     tc = target.config
     ref = make_head(load_eagle(folder, hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
                                num_layers=tc.num_hidden_layers))
