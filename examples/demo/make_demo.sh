@@ -4,7 +4,7 @@
 # Target: 8 layers trained from scratch (~33 min), then deepened to 11 layers with identity blocks and
 # trained on (~23 min): a deeper, costlier step within the 25 MB of shipped weights. Draft: 2 layers
 # x 192 distilled from it (two layers so it can learn to copy from context, which code does a lot).
-# Medusa heads: 4 heads trained on the target's own continuations (train-heads).
+# Medusa heads: 4 heads trained on the target's own continuations (train-heads); an EAGLE-3 head likewise.
 set -euo pipefail
 start=$(date +%s)
 out=examples/demo/models
@@ -25,5 +25,9 @@ PY
 specexport train-heads "$out/target" --kind medusa --heads 4 --out "$out/medusa" --corpus "$out/train_files.txt" \
   --num-prompts 1024 --prompt-tokens 32 --new-tokens 96 --steps 600 --batch-size 16 --lr 2e-3 --seed 0 \
   --dtype float16 --device cpu
-rm -rf "$out/.draft.distill" "$out/.medusa.heads" "$out/train_files.txt"
+# An EAGLE-3 head for the target (the whole 2048-token vocabulary), the same training files, written fp16.
+specexport train-heads "$out/target" --kind eagle3 --out "$out/eagle3" --corpus "$out/train_files.txt" \
+  --num-prompts 2048 --prompt-tokens 32 --new-tokens 96 --steps 1500 --batch-size 16 --lr 1e-3 --seed 0 \
+  --dtype float16 --device cpu
+rm -rf "$out/.draft.distill" "$out/.medusa.heads" "$out/.eagle3.heads" "$out/train_files.txt"
 echo "make_demo.sh: $(( $(date +%s) - start )) s on $(nproc) cores, $(date -u +%F)" > "$out/RUNTIME.txt"
