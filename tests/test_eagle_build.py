@@ -246,6 +246,8 @@ def test_eagle_errors_and_cli(eagle_builds, built_draft_only, capsys):
             pipe.generate("x", method="eagle", tree={"top_k": 7})
         with pytest.raises(SpecexportError, match="tree: 20 nodes; the graph verifies at most"):
             pipe.generate("x", method="eagle", tree={"total_tokens": 20})
+        with pytest.raises(SpecexportError, match="expected 'dynamic' or 'dynamic:TOP_K/DEPTH/TOTAL_TOKENS'"):
+            pipe.generate("x", method="eagle", tree="dynamic:4,5")
     assert main(["generate", str(eagle_builds["e3"]), "def f(x):", "--method", "eagle", "--max-new-tokens", "12"]) == 0
     assert "[eagle]" in capsys.readouterr().err
     assert main(["generate", str(eagle_builds["e3"]), "def f(x):", "--method", "eagle", "--tree",
@@ -260,10 +262,10 @@ def test_bench_rows_for_eagle(eagle_builds, tmp_path):
     from specexport.report.bench import BenchConfig, run_bench
 
     report = run_bench(BenchConfig(output_dir=eagle_builds["e3"], prompts=("hello", "a b c"), methods=("vanilla", "eagle"),
-                                   eagle_trees=("auto", "small"), gammas=(2,), max_new_tokens=24, rounds=1, threads=1,
+                                   eagle_trees=("auto", "small", "dynamic:2/3/5"), gammas=(2,), max_new_tokens=24, rounds=1, threads=1,
                                    peers=False, plots=False, out=tmp_path / "bench"), log=lambda m: None)
     rows = [r for r in report["rows"] if r["method"] == "eagle"]
-    assert [r["tree"] for r in rows] == ["auto", "small"]
+    assert [r["tree"] for r in rows] == ["auto", "small", "dynamic:2/3/5"] and rows[2]["gamma"] == 3
     assert all(r["ideal_speedup"] and r["mean_accepted_tokens"] >= 1 and r["draft_step_ratio"] for r in rows)
     assert "fp32/eagle" in report["step_costs_ms"] and report["step_costs_ms"]["fp32/eagle"]["draft"]
 

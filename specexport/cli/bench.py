@@ -23,7 +23,8 @@ def _csv(value, cast=str):
 @click.option("--medusa-trees", default="auto", show_default=True,
               help="Comma list of Medusa trees (auto, small, medium, large): a row each when --methods has medusa.")
 @click.option("--eagle-trees", default="auto", show_default=True,
-              help="Comma list of EAGLE trees (auto, dynamic, small, wide, deep): a row each when --methods has eagle.")
+              help="Comma list of EAGLE trees (auto, dynamic, dynamic:TOP_K/DEPTH/TOTAL_TOKENS, small, wide, "
+                   "deep): a row each when --methods has eagle.")
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False),
               help="JSON-lines file of prompt strings (default: a few built-in code prompts).")
 @click.option("--chat", is_flag=True, help="Send each prompt as a user message in the build's chat template.")

@@ -19,7 +19,7 @@ from specexport.cli import cli
               help="Draft a static token tree instead of a chain: small | wide | deep, or JSON rank paths "
                    "like '[[0],[1],[0,0]]'. With --method medusa: auto (the default: the tree "
                    "the build measured) | small | medium | large or rank paths. With --method eagle: auto (the "
-                   "default) | dynamic | '{\"top_k\": 4, \"depth\": 5, \"total_tokens\": 15}' (EAGLE-2's "
+                   "default) | dynamic | dynamic:4/5/15 (top_k/depth/total_tokens) | '{\"top_k\": 4, \"depth\": 5}' (EAGLE-2's "
                    "dynamic tree) | a static tree (small | wide | deep or rank paths).")
 @click.option("--sampled-children", is_flag=True,
               help="With --tree and --temperature > 0: draw each node's children from the draft (multi-draft "

@@ -310,11 +310,13 @@ def _eagle_depth(name: str, manifest: dict) -> int:
         if not auto:
             raise SpecexportError("--eagle-trees: 'auto' needs the tree the build measured; this build has none")
         return int(auto["depth"])
-    if name == "dynamic":
-        return DynamicTree().depth
+    if name.startswith("dynamic"):
+        from specexport.runtime.pipeline import dynamic_tree_settings
+
+        return DynamicTree(**dynamic_tree_settings(name)).depth
     if name not in DRAFT_TREES:
         raise SpecexportError(f"--eagle-trees: {name!r} is not a known tree; known: auto, dynamic, "
-                              f"{', '.join(DRAFT_TREES)}")
+                              f"dynamic:TOP_K/DEPTH/TOTAL_TOKENS, {', '.join(DRAFT_TREES)}")
     return int(from_rank_paths(DRAFT_TREES[name])[0].depths.max())
 
 

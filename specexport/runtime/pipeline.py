@@ -400,8 +400,8 @@ class Pipeline:
                 raise SpecexportError("tree: 'auto' needs the tree the build measured; this build has none "
                                       "(rebuild it with this version)")
             tree = {k: auto[k] for k in ("top_k", "depth", "total_tokens")}
-        if tree == "dynamic":
-            tree = {}
+        if isinstance(tree, str) and tree.startswith("dynamic"):
+            tree = dynamic_tree_settings(tree)
         if isinstance(tree, dict):
             unknown = set(tree) - {"top_k", "depth", "total_tokens"}
             if unknown:
@@ -473,6 +473,19 @@ class Pipeline:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def dynamic_tree_settings(text: str) -> dict:
+    """"dynamic" -> {} (DynamicTree's defaults); "dynamic:K/D/N" -> {top_k: K, depth: D, total_tokens: N}
+    (how the bench's --eagle-trees and the CLI's --tree name one dynamic tree)."""
+    if text == "dynamic":
+        return {}
+    try:
+        k, d, n = (int(x) for x in text.removeprefix("dynamic:").split("/"))
+    except ValueError:
+        raise SpecexportError(f"tree: {text!r}: expected 'dynamic' or 'dynamic:TOP_K/DEPTH/TOTAL_TOKENS' (e.g. "
+                              f"dynamic:4/5/15)") from None
+    return {"top_k": k, "depth": d, "total_tokens": n}
 
 
 def _named_tree(tree, named: dict):
