@@ -55,6 +55,15 @@ class OrtEagleHead(Backend):
         self._own = np.zeros((1, max_tokens, io.hidden_size), np.float32)              # [1, Tmax, H]
         self._mask = np.ones(max_tokens * (capacity + max_tokens), dtype=bool)
         self._arange = np.arange(max_tokens + capacity, dtype=np.int64)
+        self._tri = np.tri(max_tokens, dtype=bool)                                     # catch-up rows: a chain
+        self._eye = np.eye(max_tokens, dtype=bool)                                     # draft-level rows: themselves
+        # the buffers never move: their addresses are taken once, and the caches (fixed shape) bound once
+        self._ptr = {name: buf.ctypes.data for name, buf in (("ids", self.ids), ("logprobs", self.logprobs),
+                                                              ("hidden", self.hidden), ("features", self._features),
+                                                              ("own", self._own))}
+        for past, present, buf in zip(io.past_names(0), io.present_names(0), (self.k, self.v)):
+            self._bind_in(past, kv, buf.ctypes.data)
+            self._bind_out(present, kv, buf.ctypes.data)           # the same memory: updated in place
 
     def draft(self, tokens, positions, *, features=None, own=None, past_mask=None, last_only: bool = False,
               phase: str = "decode") -> HeadStep:
@@ -79,25 +88,25 @@ class OrtEagleHead(Backend):
         mask = self._mask[:T * (P + T)].reshape(1, T, P + T)
         if past_mask is None:                                   # catching up: a causal chain after the cache
             mask[0, :, :P] = True
-            mask[0, :, P:] = np.tri(T, dtype=bool)
+            mask[0, :, P:] = self._tri[:T, :T]
         else:                                                   # a draft level: ancestors, then itself
             mask[0, :, :P] = past_mask
-            mask[0, :, P:] = np.eye(T, dtype=bool)
+            mask[0, :, P:] = self._eye[:T, :T]
         R = 1 if last_only else T
-        ids = np.ascontiguousarray(np.asarray(tokens, np.int64)).reshape(1, T)
-        pos = np.ascontiguousarray(np.asarray(positions, np.int64)).reshape(1, T)
+        # numpy inputs are bound by address: each must be a live, contiguous local until _run
+        ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(1, T)
+        pos = np.ascontiguousarray(positions, dtype=np.int64).reshape(1, T)
         rows = self._arange[T - R:T].reshape(1, R)
-        bind_in, bind_out = self._bind_in, self._bind_out
-        for name, arr in (("input_ids", ids), ("position_ids", pos), ("attention_mask", mask), ("logits_rows", rows),
-                          ("features", feats), ("draft_hidden", mine)):
-            bind_in(name, arr)
-        shape = self.k.shape
-        for past, present, buf in zip(self.io.past_names(0), self.io.present_names(0), (self.k, self.v)):
-            bind_in(past, shape, buf.ctypes.data)
-            bind_out(present, shape, buf.ctypes.data)            # the same memory: updated in place
-        bind_out("topk_ids", (1, R, self.top_k), self.ids.ctypes.data, np.int64)
-        bind_out("topk_logprobs", (1, R, self.top_k), self.logprobs.ctypes.data)
-        bind_out("hidden_states", (1, T, self.hidden_size), self.hidden.ctypes.data)
+        bind_in, bind_out, ptr = self._bind_in, self._bind_out, self._ptr
+        bind_in("input_ids", ids)
+        bind_in("position_ids", pos)
+        bind_in("attention_mask", mask)
+        bind_in("logits_rows", rows)
+        bind_in("features", (1, T, self.io.feature_width), ptr["features"])
+        bind_in("draft_hidden", (1, T, self.hidden_size), ptr["own"])
+        bind_out("topk_ids", (1, R, self.top_k), ptr["ids"], np.int64)
+        bind_out("topk_logprobs", (1, R, self.top_k), ptr["logprobs"])
+        bind_out("hidden_states", (1, T, self.hidden_size), ptr["hidden"])
         if self.timings is None:
             self._run()
         else:
