@@ -25,7 +25,8 @@ Relative paths resolve against the YAML file's folder.
     #   a draft folder with a draft_vocab.json (written by distill-draft --draft-vocab) uses it by default
     medusa: {path: heads/medusa, top_k: 10}   # optional: Medusa heads for the target (published formats)
     eagle: {path: heads/eagle3, top_k: 10}    # optional: an EAGLE-1 or EAGLE-3 head (published formats; the
-                                              #   version comes from its keys, the target's aux layers follow)
+                                              #   version comes from its keys, the target's aux layers follow;
+                                              #   prompts: a JSON-lines file tree: auto decodes from)
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ TOP_KEYS = {"name", "target", "draft", "max_seq_len", "precisions", "backends", 
             "max_verify_tokens", "parity_tolerance", "eval_text", "calibration_text", "quality_gates", "medusa",
             "quantization", "eagle", "tensorrt"}
 HEAD_KINDS = ("medusa", "eagle")         # heads on the target's hidden states, built as their own graphs
-HEADS_KEYS = {"path", "top_k"}
+HEADS_KEYS = {"medusa": {"path", "top_k"}, "eagle": {"path", "top_k", "prompts"}}
 MODEL_KEYS = {"path", "aux_hidden_layers", "precisions", "quantization", "vocab"}
 # Quality gates of the quantized graphs against the fp32 graph, on held-out text: the share of positions
 # whose argmax agrees (min_top1) and the mean KL(p_fp32 || p_quant) of the next-token distribution (max_kl).
@@ -79,6 +80,8 @@ class HeadsConfig:
     path: Path                                      # a folder in one of the published layouts
     top_k: int = 10                                 # ids per head (per EAGLE row) the graph returns (the widest
                                                     #   tree rank + 1)
+    prompts: Path | None = None                     # EAGLE: JSON-lines prompts tree: auto decodes from (chat
+                                                    #   models: rendered as user messages); None: eval text
 
 
 @dataclass(frozen=True)
@@ -373,11 +376,16 @@ def _quantization(raw, where: str, defaults: dict | None) -> dict:
 
 
 def _heads(raw, kind: str, base: Path) -> HeadsConfig:
-    raw, path, _ = _with_folder(raw, kind, HEADS_KEYS, base, f"heads/{kind}")
+    raw, path, _ = _with_folder(raw, kind, HEADS_KEYS[kind], base, f"heads/{kind}")
     top_k = raw.get("top_k", 10)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 64:
         raise SpecexportError(f"{kind}.top_k: expected an integer in 1..64, got {top_k!r}")
-    return HeadsConfig(kind=kind, path=path.resolve(), top_k=top_k)
+    prompts = raw.get("prompts")
+    if prompts is not None:
+        if not isinstance(prompts, str):
+            raise SpecexportError(f"{kind}.prompts: expected a JSON-lines file path (a string), got {prompts!r}")
+        prompts = _existing_file(prompts, f"{kind}.prompts", base)
+    return HeadsConfig(kind=kind, path=path.resolve(), top_k=top_k, prompts=prompts)
 
 
 TRT_ATTENTION = ("native", "plugin")     # TensorRT 11's TRT_Attention op, or the tree-attention plugin

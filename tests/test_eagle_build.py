@@ -135,12 +135,14 @@ def eagle_builds(tiny_root, tiny_checkpoints, tokenizer, write_yaml, run_build):
     root = tiny_root / "eagle"
     deep = make_tiny_checkpoint(root / "ckpt4", "llama", num_layers=4, seed=2, tokenizer=tokenizer)
     out = {}
+    (root / "prompts.jsonl").write_text('"def f(x):"\n"import os"\n"class A:"\n')
     try:
         for name, target, write in [("e1", tiny_checkpoints["llama"], lambda f, t: write_eagle1(f, t)),
                                     ("e3", deep, lambda f, t: write_eagle3(f, t))]:
             write(root / "heads" / name, target)
+            prompts = {"prompts": root / "prompts.jsonl"} if name == "e1" else {}       # tree: auto decodes these
             yaml = write_yaml(root / f"{name}.yaml", name=name, target={"path": target},
-                              eagle={"path": root / "heads" / name, "top_k": 6}, max_seq_len=128,
+                              eagle={"path": root / "heads" / name, "top_k": 6, **prompts}, max_seq_len=128,
                               output=root / "build" / name)
             assert run_build(yaml) == 0
             out[name] = root / "build" / name
@@ -171,6 +173,7 @@ def test_builds_record_the_head_its_check_and_the_auto_tree(eagle_builds):
         auto = e["auto_tree"]
         assert len(auto["candidates"]) == 3 and auto["predicted_speedup"] == max(c["predicted_speedup"]
                                                                                 for c in auto["candidates"])
+        assert ("eagle.prompts" in auto["text"]) == (name == "e1") and auto["prompts"] == 2
         assert all(f in listed_files(m) for f in stage["files"])
     old = read_manifest(eagle_builds["e3"])["models"]["target"]["precisions"]["fp32"]["dir"]
     assert read_manifest(eagle_builds["e3x"])["models"]["target"]["precisions"]["fp32"]["dir"] == old

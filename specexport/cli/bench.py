@@ -1,7 +1,6 @@
 """specexport bench OUTPUT_DIR: latency and acceptance per precision, method and γ."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -46,6 +45,8 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
     from specexport.report.bench import BenchConfig, run_bench
 
     if prompts_file:
+        from specexport.prompts import read_prompts
+
         prompts = read_prompts(Path(prompts_file))
     else:
         from specexport.report.bench import DEFAULT_PROMPTS
@@ -73,33 +74,3 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
     from specexport.report.render import render_markdown
 
     click.echo(render_markdown(report))
-
-
-def read_prompts(path: Path) -> tuple[str, ...]:
-    """A JSON-lines file of prompt strings (or objects with a "prompt" string); errors name the line."""
-    from specexport.errors import SpecexportError
-
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecexportError(f"--prompts: {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise SpecexportError(f"--prompts: {path}: cannot be read as UTF-8 text ({err})") from None
-    prompts = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SpecexportError(f"--prompts: {path} line {number}: not JSON ({err.msg}); expected one JSON "
-                                  f"string per line, e.g. \"def f(x):\"") from None
-        if isinstance(value, dict) and isinstance(value.get("prompt"), str):
-            value = value["prompt"]
-        if not isinstance(value, str) or not value:
-            raise SpecexportError(f"--prompts: {path} line {number}: expected a non-empty JSON string (or "
-                                  f"{{\"prompt\": ...}}), got {type(value).__name__}")
-        prompts.append(value)
-    if not prompts:
-        raise SpecexportError(f"--prompts: {path} holds no prompts")
-    return tuple(prompts)

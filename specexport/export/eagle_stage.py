@@ -4,7 +4,8 @@ target fp32 graph's own features, choose `tree: auto`, and check the speculative
 `tree: auto` (EAGLE-2's dynamic tree has three knobs; which are best depends on the head's accuracy
 and on what a verify pass of T tokens costs on this machine, 1.15x-1.6x a step on a CPU): for each
 candidate (top_k, depth, total_tokens) the build decodes the target's greedy continuations of
-held-out prefixes with the graphs just built, counts the tokens each target pass gave, and predicts
+`eagle.prompts` (a chat model's are user messages of its chat template: what it will be asked), or of
+prefixes of the held-out text, with the graphs just built, counts the tokens each target pass gave, and predicts
 the speedup over vanilla from the measured costs: tokens per pass x c(1) / (c(T + 1) + the head's
 time per round), c(T) the target's median T-token pass. Every one of those decodes must equal vanilla
 greedy decoding token for token: the build's end-to-end check of the head, the proposer and the target
@@ -58,10 +59,16 @@ def eagle_stage(plan, hp, previous: dict, force: bool, folders, reporter, result
             raise ParityError(f"{hp.role} head: parity check failed: relative error {report['max_rel_error']:.3e} "
                               f"({', '.join(f'{k} {v:.2e}' for k, v in report['per_phase'].items())}) > tolerance "
                               f"{cfg.parity_tolerance:.1e}")
-        sequences, text = eval_sequences(plan, target, session, reporter, {})
+        if hp.prompt_ids:                    # eagle.prompts: what the model will be asked
+            prefixes = [np.asarray(p, np.int64) for p in hp.prompt_ids[:AUTO_PROMPTS]]
+            source = f"the first {len(prefixes)} of eagle.prompts {hp.config.prompts}"
+        else:                                # held-out text: the first AUTO_PREFIX tokens of each sequence
+            sequences, text = eval_sequences(plan, target, session, reporter, {})
+            prefixes = [seq[:AUTO_PREFIX] for seq in sequences if len(seq) > AUTO_PREFIX][:AUTO_PROMPTS]
+            source = f"{AUTO_PREFIX}-token prefixes of {text['description']}"
         del session
-        with reporter.stage("tree: auto from greedy decoding of held-out prefixes (and its check against vanilla)"):
-            auto = auto_tree(target_dir, partial, plan, hp, sequences)
+        with reporter.stage("tree: auto from greedy decoding of held-out prompts (and its check against vanilla)"):
+            auto = auto_tree(target_dir, partial, plan, hp, prefixes)
         reporter.note(f"  tree auto: top_k {auto['top_k']}, depth {auto['depth']}, {auto['total_tokens']} tokens, "
                       f"{auto['tokens_per_pass']:.2f} tokens per target pass, predicted {auto['predicted_speedup']:.2f}x")
         folders.publish(partial, final)
@@ -74,7 +81,7 @@ def eagle_stage(plan, hp, previous: dict, force: bool, folders, reporter, result
     return {"source": str(hp.config.path), "version": w.version, "aux_layers": list(w.aux_layers),
             "draft_vocab": w.draft_vocab, "target_ids": None if w.version != 3 else w.target_ids().tolist(),
             "top_k": hp.io.top_k, "fingerprint": hp.fingerprint, "io": hp.io.to_dict(),
-            "scratch_rows": SCRATCH_ROWS, "auto_tree": {**auto, "text": text["description"]},
+            "scratch_rows": SCRATCH_ROWS, "auto_tree": {**auto, "text": f"greedy continuations of {source}"},
             "precisions": {"fp32": stage}}
 
 
@@ -106,9 +113,9 @@ def target_features(session, target_io, tokens, weights) -> np.ndarray:
     return aux if columns is None else aux[:, columns]
 
 
-def auto_tree(target_dir, head_dir, plan, hp, sequences) -> dict:
-    """Decode greedy continuations of held-out prefixes with each candidate tree; check them against
-    vanilla; choose by predicted speedup (module docstring)."""
+def auto_tree(target_dir, head_dir, plan, hp, prefixes) -> dict:
+    """Decode AUTO_TOKENS greedy tokens after each prefix (token arrays) with each candidate tree; check
+    them against vanilla; choose by predicted speedup (module docstring)."""
     from specexport.export.medusa_tree import greedy_continuation, verify_costs
     from specexport.runtime.backends.eagle import OrtEagleHead
     from specexport.runtime.backends.ort import OrtBackend
@@ -119,12 +126,12 @@ def auto_tree(target_dir, head_dir, plan, hp, sequences) -> dict:
     cfg, target, w = plan.config, plan.target, hp.weights
     max_nodes = cfg.max_verify_tokens - 1
     candidates = sorted({(min(k, hp.io.top_k), d, min(t, max_nodes)) for k, d, t in AUTO_CANDIDATES})
-    prefixes = [seq[:AUTO_PREFIX] for seq in sequences if len(seq) > AUTO_PREFIX][:AUTO_PROMPTS]
-    length = min(AUTO_PREFIX + AUTO_TOKENS, cfg.max_seq_len - 1)
+    prefixes = [p[-(cfg.max_seq_len // 2):] for p in prefixes]             # room for the continuation
+    new = min(AUTO_TOKENS, cfg.max_seq_len - 1 - max(len(p) for p in prefixes))
     with OrtBackend(target_dir, io=target.io, capacity=cfg.max_seq_len, max_tokens=max(cfg.max_verify_tokens, 64)) \
             as backend, OrtEagleHead(head_dir, io=hp.io, capacity=cfg.max_seq_len + SCRATCH_ROWS,
                                      max_tokens=max(cfg.max_verify_tokens, 64, hp.io.top_k)) as head:
-        vanilla = [greedy_continuation(backend, p, length) for p in prefixes]
+        vanilla = [greedy_continuation(backend, p, len(p) + new) for p in prefixes]
         costs = verify_costs(backend, range(1, max_nodes + 2))
         source = "hidden" if w.version == 1 else "aux"
         columns = None if w.version == 1 else feature_columns(target.io.aux_hidden_layers, w.aux_layers,
@@ -139,7 +146,7 @@ def auto_tree(target_dir, head_dir, plan, hp, sequences) -> dict:
             head.timings = {}
             for prefix, expected in zip(prefixes, vanilla):
                 stats = DecodeStats()
-                got = np.concatenate([prefix, *decode(backend, proposer, prefix, max_new_tokens=length - len(prefix),
+                got = np.concatenate([prefix, *decode(backend, proposer, prefix, max_new_tokens=new,
                                                       params=SamplingParams(0.0), rng=np.random.default_rng(0),
                                                       stats=stats)])
                 if not np.array_equal(got, expected):
@@ -159,5 +166,5 @@ def auto_tree(target_dir, head_dir, plan, hp, sequences) -> dict:
     best = max(measured, key=lambda c: measured[c]["predicted_speedup"])
     return {"top_k": best[0], "depth": best[1], "total_tokens": best[2], **measured[best],
             "candidates": [{"top_k": k, "depth": d, "total_tokens": t, **m} for (k, d, t), m in measured.items()],
-            "prefixes": len(prefixes), "tokens": length,
+            "prompts": len(prefixes), "new_tokens": new,
             "verify_cost_ms": {str(t): round(c * 1e3, 4) for t, c in costs.items()}}

@@ -43,6 +43,8 @@ class HeadsPlan:
     weights: object                     # export.medusa.MedusaWeights or export.eagle.EagleWeights, checked
     io: object                          # HeadsIO (Medusa) or EagleIO
     fingerprint: str
+    prompt_ids: tuple = ()              # EAGLE: eagle.prompts as token ids (chat-rendered when the tokenizer has a
+                                        #   chat template): tree: auto's decoding contexts
 
     @property
     def role(self) -> str:
@@ -179,11 +181,30 @@ def _plan_eagle(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
         raise SpecexportError(f"eagle.top_k: {hc.top_k} exceeds the head's vocabulary "
                               f"({weights.draft_vocab or arch.vocab_size})")
     files = [hc.path / n for n in ("config.json", *WEIGHT_FILES) if (hc.path / n).is_file()]
+    prompt_ids = _prompt_ids(hc.prompts, target.config.path) if hc.prompts else ()
     options = {"target": target.fingerprint, "top_k": hc.top_k, "graph_code": source_hash(EAGLE_SOURCES),
-               "files": [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]}
+               "files": [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files],
+               "prompts": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()}
     fingerprint = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
     return HeadsPlan(config=hc, weights=weights, io=io_for(weights, target_hidden=arch.hidden_size, top_k=hc.top_k),
-                     fingerprint=fingerprint)
+                     fingerprint=fingerprint, prompt_ids=prompt_ids)
+
+
+def _prompt_ids(path: Path, tokenizer_dir: Path) -> tuple[tuple[int, ...], ...]:
+    """eagle.prompts as the runtime would feed them: each a user message of the chat template when the
+    tokenizer has one (encoded without adding special tokens again), else the text as generate() encodes it."""
+    from specexport.prompts import read_prompts
+
+    tok = require("transformers").AutoTokenizer.from_pretrained(tokenizer_dir)
+    out = []
+    for text in read_prompts(path, where="eagle.prompts"):
+        if getattr(tok, "chat_template", None):
+            chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+            out.append(tuple(tok(chat, add_special_tokens=False)["input_ids"]))
+        else:
+            out.append(tuple(tok(text)["input_ids"]))
+    return tuple(out)
 
 
 def _text_ids(cfg: BuildConfig, path: Path | None, key: str) -> tuple[int, ...] | None:

@@ -1,0 +1,36 @@
+"""Prompt files: JSON lines, one prompt string (or {"prompt": ...}) per line; read by `specexport bench
+--prompts` and by the build's `eagle.prompts` (tree: auto's decoding contexts)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_prompts(path: Path, *, where: str = "--prompts") -> tuple[str, ...]:
+    """A JSON-lines file of prompt strings (or objects with a "prompt" string); errors name the line."""
+    from specexport.errors import SpecexportError
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecexportError(f"{where}: {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecexportError(f"{where}: {path}: cannot be read as UTF-8 text ({err})") from None
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise SpecexportError(f"{where}: {path} line {number}: not JSON ({err.msg}); expected one JSON "
+                                  f"string per line, e.g. \"def f(x):\"") from None
+        if isinstance(value, dict) and isinstance(value.get("prompt"), str):
+            value = value["prompt"]
+        if not isinstance(value, str) or not value:
+            raise SpecexportError(f"{where}: {path} line {number}: expected a non-empty JSON string (or "
+                                  f"{{\"prompt\": ...}}), got {type(value).__name__}")
+        prompts.append(value)
+    if not prompts:
+        raise SpecexportError(f"{where}: {path} holds no prompts")
+    return tuple(prompts)
