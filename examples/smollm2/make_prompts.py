@@ -1,9 +1,10 @@
 """Chat prompts for SmolLM2-135M-Instruct: training prompts for `train-heads` and held-out ones for the
 bench and the README, written deterministically from templates x topics (no dataset download here).
 
-    python examples/smollm2/make_prompts.py      # writes train.txt (paragraphs) and heldout.jsonl
+    python examples/smollm2/make_prompts.py      # writes train.txt (paragraphs), heldout.jsonl, tune.jsonl
 
-Held-out prompts use topics and templates the training prompts never use.
+Held-out prompts (the bench's) use topics and templates the training prompts never use; tune.jsonl (what
+the build's tree: auto decodes) is a third set, so the tree is not chosen on what the bench measures.
 """
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ HELDOUT_TEMPLATES = ["Can you explain {t} briefly?", "Write a few sentences abou
                      "What should everyone know about {t}?"]
 HELDOUT_TOPICS = ["earthquakes", "the moon", "rainbows", "bread baking", "stack data structures", "HTTP requests",
                   "meditation", "libraries", "ocean tides", "compilers"]
+# What the build's tree: auto decodes (eagle.prompts): neither training nor held-out topics or templates.
+TUNE = ["Tell me about snowflakes.", "How do submarines stay underwater?", "What is a good way to learn chess?",
+        "Explain what a queue is in programming.", "Why do leaves change color in autumn?",
+        "Describe a healthy breakfast.", "What does a database index do?", "How do bees make honey?"]
 
 
 def main(out: Path = Path(__file__).parent) -> None:
@@ -51,7 +56,8 @@ def main(out: Path = Path(__file__).parent) -> None:
     held = [tmpl.format(t=t) for t in HELDOUT_TOPICS for tmpl in HELDOUT_TEMPLATES]
     rng.shuffle(held)
     (out / "heldout.jsonl").write_text("".join(json.dumps(p) + "\n" for p in held))
-    print(f"{len(train)} training prompts, {len(held)} held-out prompts in {out}")
+    (out / "tune.jsonl").write_text("".join(json.dumps(p) + "\n" for p in TUNE))
+    print(f"{len(train)} training prompts, {len(held)} held-out prompts, {len(TUNE)} tree-tuning prompts in {out}")
 
 
 if __name__ == "__main__":
