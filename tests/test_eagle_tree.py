@@ -67,15 +67,26 @@ def test_teeth_eagle_tree_verification(variant, monkeypatch):
 
 # -- the oracle: with the target's own table, the children are the target's top-k in the vocabulary -----
 class Oracle(EagleTree):
-    """Checks every proposal against what the target's table says, from the committed text alone."""
+    """Checks every proposal against what the target's table says, from the committed text alone: the
+    root's children are the target's best tokens in the vocabulary, and every deeper node is among the
+    head's top-k given its own path (what the head reads at a draft level: the node's target id, its
+    parent's state)."""
 
     def propose(self, seq, n, limits, params, rng, stats):
         proposal = super().propose(seq, n, limits, params, rng, stats)
-        p = np.asarray(TARGET, np.float64)[seq[n - 2] if n >= 2 else 0, seq[n - 1]][VOCAB]     # [Vd]
-        best = VOCAB[np.argsort(-p, kind="stable")]
-        kids = proposal.tokens[list(proposal.tree.children[0])]
-        np.testing.assert_array_equal(np.sort(kids), np.sort(best[:len(kids)]))
+        tokens, parents = proposal.tokens, proposal.tree.parents
+        kids = tokens[list(proposal.tree.children[0])]
+        np.testing.assert_array_equal(np.sort(kids), np.sort(ranked(seq[n - 2] if n >= 2 else 0, seq[n - 1])[:len(kids)]))
+        for i in range(1, len(tokens)):
+            p = parents[i]
+            before = tokens[parents[p]] if p > 0 else (seq[n - 2] if n >= 2 else 0)
+            assert tokens[i] in ranked(before, tokens[p])[:self.head.top_k], (i, tokens.tolist(), parents.tolist())
         return proposal
+
+
+def ranked(prev2, prev):
+    """The draft vocabulary's target ids, most likely first after (prev2, prev) under the target's table."""
+    return VOCAB[np.argsort(-np.asarray(TARGET, np.float64)[prev2, prev][VOCAB], kind="stable")]
 
 
 def oracle(tree=DynamicTree(top_k=2, depth=4, total_tokens=8)):
@@ -89,13 +100,25 @@ def test_oracle_head_proposes_the_targets_top_tokens_and_greedy_equals_plain(tre
     assert accepted > 0
 
 
-@pytest.mark.parametrize("bug", ["d2t applied twice", "d2t not applied", "head cache keeps a draft branch"])
+@pytest.mark.parametrize("bug", ["d2t applied twice", "d2t not applied", "draft ids fed back to the head",
+                                 "head cache keeps a draft branch"])
 def test_teeth_proposer_bugs_fail_the_oracle(bug):
     proposer = oracle()
     if bug == "d2t applied twice":
         proposer.target_ids = np.clip(np.arange(len(VOCAB)) + 2 * D2T, 0, V - 1)
     elif bug == "d2t not applied":
         proposer.target_ids = None
+    elif bug == "draft ids fed back to the head":            # the proposal's ids mapped, a level's input not
+        level, ids = proposer._level, proposer.target_ids
+
+        def unmapped(*args, **kwargs):
+            proposer.target_ids = None
+            try:
+                return level(*args, **kwargs)
+            finally:
+                proposer.target_ids = ids
+
+        proposer._level = unmapped
     else:
         head, forget = proposer.head, proposer.head.rollback
         head.rollback = lambda length: forget(length) if length == 0 else None   # reset only: drafts stay cached

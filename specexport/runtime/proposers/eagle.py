@@ -137,10 +137,14 @@ class EagleTree(Proposer):
         tokens[1:] = draft_ids[1:] if self.target_ids is None else self.target_ids[draft_ids[1:]]
         return Proposal(Tree(parents), tokens)
 
-    def _level(self, tokens, own, ancestors_rows, depth: int, base: int, stats):
-        """Feed one level of nodes (tokens [m], their parents' states own [m, H], each node's ancestor
-        rows) at position base + depth - 1; keep their rows cached for the next level. Returns the step
-        and the rows the nodes were written to."""
+    def _level(self, draft_ids, own, ancestors_rows, depth: int, base: int, stats):
+        """Feed one level of nodes (their draft ids [m], their parents' states own [m, H], each node's
+        ancestor rows) at position base + depth - 1; keep their rows cached for the next level. Returns
+        the step and the rows the nodes were written to. The head reads target ids (it embeds with the
+        target's table): a reduced vocabulary's draft ids are mapped first."""
+        tokens = np.asarray(draft_ids, np.int64)
+        if self.target_ids is not None:
+            tokens = self.target_ids[tokens]
         head = self.head
         P = head.length
         past = np.zeros((len(tokens), P), bool)                                   # [m, P]
