@@ -246,7 +246,8 @@ def test_report_rows_and_files(bench_report):
     assert md.count("| fp32 |") == 4 + 3 and "95% CI" in md and "threads" in md.lower()     # rows + where the time goes
     assert "## Where the time goes" in md and "capped by" in md
     assert (work / "report" / "speedup_vs_gamma.png").stat().st_size > 0
-    assert saved["settings"]["target_threads"]["fp32"] and saved["settings"]["thread_probe_tokens_per_s"]["fp32"]
+    probe = saved["settings"]["thread_probe_tokens_per_s"]["fp32"]
+    assert saved["settings"]["target_threads"]["fp32"] and probe and all(np.isfinite(v) and v > 0 for v in probe.values())
     # this bench measured fewer tokens than the build's short bench (3 prompts x 32): its choice is not stored
     measured = next(r for r in rows if r["gamma"] == 2 and not r["draft_stop"])["delivered_tokens"]
     assert report["gamma_auto"]["fp32/fp32"]["measured_tokens"] == measured == 2 * 2 * 8
@@ -458,3 +459,41 @@ def test_where_the_time_goes_arithmetic():
     assert w["capped_by"] == "verify"
     cheap_verify = where_time_goes([s], c_vanilla1=1.0, c_target={1: 1.0, 5: 1.05}, c_draft={1: 0.3})
     assert cheap_verify["capped_by"] == "draft"
+
+
+def test_thread_probe_decodes_the_prompt_as_the_bench_sends_it_and_refuses_an_immediate_eos():
+    """A chat model given its first prompt as raw text may answer EOS at once: the probe then timed
+    nothing (every setting nan tok/s, the first one 'won'). It decodes prompt_of(pipe) instead, and
+    says so when even that stops after one token."""
+    from types import SimpleNamespace
+
+    from specexport.report.threads import fastest_for_vanilla
+
+    class Pipe:
+        def __init__(self, threads, spin, tokens):
+            self.speed, self.tokens = (100.0 if spin else 50.0) * (threads or 2), tokens
+            self.seen = []
+
+        def chat_ids(self, text):
+            return [7, 8, 9]
+
+        def generate(self, *, prompt_ids, max_new_tokens, method):
+            self.seen.append(prompt_ids)
+            return SimpleNamespace(token_ids=[1] * self.tokens, stats=SimpleNamespace(tokens_per_second=self.speed))
+
+        def close(self):
+            pass
+
+    opened = []
+
+    def open_pipeline(tokens):
+        def make(precision, threads, spin):
+            opened.append(Pipe(threads, spin, tokens))
+            return opened[-1]
+        return make
+
+    best, speeds = fastest_for_vanilla(open_pipeline(5), "fp32", lambda pipe: pipe.chat_ids("hi"), cores=2, log=lambda m: None)
+    assert best.threads is None and best.spin and all(v > 0 for v in speeds.values())
+    assert all(seen == [7, 8, 9] for pipe in opened for seen in pipe.seen)
+    with pytest.raises(SpecexportError, match="one token"):
+        fastest_for_vanilla(open_pipeline(1), "fp32", lambda pipe: pipe.chat_ids("hi"), cores=2, log=lambda m: None)

@@ -13,6 +13,8 @@ import os
 import statistics
 from dataclasses import dataclass
 
+from specexport.errors import SpecexportError
+
 
 @dataclass(frozen=True)
 class ThreadSetting:
@@ -40,20 +42,27 @@ def candidates(cores: int | None = None) -> list[ThreadSetting]:
     return out
 
 
-def fastest_for_vanilla(open_pipeline, precision: str, prompt: str, *, max_new_tokens: int = 32, rounds: int = 2,
+def fastest_for_vanilla(open_pipeline, precision: str, prompt_of, *, max_new_tokens: int = 32, rounds: int = 2,
                         runs: int = 3, cores: int | None = None, log=print) -> tuple[ThreadSetting, dict]:
-    """(winner, {label: median decode tokens/s}) over `candidates()`, each opened in turn, round-robin."""
+    """(winner, {label: median decode tokens/s}) over `candidates()`, each opened in turn, round-robin.
+    prompt_of(pipe) -> prompt ids: the bench's first prompt as the bench sends it (a chat model given
+    raw text may answer with EOS at once, which times nothing)."""
     speeds: dict[ThreadSetting, list[float]] = {}
     for _ in range(rounds):
         for setting in candidates(cores):
             pipe = open_pipeline(precision=precision, **setting.options())
             try:
-                pipe.generate(prompt, max_new_tokens=max_new_tokens, method="vanilla")      # warm-up
+                ids = prompt_of(pipe)
+                pipe.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method="vanilla")      # warm-up
                 for _ in range(runs):
-                    tps = pipe.generate(prompt, max_new_tokens=max_new_tokens, method="vanilla").stats.tokens_per_second
-                    speeds.setdefault(setting, []).append(tps)
+                    out = pipe.generate(prompt_ids=ids, max_new_tokens=max_new_tokens, method="vanilla")
+                    if len(out.token_ids) > 1:             # one token: no decode time to measure
+                        speeds.setdefault(setting, []).append(out.stats.tokens_per_second)
             finally:
                 pipe.close()
+    if not speeds:
+        raise SpecexportError("bench: the first prompt decodes one token and stops (EOS), so the thread settings "
+                              "cannot be timed on it: give prompts the model continues (--chat for a chat model)")
     medians = {s: statistics.median(v) for s, v in speeds.items()}
     best = max(medians, key=medians.get)
     log(f"bench: {precision} target: {best.label} is fastest for vanilla "
