@@ -20,17 +20,9 @@ import json
 import time
 
 import numpy as np
-from scipy import stats as sps
-
 import specexport
-from specexport.export.quality import runtime_session
-from specexport.io_spec import ModelIO
-from specexport.manifest import read_manifest, stage_dir
-
-
-def softmax(x):
-    e = np.exp(x - x.max())
-    return e / e.sum()
+from specexport.manifest import read_manifest
+from two_token_gtest import prepare
 
 
 def main():
@@ -59,32 +51,10 @@ def main():
         print(f"   {len(ref)} tokens: equal {[r.token_ids == ref for r in runs]}, tokens per target pass "
               f"{[round(r.stats.mean_accepted_tokens, 2) for r in runs]}")
 
-    io = ModelIO.from_dict(m["models"]["target"]["io"])
-    session = runtime_session(stage_dir(args.build, m, "target", "fp32") / "model.onnx")
-
-    def next_dist(ids):
-        return softmax(session.run(["logits"], io.feeds(np.asarray(ids, np.int64)[None]))[0][0, -1].astype(np.float64))
-
-    first = [next_dist(p) for p in prompts[:8]]
-    k = int(np.argmax([d[~in_vocab].sum() for d in first]))
-    prompt, p1 = prompts[k], first[k]
     n = args.samples
-    tops = [int(x) for x in np.argsort(-p1) if n * p1[x] >= 5]
-    cond = {x: next_dist([*prompt, x]) for x in tops}
-    cells, expected = {}, []
-    for x in tops:
-        covered = 0.0
-        for y in np.argsort(-cond[x]):
-            if n * p1[x] * cond[x][y] < 5:
-                break
-            cells[(x, int(y))] = len(expected)
-            expected.append(p1[x] * cond[x][y])
-            covered += expected[-1]
-        cells[(x, None)] = len(expected)
-        expected.append(p1[x] - covered)
-    other = len(expected)
-    expected.append(1 - sum(expected))
-    expected = np.maximum(np.array(expected), 0) * n
+    test = prepare(args.build, m, prompts, in_vocab, n)
+    k, prompt, p1, cond, expected = test.prompt_index, test.prompt, test.p1, test.cond, test.expected
+    tops = list(cond)
     outside = {x: cond[x][~in_vocab].sum() for x in tops}
     exact_oov2 = sum(p1[x] * outside[x] for x in tops) / max(sum(p1[x] for x in tops), 1e-30)
     print(f"2. G-test: prompt {k} ({len(prompt)} tokens); {len(expected)} cells, {n} samples (EAGLE tree auto, "
@@ -97,13 +67,11 @@ def main():
         x, y = out.token_ids[:2]
         if out.stats.proposed == 0:
             raise SystemExit(f"sample {s}: no proposal was made, so x2 did not go through speculation")
-        observed[cells.get((x, y), cells.get((x, None), other))] += 1
+        observed[test.cell(x, y)] += 1
         oov2 += not in_vocab[y]
         accepted, proposed = accepted + out.stats.accepted, proposed + out.stats.proposed
-    keep = expected > 0
-    g, p = sps.power_divergence(observed[keep], expected[keep] * observed.sum() / expected[keep].sum(),
-                                lambda_="log-likelihood")
-    print(f"   G = {g:.1f} on {keep.sum() - 1} degrees of freedom, p = {p:.3f}; second token outside the head's "
+    g, p, dof = test.g_test(observed)
+    print(f"   G = {g:.1f} on {dof} degrees of freedom, p = {p:.3f}; second token outside the head's "
           f"vocabulary in {oov2 / n:.3f} of samples; acceptance {accepted / max(proposed, 1):.3f} of {proposed} "
           f"proposed nodes; {time.perf_counter() - start:.0f} s")
 

@@ -21,19 +21,11 @@ import json
 import time
 
 import numpy as np
-from scipy import stats as sps
-
 import specexport
-from specexport.export.quality import runtime_session
-from specexport.io_spec import ModelIO
-from specexport.manifest import read_manifest, stage_dir
+from specexport.manifest import read_manifest
+from two_token_gtest import prepare
 
 GAMMA = 3
-
-
-def softmax(x):
-    e = np.exp(x - x.max())
-    return e / e.sum()
 
 
 def main():
@@ -61,32 +53,9 @@ def main():
         outside = sum(not in_vocab[t] for t in ref)
         print(f"   {len(ref)} tokens ({outside} outside the draft's vocabulary): equal {same}")
 
-    io = ModelIO.from_dict(m["models"]["target"]["io"])
-    session = runtime_session(stage_dir(args.build, m, "target", "fp32") / "model.onnx")
-
-    def next_dist(ids):
-        return softmax(session.run(["logits"], io.feeds(np.asarray(ids, np.int64)[None]))[0][0, -1].astype(np.float64))
-
-    first = [next_dist(p) for p in prompts[:8]]
-    k = int(np.argmax([d[~in_vocab].sum() for d in first]))
-    prompt, p1 = prompts[k], first[k]
     n = args.samples
-    tops = [int(x) for x in np.argsort(-p1) if n * p1[x] >= 5]
-    cond = {x: next_dist([*prompt, x]) for x in tops}
-    cells, expected = {}, []
-    for x in tops:
-        covered = 0.0
-        for y in np.argsort(-cond[x]):
-            if n * p1[x] * cond[x][y] < 5:
-                break
-            cells[(x, int(y))] = len(expected)
-            expected.append(p1[x] * cond[x][y])
-            covered += expected[-1]
-        cells[(x, None)] = len(expected)
-        expected.append(p1[x] - covered)
-    other = len(expected)
-    expected.append(1 - sum(expected))
-    expected = np.maximum(np.array(expected), 0) * n
+    test = prepare(args.build, m, prompts, in_vocab, n)
+    k, prompt, p1, expected = test.prompt_index, test.prompt, test.p1, test.expected
     oov_exact = p1[~in_vocab].sum()
     print(f"2. G-test: prompt {k} ({len(prompt)} tokens), target mass outside the draft's vocabulary at "
           f"token 1: {oov_exact:.3f}; {len(expected)} cells, {n} samples (γ {GAMMA}, temperature 1)")
@@ -99,15 +68,12 @@ def main():
         x, y = out.token_ids[:2]
         if out.stats.proposed == 0:
             raise SystemExit(f"sample {s}: no proposal was made, so x2 did not go through speculation")
-        cell = cells.get((x, y), cells.get((x, None), other))
-        observed[cell] += 1
+        observed[test.cell(x, y)] += 1
         oov += not in_vocab[x]
         oov2 += not in_vocab[y]
         accepted, proposed = accepted + out.stats.accepted, proposed + out.stats.proposed
-    keep = expected > 0
-    g, p = sps.power_divergence(observed[keep], expected[keep] * observed.sum() / expected[keep].sum(),
-                                lambda_="log-likelihood")
-    print(f"   G = {g:.1f} on {keep.sum() - 1} degrees of freedom, p = {p:.3f}; first token outside the draft's "
+    g, p, dof = test.g_test(observed)
+    print(f"   G = {g:.1f} on {dof} degrees of freedom, p = {p:.3f}; first token outside the draft's "
           f"vocabulary in {oov / n:.3f} of samples (exact {oov_exact:.3f}), second token {oov2 / n:.3f}; acceptance "
           f"{accepted / max(proposed, 1):.3f} of {proposed} proposals; "
           f"{time.perf_counter() - start:.0f} s")
