@@ -472,7 +472,7 @@ def test_thread_probe_decodes_the_prompt_as_the_bench_sends_it_and_refuses_an_im
     class Pipe:
         def __init__(self, threads, spin, tokens):
             self.speed, self.tokens = (100.0 if spin else 50.0) * (threads or 2), tokens
-            self.seen = []
+            self.seen, self.closed = [], False
 
         def chat_ids(self, text):
             return [7, 8, 9]
@@ -482,7 +482,7 @@ def test_thread_probe_decodes_the_prompt_as_the_bench_sends_it_and_refuses_an_im
             return SimpleNamespace(token_ids=[1] * self.tokens, stats=SimpleNamespace(tokens_per_second=self.speed))
 
         def close(self):
-            pass
+            self.closed = True
 
     opened = []
 
@@ -494,6 +494,6 @@ def test_thread_probe_decodes_the_prompt_as_the_bench_sends_it_and_refuses_an_im
 
     best, speeds = fastest_for_vanilla(open_pipeline(5), "fp32", lambda pipe: pipe.chat_ids("hi"), cores=2, log=lambda m: None)
     assert best.threads is None and best.spin and all(v > 0 for v in speeds.values())
-    assert all(seen == [7, 8, 9] for pipe in opened for seen in pipe.seen)
+    assert all(seen == [7, 8, 9] for pipe in opened for seen in pipe.seen) and all(pipe.closed for pipe in opened)
     with pytest.raises(SpecexportError, match="one token"):
         fastest_for_vanilla(open_pipeline(1), "fp32", lambda pipe: pipe.chat_ids("hi"), cores=2, log=lambda m: None)

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -89,6 +90,16 @@ def test_build_copies_the_chat_template(chat_build):
     manifest = json.loads((chat_build / "manifest.json").read_text())
     assert "chat_template.jinja" in manifest["tokenizer"]["files"]
     assert (chat_build / manifest["tokenizer"]["dir"] / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+
+
+def test_eagle_prompts_are_encoded_at_build_time_as_the_runtime_encodes_chat_prompts(chat_build, reference, tmp_path):
+    """tree: auto decodes eagle.prompts; the build must render them as Pipeline.chat_ids does."""
+    from specexport.export.plan import _prompt_ids
+
+    texts = ["What is 2 + 2?", "Say hi"]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(t) + "\n" for t in texts))
+    source = Path(json.loads((chat_build / "manifest.json").read_text())["models"]["target"]["source"])
+    assert _prompt_ids(tmp_path / "p.jsonl", source) == tuple(tuple(reference.chat_ids(t)) for t in texts)
 
 
 def test_models_and_health(server):

@@ -21,6 +21,7 @@ chain drafting (tokens per target pass).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -343,8 +344,6 @@ def reference_diff(folder, head, target, heldout, aux, *, dtype: str = "float32"
     """Max |logits - logits'| and |hidden - hidden'| of make_head(load_eagle(folder)) against `head` on
     the first held-out sequence (causal, step 0), `head`'s weights rounded to the written dtype first
     (so fp16 files compare like for like): 0 up to float32 rounding when the files hold what was trained."""
-    import copy
-
     torch = require("torch")
     from specexport.export.eagle import load_eagle, make_head
 

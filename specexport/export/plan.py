@@ -191,20 +191,19 @@ def _plan_eagle(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
 
 
 def _prompt_ids(path: Path, tokenizer_dir: Path) -> tuple[tuple[int, ...], ...]:
-    """eagle.prompts as the runtime would feed them: each a user message of the chat template when the
-    tokenizer has one (encoded without adding special tokens again), else the text as generate() encodes it."""
+    """eagle.prompts as the runtime feeds them: each a user message rendered by the runtime's own chat
+    template (serve/chat.py, what Pipeline.chat_ids uses) and encoded without adding special tokens
+    again, when the tokenizer has a template; else the text as generate() encodes it."""
     from specexport.prompts import read_prompts
+    from specexport.serve.chat import load_chat_template
 
     tok = require("transformers").AutoTokenizer.from_pretrained(tokenizer_dir)
-    out = []
-    for text in read_prompts(path, where="eagle.prompts"):
-        if getattr(tok, "chat_template", None):
-            chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                           tokenize=False)
-            out.append(tuple(tok(chat, add_special_tokens=False)["input_ids"]))
-        else:
-            out.append(tuple(tok(text)["input_ids"]))
-    return tuple(out)
+    template = load_chat_template(tokenizer_dir)
+    texts = read_prompts(path, where="eagle.prompts")
+    if template is None:
+        return tuple(tuple(tok(text)["input_ids"]) for text in texts)
+    return tuple(tuple(tok(template.render([{"role": "user", "content": text}]), add_special_tokens=False)["input_ids"])
+                 for text in texts)
 
 
 def _text_ids(cfg: BuildConfig, path: Path | None, key: str) -> tuple[int, ...] | None:

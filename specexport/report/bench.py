@@ -106,8 +106,8 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
     settings, probes = {}, {}
     for tp in precisions:
         if cfg.threads is None:
-            settings[tp], probes[tp] = fastest_for_vanilla(open_pipeline, tp, lambda pipe: _encode(pipe, first_prompt, cfg.chat),
-                                                           log=log)
+            settings[tp], probes[tp] = fastest_for_vanilla(
+                open_pipeline, tp, lambda pipe: _encode(pipe, first_prompt, cfg.chat), log=log)
         else:
             settings[tp] = ThreadSetting(cfg.threads, True)
     pipes = {tp: _clocked(open_pipeline(precision=tp, **settings[tp].options()), clock) for tp in precisions}
