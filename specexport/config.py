@@ -171,6 +171,7 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
         tensorrt=_tensorrt_options(raw.get("tensorrt")),
     )
     _check_output_writable(cfg.output)
+    check_output_apart(cfg)
     return cfg
 
 
@@ -402,6 +403,43 @@ def _tensorrt_options(raw) -> dict:
     if attention not in TRT_ATTENTION:
         raise SpecexportError(f"tensorrt.attention: expected one of {', '.join(TRT_ATTENTION)}, got {attention!r}")
     return {"attention": attention}
+
+
+def input_paths(cfg: BuildConfig) -> list[tuple[str, Path]]:
+    """(key, path) of everything a build reads: checkpoints (and the tokenizer in the target's folder),
+    GGUF files and their conversion cache, heads, prompt and text files, vocabulary files."""
+    found = []
+    for mc in cfg.models:
+        found.append((f"{mc.role}.path", mc.path))
+        if mc.gguf is not None:
+            found += [(f"{mc.role}.path", mc.gguf), ("the GGUF cache ($SPECEXPORT_CACHE)", gguf_cache_root())]
+        if isinstance(mc.vocab, Path):
+            found.append((f"{mc.role}.vocab", mc.vocab))
+    for hc in cfg.heads:
+        found.append((f"{hc.kind}.path", hc.path))
+        if hc.prompts is not None:
+            found.append((f"{hc.kind}.prompts", hc.prompts))
+    found += [(key, getattr(cfg, key)) for key in ("eval_text", "calibration_text") if getattr(cfg, key) is not None]
+    return found
+
+
+def check_output_apart(cfg: BuildConfig) -> None:
+    """Refuse, before anything is written, an output folder that is, contains or lies inside anything the
+    build reads: a build writes role folders (target/, draft/, ...) into it and removes what it wrote
+    there, so an input inside it could be replaced, and an output inside a checkpoint would change it."""
+    from specexport.owned import refuse_overlap
+
+    refuse_overlap(cfg.output, input_paths(cfg), option="output",
+                   hint="build into a folder of its own, apart from the inputs (output: in the model.yaml)")
+
+
+def gguf_cache_root(cache_dir=None) -> Path:
+    """Where GGUF files are converted to checkpoint folders: cache_dir, else $SPECEXPORT_CACHE/gguf, else
+    ~/.cache/specexport/gguf."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    base = os.environ.get("SPECEXPORT_CACHE") or Path.home() / ".cache" / "specexport"
+    return Path(base).expanduser() / "gguf"
 
 
 def _check_output_writable(output: Path) -> None:

@@ -83,7 +83,7 @@ def store_gamma_choices(output_dir: Path, choices: dict, *, build_id: str, comma
     {"gamma", "predicted_speedup", ...}; method_auto: {"method", ...}), under the output folder's lock.
     Returns one line per choice that was not stored, and why."""
     from specexport.errors import SpecexportError
-    from specexport.locking import output_lock
+    from specexport.locking import output_lock, work_dir
 
     skipped = []
     what = "γ" if section == "gamma_auto" else "method"
@@ -102,7 +102,7 @@ def store_gamma_choices(output_dir: Path, choices: dict, *, build_id: str, comma
                     continue
                 stored[key] = {**c, "stages": SECTIONS[section](manifest, tp, dp), "command": command,
                                "measured": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-            write_json_atomic(Path(output_dir) / MANIFEST_NAME, manifest)
+            write_json_atomic(Path(output_dir) / MANIFEST_NAME, manifest, tmp_dir=work_dir(output_dir))
     except SpecexportError as err:
         return [f"{what} choices not stored: {err}"]
     return skipped

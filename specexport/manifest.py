@@ -12,7 +12,8 @@ Layout of an output folder (schema 2):
 Stage folders carry a fresh id each time they are built, so a rebuild writes beside the files the
 current manifest points at and replaces the manifest only at the end: whatever happens to a rebuild
 (a failed gate, Ctrl-C, kill -9), the previous build stays loadable. Folders no manifest points at
-are removed after the manifest is written (and before the next build starts). The runtime needs
+are removed after the manifest is written (and before the next build starts), if the build made
+them (their marker: `specexport.owned`). The runtime needs
 nothing but this folder; `models.<role>.precisions.<p>.dir` says where each graph is.
 """
 from __future__ import annotations
@@ -37,16 +38,18 @@ def sha256_file(path: Path, *, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_json_atomic(path: Path, data: dict, *, tmp_dir: Path | None = None) -> None:
     """Write JSON so that readers see either the old file or the complete new one, never a part."""
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False))
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=False), tmp_dir=tmp_dir)
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a text file through a temporary file in the same folder, fsync'd, then renamed."""
+def write_text_atomic(path: Path, text: str, *, tmp_dir: Path | None = None) -> None:
+    """Write a text file through a temporary file, fsync'd, then renamed. The temporary file is made in
+    `tmp_dir` (a folder of specexport's own on the same file system: `locking.work_dir`), else beside
+    `path` (in a folder specexport owns)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=tmp_dir or path.parent)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

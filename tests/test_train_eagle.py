@@ -222,7 +222,7 @@ def test_fingerprints_of_existing_runs_do_not_change(target, corpus, tmp_path):
     assert data_fingerprint(dataclasses.replace(cfg, chat_template="on")) != data_fingerprint(cfg)
     medusa_fields = {k: str(v) for k, v in dataclasses.asdict(cfg).items()
                      if k not in ("steps", "checkpoint_every", "device", "top_k", "eval_depth", "draft_vocab",
-                                  "ttt_steps", "chat_template", "intermediate_size")}
+                                  "ttt_steps", "chat_template", "intermediate_size", "force")}
     assert cfg.fingerprint() == hashlib.sha256(json.dumps(medusa_fields, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -6,17 +6,27 @@ backends/python/), a `tritonserver` on PATH (NVIDIA's container layout, backends
 with `pip download --no-deps` and unpacked into a cache (the wheel's Python package is not
 installed: it pins numpy < 2). The wheel's Python-backend stub is built against NumPy 1.x, whose C
 ABI NumPy 2 changed (with numpy 2 in the stub's interpreter every BYTES input arrives garbled), so the
-stub runs in a venv of this interpreter with --system-site-packages and numpy < 2; Triton's Python
-stub finds its interpreter through PATH, as PyTriton arranges it.
+stub runs in a venv of its own with numpy < 2 that also sees the packages of the environment the tests
+run in (a .pth file naming its site-packages, after the venv's own: numpy < 2 wins). Not
+--system-site-packages: inside a venv that exposes the base interpreter's packages, not the venv's,
+and the stub would find neither onnxruntime nor tokenizers. Triton's Python stub finds its
+interpreter through PATH, as PyTriton arranges it. The cache's folders are marked when made
+(specexport.owned) and only marked ones are ever replaced.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
+
+from specexport import owned
+
+BY = "specexport tests (tritonserver cache)"
 
 PYTRITON = "nvidia-pytriton==0.7.0"          # Triton 2.51
 CACHE = Path(os.environ.get("SPECEXPORT_CACHE", Path.home() / ".cache" / "specexport")) / "tritonserver-0.7.0"
@@ -62,27 +72,44 @@ def _unpacked_wheel() -> Path:
     wheels = sorted(download.glob("nvidia_pytriton-*.whl"))
     if run.returncode or not wheels:
         raise Unavailable(f"could not fetch {PYTRITON} from the package index: {run.stderr.strip()[-300:]}")
-    partial = CACHE / "wheel.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    with zipfile.ZipFile(wheels[-1]) as z:
-        z.extractall(partial)
-    for f in (partial / "pytriton" / "tritonserver").rglob("*"):
-        if f.is_file() and (f.parent.name in ("bin",) or f.name.endswith("_stub")):
-            f.chmod(0o755)
-    shutil.rmtree(done, ignore_errors=True)
-    partial.rename(done)
+    partial = owned.fresh(CACHE, "wheel.partial-", by=BY)
+    try:
+        with zipfile.ZipFile(wheels[-1]) as z:
+            z.extractall(partial)
+        for f in (partial / "pytriton" / "tritonserver").rglob("*"):
+            if f.is_file() and (f.parent.name in ("bin",) or f.name.endswith("_stub")):
+                f.chmod(0o755)
+        if done.exists() and owned.remove(done):
+            raise Unavailable(f"{done} holds files the tests did not write: move it away")
+        owned.seal(partial)
+        partial.rename(done)
+    finally:
+        owned.remove(partial)
     return done
 
 
 def _numpy1_venv() -> Path:
-    venv = CACHE / f"venv-py{sys.version_info.major}{sys.version_info.minor}"
+    """A venv with numpy < 2 that also imports this environment's packages (specexport, onnxruntime,
+    tokenizers), one per test environment."""
+    paths = sysconfig.get_paths()
+    site = [paths["purelib"], *([paths["platlib"]] if paths["platlib"] != paths["purelib"] else [])]
+    key = hashlib.sha256(os.pathsep.join(site).encode()).hexdigest()[:10]
+    venv = CACHE / f"venv-py{sys.version_info.major}{sys.version_info.minor}-{key}"
     python = venv / "bin" / "python"
-    if python.exists() and subprocess.run([str(python), "-c", "import numpy, specexport; "
-                                           "assert numpy.__version__ < '2'"], capture_output=True).returncode == 0:
+    check = "import numpy, specexport, onnxruntime, tokenizers; assert numpy.__version__ < '2'"
+    if python.exists() and subprocess.run([str(python), "-c", check], capture_output=True).returncode == 0:
         return venv
-    shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    if venv.exists() and owned.remove(venv):
+        raise Unavailable(f"{venv} holds files the tests did not write: move it away")
+    owned.create(venv, by=BY)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)      # into the marked folder
     run = subprocess.run([str(python), "-m", "pip", "install", "-q", "numpy<2"], capture_output=True, text=True)
     if run.returncode:
         raise Unavailable(f"could not install numpy<2 for the Python-backend stub: {run.stderr.strip()[-300:]}")
+    own_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    Path(own_site, "specexport-tests-env.pth").write_text("\n".join(site) + "\n")
+    run = subprocess.run([str(python), "-c", check], capture_output=True, text=True)
+    if run.returncode:
+        raise Unavailable(f"the Python-backend stub's venv cannot import what it needs: {run.stderr.strip()[-300:]}")
     return venv

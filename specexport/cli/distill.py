@@ -50,9 +50,11 @@ def self_distillation_options(command):
                    "lm_head: cheaper drafting with a large vocabulary); written as draft_vocab.json.")
 @self_distillation_options
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--force", is_flag=True, help="Write into a non-empty --out that distill-draft did not write "
+                                             "(replacing only files of the names it writes).")
 @click.option("-v", "--verbose", is_flag=True)
 def distill_draft(target, out, layers, hidden_size, intermediate_size, draft_vocab, prompts, corpus, num_prompts,
-                  prompt_tokens, new_tokens, steps, batch_size, lr, seed, checkpoint_every, device, verbose):
+                  prompt_tokens, new_tokens, steps, batch_size, lr, seed, checkpoint_every, device, force, verbose):
     """Self-distill a small draft from TARGET (a HF checkpoint folder) into --out."""
     from rich.console import Console
 
@@ -64,7 +66,7 @@ def distill_draft(target, out, layers, hidden_size, intermediate_size, draft_voc
                         prompts=tuple(Path(p) for p in prompts), corpus=Path(corpus) if corpus else None,
                         num_prompts=num_prompts, prompt_tokens=prompt_tokens, new_tokens=new_tokens, steps=steps,
                         batch_size=batch_size, lr=lr, seed=seed, checkpoint_every=checkpoint_every, device=device,
-                        draft_vocab=draft_vocab)
+                        draft_vocab=draft_vocab, force=force)
     report = run(cfg, console=console)
     console.print(f"[green]✓[/] draft written to {cfg.out} ({report['draft']['parameters']:,} parameters); "
                   f"greedy agreement with the target on held-out prompts: {report['agreement_before']:.3f} before, "

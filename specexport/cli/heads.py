@@ -43,6 +43,8 @@ EAGLE_ONLY = ("draft_vocab", "ttt_steps", "eval_depth", "chat_template", "interm
 @self_distillation_options
 @click.option("--top-k", default=10, show_default=True, help="Medusa: k of the reported top-k accuracy.")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--force", is_flag=True, help="Write into a non-empty --out that train-heads did not write "
+                                             "(replacing only files of the names it writes).")
 @click.option("-v", "--verbose", is_flag=True)
 @click.pass_context
 def train_heads(ctx, target, out, kind, dtype, prompts, corpus, device, verbose, **options):

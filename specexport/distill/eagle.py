@@ -26,7 +26,6 @@ import dataclasses
 import hashlib
 import json
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +47,7 @@ def train_eagle(cfg, *, console=None, on_step=None) -> dict:
     check(cfg)
     transformers.utils.logging.disable_progress_bar()
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    state_dir = cfg.out.parent / f".{cfg.out.name}.heads"
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir = distill.state_folder(cfg.out.parent / f".{cfg.out.name}.heads", cfg)
     tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.target)
     cfg = resolve_chat_template(cfg, tokenizer)
     target = transformers.AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
@@ -314,9 +312,7 @@ def evaluate(target, head, heldout, *, aux, depth: int) -> dict:
 
 def _write_outputs(cfg, head, hcfg, target, heldout, aux, *, before, after, history) -> dict:
     torch = require("torch")
-    partial = cfg.out.parent / f".{cfg.out.name}.partial"
-    distill.shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial = distill.output_partial(cfg)
     dtype = getattr(torch, cfg.dtype)
     tensors = {k: (v if v.dtype in (torch.int64, torch.bool) else v.to(dtype)).detach().cpu().contiguous()
                for k, v in head.state_dict().items()}
@@ -334,9 +330,9 @@ def _write_outputs(cfg, head, hcfg, target, heldout, aux, *, before, after, hist
               "loss_first": history[:5], "loss_last": history[-5:],
               "before": before, "after": after,
               "reference_max_abs_diff": reference_diff(partial, head, target, heldout, aux, dtype=cfg.dtype),
-              "config": {k: str(v) for k, v in asdict(cfg).items()}}
+              "config": distill.json_config(cfg)}
     (partial / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    distill.swap_into_place(partial, cfg.out)
+    distill.place_outputs(partial, cfg)
     return report
 
 

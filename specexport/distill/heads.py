@@ -65,9 +65,10 @@ class HeadsTrainConfig:
     eval_depth: int = 5                     # chain depth of the held-out acceptance length
     chat_template: str = "auto"             # auto | on | off: prompts as a user message of the tokenizer's template
     intermediate_size: int | None = None    # the head's MLP width (default: the target's)
+    force: bool = False                     # write into a non-empty --out of someone else's (only our files)
 
     def fingerprint(self) -> str:
-        skip = ("steps", "checkpoint_every", "device", "top_k", "eval_depth")
+        skip = ("steps", "checkpoint_every", "device", "top_k", "eval_depth", "force")
         skip += EAGLE_FIELDS if self.kind == "medusa" else ()
         keep = {k: str(v) for k, v in asdict(self).items() if k not in skip}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
@@ -84,8 +85,7 @@ def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
     transformers = require("transformers")
     transformers.utils.logging.disable_progress_bar()
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    state_dir = cfg.out.parent / f".{cfg.out.name}.heads"
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir = distill.state_folder(cfg.out.parent / f".{cfg.out.name}.heads", cfg)
     tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.target)
     target = transformers.AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
     for p in target.parameters():
@@ -248,8 +248,7 @@ def _write_outputs(cfg: HeadsTrainConfig, heads, before, after, history) -> dict
 
     from specexport.export.medusa import save_medusa_1
 
-    partial = cfg.out.parent / f".{cfg.out.name}.partial"
-    distill.shutil.rmtree(partial, ignore_errors=True)
+    partial = distill.output_partial(cfg)
     blocks = [[(b.linear.weight.detach().cpu().numpy(), b.linear.bias.detach().cpu().numpy()) for b in seq]
               for seq in heads.blocks]
     proj = heads.proj.detach().cpu().numpy()
@@ -259,7 +258,7 @@ def _write_outputs(cfg: HeadsTrainConfig, heads, before, after, history) -> dict
               "dtype": cfg.dtype, "steps": cfg.steps,
               "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
               "top_k": cfg.top_k, "before": before, "after": after,
-              "config": {k: str(v) for k, v in asdict(cfg).items()}}
+              "config": distill.json_config(cfg)}
     (partial / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    distill.swap_into_place(partial, cfg.out)
+    distill.place_outputs(partial, cfg)
     return report

@@ -12,7 +12,9 @@ zero elsewhere), and the ids are written as draft_vocab.json beside the weights,
 then uses as the draft's output vocabulary. A rerun with the same options resumes from state.pt; the batch order is a function of (seed, step),
 so a resumed run ends with the same weights as an uninterrupted one. The output is an ordinary HF
 checkpoint folder, written whole into a temporary folder and renamed into place: an interrupted run
-never leaves a checkpoint that looks complete.
+never leaves a checkpoint that looks complete. --out is refused when it is a non-empty folder that an
+earlier distill-draft did not write (`specexport.owned`); --force writes into it, replacing only
+files of the names distill-draft writes.
 """
 from __future__ import annotations
 
@@ -20,14 +22,13 @@ import hashlib
 import json
 import math
 import os
-import secrets
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from specexport import owned
 from specexport._optional import require
 from specexport.distill import data as distill_data
 from specexport.errors import SpecexportError
@@ -53,9 +54,11 @@ class DistillConfig:
     checkpoint_every: int = 50
     device: str | None = None               # default: cuda when available, else cpu
     draft_vocab: int | None = None          # propose from the N most frequent tokens only (None: all)
+    force: bool = False                     # write into a non-empty --out of someone else's (only our files)
 
     def fingerprint(self) -> str:
-        keep = {k: str(v) for k, v in asdict(self).items() if k not in ("steps", "checkpoint_every", "device")}
+        skip = ("steps", "checkpoint_every", "device", "force")
+        keep = {k: str(v) for k, v in asdict(self).items() if k not in skip}
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -79,8 +82,7 @@ def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
     _check(cfg)
     transformers.utils.logging.disable_progress_bar()
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    state_dir = _state_dir(cfg.out)
-    state_dir.mkdir(parents=True, exist_ok=True)
+    state_dir = state_folder(_state_dir(cfg.out), cfg)
     tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.target)
     target = transformers.AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
     for p in target.parameters():
@@ -128,6 +130,10 @@ def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
 def _check(cfg: DistillConfig) -> None:
     if not (cfg.target / "config.json").is_file():
         raise SpecexportError(f"target: {cfg.target} has no config.json")
+    inputs = [("TARGET", cfg.target), *(("--prompts", f) for f in cfg.prompts),
+              *((("--corpus", cfg.corpus),) if cfg.corpus is not None else ())]
+    owned.refuse_overlap(cfg.out, inputs, option="--out", hint="write the output into a folder of its own")
+    owned.check_destination(cfg.out, by=command_of(cfg), force=cfg.force)    # before hours of training
     if (cfg.corpus is None) == (not cfg.prompts):
         raise SpecexportError("give prompts (--prompts FILE) or a corpus (--corpus DIR), exactly one of them")
     if getattr(cfg, "draft_vocab", None) is not None and cfg.draft_vocab < 2:     # train-heads shares _check
@@ -369,8 +375,7 @@ def _state_dir(out: Path) -> Path:
 def _write_outputs(cfg, draft, tokenizer, before, after, history, vocab=None) -> dict:
     from specexport.config import DRAFT_VOCAB_FILE
 
-    partial = cfg.out.parent / f".{cfg.out.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
+    partial = output_partial(cfg)
     draft.eval().save_pretrained(partial)
     if vocab is not None:      # the build reads it as draft.vocab unless model.yaml names another
         (partial / DRAFT_VOCAB_FILE).write_text(json.dumps(list(vocab)))
@@ -384,20 +389,58 @@ def _write_outputs(cfg, draft, tokenizer, before, after, history, vocab=None) ->
               "final_loss": history[-1] if history else None, "loss_first": history[:1],
               "draft": {"layers": cfg.layers, "hidden_size": draft.config.hidden_size,
                         "parameters": sum(p.numel() for p in draft.parameters())},
-              "config": {k: str(v) for k, v in asdict(cfg).items()}}
+              "config": json_config(cfg)}
     (partial / "distill_report.json").write_text(json.dumps(report, indent=2))
-    swap_into_place(partial, cfg.out)
+    place_outputs(partial, cfg)
     return report
 
 
-def swap_into_place(partial: Path, out: Path) -> None:
-    """Swap a complete folder in. A directory cannot be replaced atomically: for the moment between
-    the two renames there is no `out` at all, never a partial one."""
-    old = out.parent / f".{out.name}.old-{secrets.token_hex(3)}"
-    if out.exists():
-        os.replace(out, old)
-    os.replace(partial, out)
-    shutil.rmtree(old, ignore_errors=True)
+def command_of(cfg) -> str:
+    """The command whose marker an output or state folder of `cfg`'s carries."""
+    return "specexport train-heads" if hasattr(cfg, "kind") else "specexport distill-draft"
+
+
+# Files the state folder held before state folders were marked (adopted as the command's).
+STATE_FILES = {"data.pt", "state.pt", "features.pt"}
+
+
+def state_folder(path: Path, cfg) -> Path:
+    """The resumable-state folder beside the output, the command's own (`specexport.owned`): made marked,
+    or an earlier run's (a state folder from before markers is adopted when it holds only state files)."""
+    by = command_of(cfg)
+    if path.is_dir() and not owned.is_owned(path):
+        names = {p.name for p in path.iterdir()}
+        if names <= STATE_FILES | {f"{n}.tmp" for n in STATE_FILES}:
+            owned.adopt(path, by=by, files=sorted(names))
+    return owned.claim(path, by=by)
+
+
+def output_partial(cfg) -> Path:
+    """A new marked folder beside --out to write the outputs into."""
+    return owned.fresh(cfg.out.parent, f".{cfg.out.name}.partial-", by=command_of(cfg))
+
+
+def place_outputs(partial: Path, cfg) -> None:
+    """Seal the written outputs and put them at --out, replacing only files an earlier run of the same
+    command wrote (or, with --force in someone else's folder, files of the same names); a failure leaves
+    --out as it was and removes the partial folder."""
+    try:
+        owned.check_destination(cfg.out, by=command_of(cfg), force=cfg.force)
+        owned.seal(partial)
+        owned.place(partial, cfg.out, by=command_of(cfg))
+    finally:
+        owned.remove(partial)
+
+
+def json_config(cfg) -> dict:
+    """The options as JSON values (paths as strings, tuples as lists, None as null)."""
+    def plain(v):
+        if isinstance(v, Path):
+            return str(v)
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+    return {k: plain(v) for k, v in asdict(cfg).items()}
 
 
 def _say(console, text):

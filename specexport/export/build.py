@@ -6,8 +6,8 @@ writes into a hidden `.partial` folder, renamed to a fresh `<role>/<precision>-<
 gate passes, beside the folders the current manifest points at; the manifest is replaced (atomically)
 only when every stage passed. A rebuild that fails its gate, is interrupted or is killed therefore
 leaves the previous build loadable and decoding as before. Folders no manifest points at (a failed
-or killed build's, a replaced build's) are removed after the manifest is written and when the next
-build starts. Stages whose fingerprint is unchanged are reused (`force` redoes them); a model whose
+or killed build's, a replaced build's; only folders the build marked as its own, see outdir.py) are
+removed after the manifest is written and when the next build starts. Stages whose fingerprint is unchanged are reused (`force` redoes them); a model whose
 fp32 graph was rebuilt has its quantized graphs rebuilt too.
 """
 from __future__ import annotations
@@ -31,8 +31,10 @@ from specexport.config import GPU_PRECISIONS
 from specexport.export.eagle_stage import eagle_stage
 from specexport.export.medusa_stage import medusa_stage
 from specexport.export.plan import ModelPlan, Plan, tool_versions
-from specexport.locking import output_lock
-from specexport.export.outdir import StageFolders, remove_unreferenced, reusable_tokenizer, tokenizer_digest
+from specexport import owned
+from specexport.locking import output_lock, work_dir
+from specexport.export.outdir import (StageFolders, adopt_previous, check_output, remove_unreferenced,
+                                      reusable_tokenizer, tokenizer_digest)
 from specexport.gamma import carried_gamma_choices
 from specexport.manifest import (MANIFEST_NAME, SCHEMA_VERSION, describe_files, files_intact, read_manifest,
                                  sha256_file, write_json_atomic)
@@ -75,9 +77,11 @@ def run_build(plan: Plan, *, force: bool = False, reporter: Reporter | None = No
     """Build everything in `plan`; returns the manifest that was written."""
     reporter = reporter or Reporter(quiet=True)
     out = plan.config.output
+    check_output(out)
     with output_lock(out, purpose="specexport build"):
         previous = _previous_manifest(out, reporter)
-        remove_unreferenced(out, previous)                 # what failed or killed builds left behind
+        adopt_previous(out, previous)                      # a pre-marker build's folders, as its manifest lists
+        _, left = remove_unreferenced(out, previous)       # what failed or killed builds left behind
         folders = StageFolders(out)
         try:
             results, plan = _run_stages(plan, previous, force, folders, reporter)   # plan: with measured vocab ids
@@ -87,11 +91,13 @@ def run_build(plan: Plan, *, force: bool = False, reporter: Reporter | None = No
             with reporter.stage("copy tokenizer"):
                 tokenizer = _tokenizer_stage(plan, out, previous, folders)
             manifest = _manifest(plan, results, tokenizer, previous, heads)
-            write_json_atomic(out / MANIFEST_NAME, manifest)  # the one step that switches builds
-        except BaseException:
+            write_json_atomic(out / MANIFEST_NAME, manifest, tmp_dir=work_dir(out))   # the one step that
+        except BaseException:                                                        # switches builds
             folders.discard()                              # this build's stages: no manifest points at them
             raise
-        remove_unreferenced(out, manifest)                 # the replaced build's folders
+        left += remove_unreferenced(out, manifest)[1]      # the replaced build's folders
+    if left:
+        reporter.note(f"[yellow]left alone (not written by specexport build): {', '.join(sorted(set(left)))}[/]")
     return manifest
 
 
@@ -187,7 +193,7 @@ def _export_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporter,
         names += engine.pop("files") if engine else []
         folders.publish(partial, final)
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        owned.remove(partial)          # ours: marked when made
     entry = {
         **files_entry(out, final, names),
         "parity_reference": "pytorch",
@@ -293,7 +299,7 @@ def _quantize_stage(plan: Plan, mp: ModelPlan, precision: str, reporter: Reporte
                          if min_tokens > 1 and mp.role == "target" else ""))
         folders.publish(partial, final)
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        owned.remove(partial)          # ours: marked when made
     entry = {
         **files_entry(out, final, names),
         "quantization": describe(precision, scheme, calibration_sequences=len(calibration),
@@ -450,9 +456,7 @@ def _tokenizer_stage(plan: Plan, out: Path, previous: dict, folders: StageFolder
     dest = out / f"tokenizer-{digest[:8]}"
     if dest.exists():                       # the same content, damaged: a name of its own
         dest = out / f"tokenizer-{digest[:8]}-{secrets.token_hex(2)}"
-    partial = out / f".{dest.name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    partial = folders.folder(dest)
     try:
         for f in plan.tokenizer_files:
             shutil.copy2(f, partial / f.name)
@@ -463,7 +467,7 @@ def _tokenizer_stage(plan: Plan, out: Path, previous: dict, folders: StageFolder
             require("transformers").AutoTokenizer.from_pretrained(plan.target.config.path).save_pretrained(partial)
         folders.publish(partial, dest)
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        owned.remove(partial)          # ours: marked when made
     files = {f.name: {"sha256": sha256_file(f), "size": f.stat().st_size} for f in sorted(dest.iterdir())}
     return {"dir": dest.name, "source_sha256": digest, "files": files}
 

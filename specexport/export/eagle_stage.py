@@ -13,12 +13,12 @@ graph together.
 """
 from __future__ import annotations
 
-import shutil
 import statistics
 import time
 
 import numpy as np
 
+from specexport import owned
 from specexport.errors import ParityError
 
 # (top_k, depth, total_tokens) tried by tree: auto; total_tokens is capped by max_verify_tokens - 1
@@ -73,7 +73,7 @@ def eagle_stage(plan, hp, previous: dict, force: bool, folders, reporter, result
                       f"{auto['tokens_per_pass']:.2f} tokens per target pass, predicted {auto['predicted_speedup']:.2f}x")
         folders.publish(partial, final)
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        owned.remove(partial)          # ours: marked when made
     stage = {**files_entry(out, final, names), "parity_reference": "pytorch",
              "parity_max_rel_error": report["max_rel_error"], "parity_per_phase": report["per_phase"],
              "parity_rows": report["rows"], "parity_tolerance": cfg.parity_tolerance,

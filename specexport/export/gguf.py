@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from specexport.errors import MissingDependency, SpecexportError
 
 MAGIC = b"GGUF"
 RECORD = "gguf_source.json"
+BY = "specexport gguf conversion"
 
 # llama.cpp's pre-tokenizer splits (llama-vocab.cpp), applied one after the other, each match isolated.
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -68,9 +68,15 @@ def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None) -> Path:
     with require("filelock").FileLock(str(root / f".{dest.name}.lock")):
         if (dest / RECORD).is_file():                  # another process converted it while we waited
             return dest
-        partial = root / f".{dest.name}.partial"
-        for stale in (partial, dest):                  # an interrupted run's partial; a folder without a record
-            shutil.rmtree(stale, ignore_errors=True)
+        from specexport import owned
+
+        for stale in root.glob(f".{dest.name}.partial*"):      # interrupted runs' partial folders (ours only)
+            owned.remove(stale)
+        if dest.exists():                              # a folder without a record: ours (marked) or refused
+            if not owned.is_owned(dest, BY) or owned.remove(dest):
+                raise SpecexportError(f"{dest}: exists without {RECORD} and was not written by specexport; "
+                                      f"move it away (it is where {path.name} is converted to)")
+        partial = owned.fresh(root, f".{dest.name}.partial-", by=BY)
         start = time.perf_counter()
         if console is not None:
             console.print(f"Converting {path.name} ({path.stat().st_size / 1e6:.0f} MB GGUF) to a Hugging Face "
@@ -79,19 +85,19 @@ def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None) -> Path:
             record = _convert(path, partial)
             record.update(gguf_file=path.name, sha256=sha)
             (partial / RECORD).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+            owned.seal(partial)
             os.replace(partial, dest)                  # atomic: a folder named dest is always complete
         finally:
-            shutil.rmtree(partial, ignore_errors=True)
+            owned.remove(partial)
     if console is not None:
         console.print(f"[green]✓[/] {dest} [dim]({time.perf_counter() - start:.1f} s)[/]")
     return dest
 
 
 def _cache_root(cache_dir) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    base = os.environ.get("SPECEXPORT_CACHE") or Path.home() / ".cache" / "specexport"
-    return Path(base).expanduser() / "gguf"
+    from specexport.config import gguf_cache_root
+
+    return gguf_cache_root(cache_dir)
 
 
 def _sha256(path: Path) -> str:

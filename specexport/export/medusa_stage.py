@@ -2,10 +2,10 @@
 PyTorch on the target fp32 graph's own hidden states, and make `tree: auto` (export/medusa_tree.py)."""
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 
+from specexport import owned
 from specexport.errors import ParityError
 
 
@@ -43,7 +43,7 @@ def medusa_stage(plan, hp, previous: dict, force: bool, folders, reporter, resul
         auto = auto_tree(plan, hp, out / target_dir, partial, reporter)
         folders.publish(partial, final)
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        owned.remove(partial)          # ours: marked when made
     stage = {**files_entry(out, final, names), "parity_reference": "pytorch",
              "parity_max_rel_error": report["max_rel_error"], "parity_rows": report["rows"],
              "parity_tolerance": tolerance, "build_seconds": round(time.perf_counter() - start, 2)}

@@ -4,17 +4,27 @@ the tokenizer copy, and the removal of what no manifest points at (see `specexpo
     <out>/<role>/.<precision>-<id>.partial/   being written (never pointed at)
     <out>/<role>/<precision>-<id>/            checked; pointed at once the new manifest is written
     <out>/tokenizer-<hash>/                   named by the content of the source tokenizer files
+    <out>/.specexport/                        the lock, temporary files and the journal of the role folders
+                                              the build made (locking.work_dir)
+
+Every folder the build creates is marked as the build's before anything goes in (`specexport.owned`);
+only marked folders, and in them only the files the build recorded, are ever removed. Anything else in
+the output folder, whatever its name, is left alone and reported once.
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import secrets
-import shutil
 from pathlib import Path
 
+from specexport import owned
 from specexport.config import HEAD_KINDS, MODEL_ROLES
+from specexport.errors import SpecexportError
 from specexport.manifest import MANIFEST_NAME, files_intact
+
+BY = "specexport build"
 
 
 class StageFolders:
@@ -26,25 +36,37 @@ class StageFolders:
         self.published: list[Path] = []
 
     def new(self, role: str, precision: str) -> tuple[Path, Path]:
-        """(partial, final) for a new stage; the partial folder exists and is empty."""
+        """(partial, final) for a new stage; the partial folder exists, is marked and is otherwise empty."""
+        folder = self.out / role
+        if not folder.exists():             # journaled first: a role folder is removed only if we made it
+            _journal(self.out, add=role)
+            folder.mkdir(parents=True, exist_ok=True)
         while True:
             name = f"{precision}-{secrets.token_hex(4)}"
-            final = self.out / role / name
-            if not final.exists():
-                break
-        partial = self.out / role / f".{name}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-        return partial, final
+            final, partial = folder / name, folder / f".{name}.partial"
+            if final.exists() or partial.exists():
+                continue
+            try:
+                return owned.create(partial, by=BY), final
+            except FileExistsError:
+                continue
+
+    def folder(self, dest: Path) -> Path:
+        """A partial folder for `dest` (a folder directly in the output: the tokenizer copy)."""
+        return owned.fresh(dest.parent, f".{dest.name}.partial-", by=BY)
 
     def publish(self, partial: Path, final: Path) -> None:
-        """Rename a checked stage into place (beside the current build's folders; nothing is replaced)."""
+        """Seal a checked stage (its files recorded as the build's) and rename it into place, beside the
+        current build's folders; nothing is replaced."""
+        if final.exists():
+            raise SpecexportError(f"{final}: exists; a new stage folder must not replace anything")
+        owned.seal(partial)
         os.replace(partial, final)
         self.published.append(final)
 
     def discard(self) -> None:
         for path in self.published:
-            shutil.rmtree(path, ignore_errors=True)
+            owned.remove(path)
         self.published.clear()
 
 
@@ -75,34 +97,92 @@ def referenced(manifest: dict) -> set[str]:
     return refs
 
 
-def remove_unreferenced(out: Path, manifest: dict) -> list[str]:
-    """Delete what specexport wrote into `out` that `manifest` does not point at: stage folders of
-    replaced, failed or killed builds (the layout of schema 1 included), partial folders, tokenizer
-    copies and temporary manifest files. Touches nothing else in the folder. Returns what it removed."""
+def check_output(out: Path) -> None:
+    """Refuse, before anything is written, an output folder whose manifest.json is not a specexport
+    manifest (the build would replace it) or whose work folder is someone else's."""
+    manifest = Path(out) / MANIFEST_NAME
+    if manifest.exists():
+        try:
+            data = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            data = None
+        if not (isinstance(data, dict) and "schema_version" in data and "models" in data):
+            raise SpecexportError(f"output: {manifest} exists and is not a specexport manifest; the build would "
+                                  f"replace it: build into another folder")
+    work = Path(out) / ".specexport"
+    if work.exists() and not owned.is_owned(work):
+        raise SpecexportError(f"output: {work} exists and was not made by specexport; move it away")
+
+
+def adopt_previous(out: Path, manifest: dict) -> list[str]:
+    """Mark the folders an earlier build's manifest points at but that carry no marker (written by a
+    specexport from before markers), sealed with exactly the files the manifest lists: the manifest is
+    our record of having written them. Returns the folders adopted."""
+    adopted = []
+    tok = manifest.get("tokenizer")
+    listed = {}
+    if isinstance(tok, dict) and isinstance(tok.get("files"), dict) and isinstance(tok.get("dir"), str):
+        listed[tok["dir"]] = list(tok["files"])
+    for m in [*manifest.get("models", {}).values(), *manifest.get("heads", {}).values()]:
+        for e in (m.get("precisions", {}) if isinstance(m, dict) else {}).values():
+            if isinstance(e, dict) and isinstance(e.get("dir"), str) and isinstance(e.get("files"), dict):
+                prefix = e["dir"].rstrip("/") + "/"
+                listed[e["dir"]] = [k[len(prefix):] for k in e["files"] if k.startswith(prefix)]
+    for rel, files in listed.items():
+        folder = Path(out) / rel
+        if owned.inside(Path(out), folder) and owned.adopt(folder, by=BY, files=files):
+            adopted.append(rel)
+    return adopted
+
+
+def remove_unreferenced(out: Path, manifest: dict) -> tuple[list[str], list[str]]:
+    """Delete what this build command wrote into `out` that `manifest` does not point at: stage folders
+    of replaced, failed or killed builds, partial folders, tokenizer copies, temporary files in the work
+    folder. Only marked folders (and in them the files recorded as the build's) go. Returns (removed,
+    left alone): the second names what sits where the build keeps its folders but was not written by it."""
     out = Path(out)
-    keep, removed = referenced(manifest), []
+    keep, removed, left = referenced(manifest), [], []
+    candidates = []                  # where the build keeps its folders: role folders' children, tokenizers
     for role in (*MODEL_ROLES, *HEAD_KINDS):
         folder = out / role
-        if not folder.is_dir():
+        if folder.is_dir() and not folder.is_symlink():
+            candidates += [c for c in sorted(folder.iterdir()) if c.name != owned.MARKER]
+    candidates += [c for c in sorted(out.iterdir()) if c.name == "tokenizer"
+                   or c.name.startswith(("tokenizer-", ".tokenizer-", f".{MANIFEST_NAME}."))]
+    for child in candidates:
+        rel = child.relative_to(out).as_posix()
+        if rel in keep:
             continue
-        for child in folder.iterdir():
-            if f"{role}/{child.name}" not in keep:
-                _remove(child)
-                removed.append(f"{role}/{child.name}")
-        if not any(folder.iterdir()):
-            folder.rmdir()
-    for child in out.iterdir():
-        name = child.name
-        ours = (name == "tokenizer" or name.startswith(("tokenizer-", ".tokenizer-"))   # schema 1 and 2 copies
-                or name.startswith(f".{MANIFEST_NAME}."))
-        if ours and name not in keep:
-            _remove(child)
-            removed.append(name)
-    return removed
+        if owned.is_owned(child, BY):
+            left += owned.remove(child)
+            removed.append(rel)
+        else:
+            left.append(child)
+    for role in _journal(out):       # role folders the build made, once empty
+        if (out / role).is_dir() and not any((out / role).iterdir()):
+            (out / role).rmdir()
+    work = out / ".specexport"
+    if owned.is_owned(work):
+        for tmp in work.glob(f".{MANIFEST_NAME}.*"):          # a killed write's temporary file
+            tmp.unlink(missing_ok=True)
+    return removed, [str(p.relative_to(out)) for p in left]
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+JOURNAL = "made.json"
+
+
+def _journal(out: Path, *, add: str | None = None) -> list[str]:
+    """The role folders this build command made in `out` (kept in the work folder: a role folder may
+    also be the user's, and it is removed, when empty, only if it is listed here)."""
+    from specexport.locking import WORK_DIR, work_dir
+    from specexport.manifest import write_json_atomic
+
+    path = Path(out) / WORK_DIR / JOURNAL
+    try:
+        made = json.loads(path.read_text())["folders"] if owned.is_owned(path.parent) else []
+    except (OSError, ValueError, KeyError, TypeError):
+        made = []
+    if add is not None and add not in made:
+        made = [*made, add]
+        write_json_atomic(work_dir(out) / JOURNAL, {"folders": made})
+    return list(made)

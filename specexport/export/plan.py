@@ -85,6 +85,11 @@ class Plan:
 
 def plan_build(cfg: BuildConfig, *, console=None) -> Plan:
     """console: a rich Console for progress lines (converting a GGUF model takes tens of seconds)."""
+    from specexport.config import check_output_apart
+    from specexport.export.outdir import check_output
+
+    check_output_apart(cfg)                      # before anything is written: inputs and output apart
+    check_output(cfg.output)
     if "tensorrt" in cfg.backends:               # before any work: one line naming what is missing
         import importlib.util
 
@@ -232,7 +237,8 @@ def _plan_model(mc: ModelConfig, cfg: BuildConfig) -> ModelPlan:
     try:
         hf_config = transformers.AutoConfig.from_pretrained(mc.path)
     except Exception as err:  # transformers raises many types for malformed configs
-        raise SpecexportError(f"{mc.role}.path: {mc.path}/config.json could not be read by transformers: {err}") from err
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise SpecexportError(f"{mc.role}.path: {mc.path}/config.json could not be read by transformers: {first}") from err
     arch = arch_spec_from_hf(hf_config)
     check_supported(arch, max_seq_len=cfg.max_seq_len, where=f"{mc.role} ({mc.path.name})")
     aux = _aux_layers(mc, arch)

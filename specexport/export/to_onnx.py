@@ -19,7 +19,12 @@ def load_hf_model(path: Path):
     torch = require("torch")
     transformers = require("transformers")
     transformers.utils.logging.disable_progress_bar()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as err:   # transformers, safetensors and torch raise many types; -v shows the traceback
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise SpecexportError(f"{path}: cannot be loaded as a Hugging Face checkpoint by transformers "
+                              f"{transformers.__version__}: {first}") from err
     return model.eval()
 
 

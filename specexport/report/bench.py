@@ -24,6 +24,7 @@ from specexport.errors import SpecexportError
 from specexport.gamma import store_gamma_choices
 from specexport.manifest import read_manifest, write_json_atomic, write_text_atomic
 from specexport.report import accounting as acc
+from specexport.report.folder import REPORT_FILES, claim_report_folder, record_report_files
 from specexport.report.model import choose_gamma, extend, predicted_speedup
 from specexport.report.threads import ThreadSetting, fastest_for_vanilla
 
@@ -98,6 +99,7 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
 
     manifest = read_manifest(cfg.output_dir)
     precisions, has_draft = _check_request(cfg, manifest)
+    claim_report_folder(Path(cfg.out or cfg.output_dir / "bench"))
     configs = _configs(precisions, manifest, cfg, has_draft)
     if open_pipeline is None:
         def open_pipeline(**kw):
@@ -202,7 +204,7 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
                                  f"choices are greedy measurements)"]
     for line in report["gamma_store"]:
         log(f"bench: {line}")
-    _write_report(report, Path(cfg.out or cfg.output_dir / "bench"), cfg.plots, log)
+    _write_report(report, Path(cfg.out or cfg.output_dir / "bench"), cfg.plots, log)   # claimed by run_bench
     return report
 
 
@@ -517,10 +519,10 @@ def _ms(costs: dict) -> dict:
 def _write_report(report: dict, out_dir: Path, plots: bool, log) -> None:
     from specexport.report.render import plot_speedups, render_markdown
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     report["plots"] = plot_speedups(report, out_dir, log) if plots else []
     write_text_atomic(out_dir / "report.md", render_markdown(report))
     write_json_atomic(out_dir / "report.json", report)
+    record_report_files(out_dir, REPORT_FILES)
 
 
 def quick_bench(output_dir: Path, *, max_verify_tokens: int, log=print) -> dict:

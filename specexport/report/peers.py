@@ -181,7 +181,11 @@ def build_ort_genai(source: Path, precision: str, folder: Path, log) -> dict[str
     stamp = {"source": str(source), "precision": precision, "onnxruntime_genai": version("onnxruntime-genai")}
     stamp_file = folder / "built_from.json"
     if not (stamp_file.is_file() and json.loads(stamp_file.read_text()) == stamp):
-        shutil.rmtree(folder, ignore_errors=True)
+        from specexport import owned
+
+        if folder.exists() and (not owned.is_owned(folder, "specexport bench") or owned.remove(folder)):
+            raise RuntimeError(f"{folder} exists and was not written by specexport bench: move it away")
+        owned.create(folder, by="specexport bench")      # open: everything in it is the bench's
         log(f"peers: building the onnxruntime-genai {precision} model from {source}")
         cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-o", str(plain),
                "-p", ORT_GENAI_PRECISIONS[precision], "-e", "cpu", "-c", str(folder / "cache")]

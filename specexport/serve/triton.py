@@ -5,8 +5,9 @@
     REPO/<name>/1/build/            the build's listed files (or, with copy=False, its absolute path in
                                     the config's `build` parameter)
 
-The repository is written beside its final place as `.<name>.partial` and renamed, so a failed
-export leaves nothing that looks like a model. Triton loads `instances` copies of the model (each
+The repository is written beside its final place as `.<name>.partial-<id>` and renamed, so a failed
+export leaves nothing that looks like a model. `--force` replaces only a model folder that
+export-triton wrote (its marker: `specexport.owned`), and in it only the files it wrote. Triton loads `instances` copies of the model (each
 its own Python process with its own Pipeline), which decode in parallel.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
+from specexport import owned
 from specexport.errors import SpecexportError
 from specexport.manifest import listed_files, read_manifest
 
@@ -28,6 +30,7 @@ INPUTS = [  # name, Triton type, dims, optional
     ("method", "TYPE_STRING", [1], True),
     ("stop", "TYPE_STRING", [-1], True),
 ]
+BY = "specexport export-triton"
 OUTPUTS = [("text_output", "TYPE_STRING", [-1]), ("finish_reason", "TYPE_STRING", [1]), ("stats", "TYPE_STRING", [1])]
 
 
@@ -48,22 +51,26 @@ def write_repository(build_dir, repo, *, name: str | None = None, instances: int
     final = repo / name
     if final.exists() and not force:
         raise SpecexportError(f"{final}: exists (pass --force to replace it)")
-    partial = repo / f".{name}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    version = partial / "1"
-    version.mkdir(parents=True)
-    shutil.copy2(Path(__file__).with_name("triton_model.py"), version / "model.py")
-    if copy:
-        for rel in ["manifest.json", *listed_files(manifest)]:
-            dest = version / "build" / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(build_dir / rel, dest)
-    params = {"build": "build" if copy else str(build_dir), "precision": precision,
-              "draft_precision": draft_precision or "", "method": method, "threads": str(threads or "")}
-    (partial / "config.pbtxt").write_text(config_pbtxt(name, instances, params))
-    if final.exists():
-        shutil.rmtree(final)
-    partial.rename(final)
+    if final.exists() and not owned.is_owned(final, BY):
+        raise SpecexportError(f"{final}: exists and was not written by {BY}; --force replaces only a model folder "
+                              f"it wrote: move it away or choose another --name")
+    partial = owned.fresh(repo, f".{name}.partial-", by=BY)
+    try:
+        version = partial / "1"
+        version.mkdir()
+        shutil.copy2(Path(__file__).with_name("triton_model.py"), version / "model.py")
+        if copy:
+            for rel in ["manifest.json", *listed_files(manifest)]:
+                dest = version / "build" / rel
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(build_dir / rel, dest)
+        params = {"build": "build" if copy else str(build_dir), "precision": precision,
+                  "draft_precision": draft_precision or "", "method": method, "threads": str(threads or "")}
+        (partial / "config.pbtxt").write_text(config_pbtxt(name, instances, params))
+        owned.seal(partial)
+        owned.place(partial, final, by=BY)      # replaces only the files an earlier export wrote
+    finally:
+        owned.remove(partial)
     return final
 
 
