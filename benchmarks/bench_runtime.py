@@ -90,12 +90,13 @@ def main():
 
     print("(c) RSS over 2,000 generated tokens (draft, greedy)")
     from specexport.runtime.loop import DecodeStats, decode
+    from specexport.runtime.proposers import DraftChain
     from specexport.runtime.sampling import SamplingParams
 
     big.generate(prompt_ids=list(range(3, 20)), max_new_tokens=50, method="draft", gamma=4)   # warm-up
     samples, emitted = [], 0
-    for chunk in decode(big.target, big.draft, np.arange(3, 20), max_new_tokens=2000, params=SamplingParams(),
-                        gamma=4, rng=np.random.default_rng(0), stats=DecodeStats()):
+    for chunk in decode(big.target, DraftChain(big.draft, 4), np.arange(3, 20), max_new_tokens=2000,
+                        params=SamplingParams(), rng=np.random.default_rng(0), stats=DecodeStats()):
         emitted += len(chunk)
         samples.append((emitted, rss_mib()))
     first, last = samples[0], samples[-1]

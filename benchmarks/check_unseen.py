@@ -20,6 +20,7 @@ from specexport.io_spec import ModelIO
 from specexport.manifest import stage_dir
 from specexport.runtime.backends.ort import OrtBackend
 from specexport.runtime.loop import DecodeStats, decode
+from specexport.runtime.proposers import DraftChain
 from specexport.runtime.sampling import SamplingParams
 
 ap = argparse.ArgumentParser()
@@ -47,7 +48,7 @@ io = ModelIO.from_dict(m["models"]["target"]["io"])
 t, d = (OrtBackend(stage_dir(build, m, "target", "fp32"), io=io, capacity=2048, max_tokens=64) for _ in range(2))
 for params in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)):
     st = DecodeStats()
-    list(decode(t, d, np.array([1, 5, 6, 7]), max_new_tokens=60, params=params, gamma=5,
+    list(decode(t, DraftChain(d, 5), np.array([1, 5, 6, 7]), max_new_tokens=60, params=params,
                 rng=np.random.default_rng(0), stats=st))
     print(f"   {params}: accepted {st.accepted} of {st.proposed} proposals")
 

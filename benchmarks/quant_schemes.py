@@ -14,7 +14,7 @@ Makes each scheme's graph from the build's fp32 target graph (in a temporary fol
 Schemes: MatMulNBits (8 and 4 bits, block 32 or 128, accuracy_level 4 = int8 compute or 1 = fp32
 compute), dynamic U8S8 (`quantize_dynamic`: DynamicQuantizeLinear + MatMulInteger), static QDQ U8S8
 (`quantize_static`, MinMax on 4 sampled sequences other than the quality check's, per-tensor
-activations, per-channel weights): the build's own schemes (export/quantize.py), with their options.
+activations, per-channel weights): the build's own schemes (quant/quantize.py), with their options.
 """
 from __future__ import annotations
 
@@ -26,19 +26,19 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport.export.quality import (
+from specexport.quant.quality import (
     measure_quality,
     row_dependence,
     runtime_session,
     sampled_sequences,
 )
-from specexport.export.quantize import quantize_graph
+from specexport.quant.quantize import quantize_graph
 from specexport.io_spec import ModelIO
 from specexport.manifest import read_manifest, stage_dir
 from specexport.runtime.backends.ort import OrtBackend
 
 SIZES = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16]
-SCHEMES = {   # name -> (precision, the model.yaml quantization settings: export/quantize.py)
+SCHEMES = {   # name -> (precision, the model.yaml quantization settings: quant/quantize.py)
     "nbits8-b32-a4": ("int8", {"scheme": "matmulnbits", "block_size": 32, "accuracy_level": 4}),
     "nbits8-b32-a1": ("int8", {"scheme": "matmulnbits", "block_size": 32, "accuracy_level": 1}),
     "nbits8-b128-a4": ("int8", {"scheme": "matmulnbits", "block_size": 128, "accuracy_level": 4}),

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats as sps
 
-from specexport.export.quality import runtime_session
+from specexport.quant.quality import runtime_session
 from specexport.io_spec import ModelIO
 from specexport.manifest import stage_dir
 

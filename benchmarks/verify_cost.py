@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport.export.medusa_tree import verify_costs
+from specexport.heads.medusa_tree import verify_costs
 from specexport.io_spec import ModelIO
 from specexport.manifest import read_manifest, stage_dir
 from specexport.runtime.backends.ort import OrtBackend

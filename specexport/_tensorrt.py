@@ -2,7 +2,7 @@
 
 TensorRT engines (`backends: [tensorrt]`, `load(..., backend="tensorrt")`) need TensorRT's Python
 bindings with its libraries, TensorRT 11 or later (the engine graph's TRT_KVCacheUpdate / TRT_Attention
-custom ops: export/trt_graph.py) and an NVIDIA GPU. The bindings import lazily, here only.
+custom ops: trt/graph.py) and an NVIDIA GPU. The bindings import lazily, here only.
 """
 from __future__ import annotations
 
@@ -38,8 +38,6 @@ def require_engines(where: str, *, gpu: bool = True):
         raise SpecexportError(f"{where}: TensorRT {version} is installed; engines need TensorRT {MIN_MAJOR} or later "
                               f"(its ONNX parser's TRT_KVCacheUpdate and TRT_Attention ops). {HOW}")
     if gpu:
-        from specexport.plugins.trt_plugin import gpu_arch
-
         try:
             gpu_arch()
         except SpecexportError as err:
@@ -47,3 +45,22 @@ def require_engines(where: str, *, gpu: bool = True):
                                   "engines are built and run on the GPU they are for") from None
     return trt
 
+
+def gpu_arch() -> str:
+    """sm_<major><minor> of the GPU the engine is being built on (torch's CUDA, else nvidia-smi)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return f"sm_{major}{minor}"
+    except ImportError:
+        pass
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
+                             text=True, check=True).stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        raise SpecexportError("TensorRT: no NVIDIA GPU found (neither torch.cuda nor nvidia-smi)") from None
+    return "sm_" + out.replace(".", "")

@@ -16,7 +16,7 @@ Relative paths resolve against the YAML file's folder.
     eval_text: data/heldout.txt       # optional: held-out text for the quantized graphs' quality gate
     calibration_text: data/calib.txt  # optional: text that calibrates the Q/DQ graphs' activation ranges
     quality_gates: {int4: {min_top1: 0.8, max_kl: 0.2}}   # optional: per quantized precision
-    quantization: {int8: {scheme: static_qdq}}   # optional: how int8/int4 are made (export/quantize.py)
+    quantization: {int8: {scheme: static_qdq}}   # optional: how int8/int4 are made (quant/quantize.py)
     tensorrt: {attention: native}     # optional, with backends: [tensorrt]: native (TRT_Attention) or plugin
     # per model, optional: aux_hidden_layers: [2, 8, 13] or "eagle3" (layers whose inputs are exported)
     # per model, optional: precisions: [int4] (overrides the top-level list for that model)
@@ -36,13 +36,13 @@ import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from specexport.errors import SpecexportError
+from specexport.errors import SpecexportError, shown
+from specexport.schemes import (  # noqa: F401  (names of the model.yaml's contract, read from here too)
+    DEFAULT_QUALITY_GATES, GPU_PRECISIONS, PRECISIONS, QUANTIZED, SCHEMES, default_scheme, quality_gates,
+    quantization_settings)
 
 # int8/int4: for ONNX Runtime CPU (weight-only MatMulNBits by default); fp16/fp8/int8_sq: for GPUs (a cast
-# graph, E4M3 and SmoothQuant INT8 Q/DQ: calibrate/). All made from fp32 (export/quantize.py).
-PRECISIONS = ("fp32", "int8", "int4", "fp16", "fp8", "int8_sq")
-QUANTIZED = PRECISIONS[1:]               # checked against fp32 by a quality gate (export/quality.py)
-GPU_PRECISIONS = ("fp16", "fp8", "int8_sq")   # on ONNX Runtime CPU an accuracy path only: no speed claims
+# graph, E4M3 and SmoothQuant INT8 Q/DQ: calibrate/). All made from fp32 (quant/quantize.py).
 BACKENDS = ("onnxruntime", "tensorrt")   # tensorrt: refused by the build where TensorRT is absent (_tensorrt.py)
 MODEL_ROLES = ("target", "draft")
 TOP_KEYS = {"name", "target", "draft", "max_seq_len", "precisions", "backends", "output",
@@ -51,13 +51,19 @@ TOP_KEYS = {"name", "target", "draft", "max_seq_len", "precisions", "backends", 
 HEAD_KINDS = ("medusa", "eagle")         # heads on the target's hidden states, built as their own graphs
 HEADS_KEYS = {"medusa": {"path", "top_k"}, "eagle": {"path", "top_k", "prompts"}}
 MODEL_KEYS = {"path", "aux_hidden_layers", "precisions", "quantization", "vocab"}
-# Quality gates of the quantized graphs against the fp32 graph, on held-out text: the share of positions
-# whose argmax agrees (min_top1) and the mean KL(p_fp32 || p_quant) of the next-token distribution (max_kl).
-DEFAULT_QUALITY_GATES = {"int8": {"min_top1": 0.90, "max_kl": 0.05}, "int4": {"min_top1": 0.80, "max_kl": 0.20},
-                         "fp16": {"min_top1": 0.98, "max_kl": 0.005}, "fp8": {"min_top1": 0.90, "max_kl": 0.05},
-                         "int8_sq": {"min_top1": 0.90, "max_kl": 0.05}}
-GATE_KEYS = ("min_top1", "max_kl")
 REQUIRED = ("name", "target", "max_seq_len")
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(path) -> bool:
+    """True for a file whose first 4 bytes are b"GGUF" (a model path may be one: export/gguf.py)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGUF_MAGIC
+    except OSError:                       # missing, a folder, unreadable
+        return False
+
+
 WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -68,7 +74,7 @@ class ModelConfig:
     path: Path
     aux_hidden_layers: tuple[int, ...] | str = ()   # explicit layer ids, or "eagle3"
     precisions: tuple[str, ...] = ("fp32",)         # what this model is built in; always fp32 first
-    quantization: dict = field(default_factory=dict)   # precision -> scheme settings (quantize.SCHEMES)
+    quantization: dict = field(default_factory=dict)   # precision -> scheme settings (SCHEMES)
     vocab: int | Path | None = None                 # draft only: its output vocabulary, N most frequent or a file
     gguf: Path | None = None                        # the GGUF file `path` was converted from (export/gguf.py);
                                                     #   until plan_build converts it, `path` is that file
@@ -151,7 +157,7 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
         raise SpecexportError(f"output: expected a folder path (a string), got {raw['output']!r}")
     output = Path(raw["output"]) if raw.get("output") else Path("engines") / name
     precisions = _precisions(raw.get("precisions", ["fp32"]), "precisions")
-    schemes = _quantization(raw.get("quantization"), "quantization", None)
+    schemes = quantization_settings(raw.get("quantization"), "quantization", None)
     cfg = BuildConfig(
         name=name,
         target=_model(raw["target"], "target", base, precisions, schemes),
@@ -164,7 +170,7 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
         parity_tolerance=float(tol),
         eval_text=_text_file(raw.get("eval_text"), "eval_text", base),
         calibration_text=_text_file(raw.get("calibration_text"), "calibration_text", base),
-        quality_gates=_quality_gates(raw.get("quality_gates")),
+        quality_gates=quality_gates(raw.get("quality_gates")),
         source=source,
         medusa=_heads(raw["medusa"], "medusa", base) if raw.get("medusa") is not None else None,
         eagle=_heads(raw["eagle"], "eagle", base) if raw.get("eagle") is not None else None,
@@ -178,16 +184,10 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
 def _check_keys(raw: dict, allowed: set, required, *, prefix: str) -> None:
     for key in raw:
         if key not in allowed:
-            raise SpecexportError(f"{prefix}{_show(key)}: unknown key; allowed: {', '.join(sorted(allowed))}")
+            raise SpecexportError(f"{prefix}{shown(key)}: unknown key; allowed: {', '.join(sorted(allowed))}")
     for key in required:
         if key not in raw or raw[key] is None:
             raise SpecexportError(f"{prefix}{key}: missing required key")
-
-
-def _show(value) -> str:
-    """A key or path as the user wrote it, quoted when printing it plainly would break the one-line error."""
-    text = str(value)
-    return text if text.isprintable() and text.strip() == text and text else repr(value)
 
 
 def _positive_int(value, key: str) -> int:
@@ -224,36 +224,8 @@ def _existing_file(value: str, key: str, base: Path) -> Path:
     """A file named in the YAML (relative to its folder), resolved; else an error naming the key."""
     path = Path(value) if Path(value).is_absolute() else base / value
     if not path.is_file():
-        raise SpecexportError(f"{key}: {_show(value)} does not exist or is not a file")
+        raise SpecexportError(f"{key}: {shown(value)} does not exist or is not a file")
     return path.resolve()
-
-
-def _quality_gates(raw) -> dict:
-    """DEFAULT_QUALITY_GATES with the YAML's overrides, e.g. {int4: {min_top1: 0.7}}."""
-    gates = {p: dict(g) for p, g in DEFAULT_QUALITY_GATES.items()}
-    if raw is None:
-        return gates
-    if not isinstance(raw, dict):
-        raise SpecexportError(f"quality_gates: expected a mapping like {{int8: {{min_top1: 0.9, max_kl: 0.05}}}}, "
-                              f"got {raw!r}")
-    for precision, gate in raw.items():
-        if precision not in QUANTIZED:
-            why = " (fp32 is gated against PyTorch by parity_tolerance)" if precision == "fp32" else ""
-            raise SpecexportError(f"quality_gates.{_show(precision)}: unknown key; allowed: {', '.join(QUANTIZED)}{why}")
-        if not isinstance(gate, dict):
-            raise SpecexportError(f"quality_gates.{precision}: expected a mapping like {{min_top1: 0.9, "
-                                  f"max_kl: 0.05}}, got {gate!r}")
-        for key, value in gate.items():
-            where = f"quality_gates.{precision}.{_show(key)}"
-            if key not in GATE_KEYS:
-                raise SpecexportError(f"{where}: unknown key; allowed: {', '.join(GATE_KEYS)}")
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if key == "min_top1" and not (number and 0 <= value <= 1):
-                raise SpecexportError(f"{where}: expected a number in 0..1 (a share of positions), got {value!r}")
-            if key == "max_kl" and not (number and value >= 0):
-                raise SpecexportError(f"{where}: expected a number >= 0 (nats), got {value!r}")
-            gates[precision][key] = float(value)
-    return gates
 
 
 def _with_folder(raw, key: str, allowed: set, base: Path, example: str) -> tuple[dict, Path, str]:
@@ -269,8 +241,8 @@ def _with_folder(raw, key: str, allowed: set, base: Path, example: str) -> tuple
     path = Path(raw["path"])
     path = path if path.is_absolute() else base / path
     if not path.is_dir():
-        raise SpecexportError(f"{key}.path: {_show(raw['path'])} does not exist or is not a folder")
-    return raw, path, _show(raw["path"])
+        raise SpecexportError(f"{key}.path: {shown(raw['path'])} does not exist or is not a folder")
+    return raw, path, shown(raw["path"])
 
 
 def _model(raw, role: str, base: Path, precisions: tuple[str, ...], schemes: dict) -> ModelConfig:
@@ -297,10 +269,8 @@ def _gguf_file(raw, role: str, base: Path) -> Path | None:
     path = Path(value) if Path(value).is_absolute() else base / value
     if not path.is_file():
         return None
-    from specexport.export.gguf import is_gguf
-
     if not is_gguf(path):
-        raise SpecexportError(f"{role}.path: {_show(value)} is a file but not a GGUF file; expected a checkpoint "
+        raise SpecexportError(f"{role}.path: {shown(value)} is a file but not a GGUF file; expected a checkpoint "
                               f"folder (config.json, weights, tokenizer) or a .gguf file")
     return path.resolve()
 
@@ -313,7 +283,7 @@ def _model_options(raw: dict, role: str, path: Path, precisions, schemes, base: 
         aux = tuple(sorted(set(aux)))
     if raw.get("precisions") is not None:
         precisions = _precisions(raw["precisions"], f"{role}.precisions")
-    schemes = _quantization(raw.get("quantization"), f"{role}.quantization", schemes)
+    schemes = quantization_settings(raw.get("quantization"), f"{role}.quantization", schemes)
     return ModelConfig(role=role, path=path, aux_hidden_layers=aux, precisions=precisions,
                        quantization=schemes, vocab=_vocab(raw.get("vocab"), role, base, path), gguf=gguf)
 
@@ -338,44 +308,6 @@ def _vocab(value, role: str, base: Path, path: Path):
     return _existing_file(value, "draft.vocab", base)
 
 
-def _quantization(raw, where: str, defaults: dict | None) -> dict:
-    """{int8: {scheme, options...}, int4: {...}}: `defaults` (or each scheme's own) with the YAML's choices."""
-    from specexport.export.quantize import SCHEMES, default_scheme
-
-    out = {p: dict(s) for p, s in (defaults or {p: default_scheme(p) for p in QUANTIZED}).items()}
-    if raw is None:
-        return out
-    if not isinstance(raw, dict):
-        raise SpecexportError(f"{where}: expected a mapping like {{int8: {{scheme: static_qdq}}}}, got {raw!r}")
-    for precision, choice in raw.items():
-        if precision not in QUANTIZED:
-            raise SpecexportError(f"{where}.{_show(precision)}: unknown key; allowed: {', '.join(QUANTIZED)}")
-        if not isinstance(choice, dict):
-            raise SpecexportError(f"{where}.{precision}: expected a mapping like {{scheme: matmulnbits, "
-                                  f"block_size: 32}}, got {choice!r}")
-        scheme = choice.get("scheme", out[precision]["scheme"])
-        if scheme not in SCHEMES or precision not in SCHEMES[scheme][0]:
-            ok = [k for k, (ps, _) in SCHEMES.items() if precision in ps]
-            raise SpecexportError(f"{where}.{precision}.scheme: {scheme!r} cannot make {precision}; supported: "
-                                  f"{', '.join(ok)}")
-        options = SCHEMES[scheme][1]
-        settings = {"scheme": scheme, **{k: (out[precision].get(k, d) if scheme == out[precision]["scheme"] else d)
-                                          for k, (d, _) in options.items()}}
-        for key, value in choice.items():
-            if key == "scheme":
-                continue
-            if key not in options:
-                allowed = ", ".join(["scheme", *options]) or "scheme"
-                raise SpecexportError(f"{where}.{precision}.{_show(key)}: unknown key for scheme {scheme}; "
-                                      f"allowed: {allowed}")
-            if value not in options[key][1] or isinstance(value, bool):
-                raise SpecexportError(f"{where}.{precision}.{key}: expected one of "
-                                      f"{', '.join(map(str, options[key][1]))}, got {value!r}")
-            settings[key] = value
-        out[precision] = settings
-    return out
-
-
 def _heads(raw, kind: str, base: Path) -> HeadsConfig:
     raw, path, _ = _with_folder(raw, kind, HEADS_KEYS[kind], base, f"heads/{kind}")
     top_k = raw.get("top_k", 10)
@@ -393,7 +325,7 @@ TRT_ATTENTION = ("native", "plugin")     # TensorRT 11's TRT_Attention op, or th
 
 
 def _tensorrt_options(raw) -> dict:
-    """tensorrt: {attention: native | plugin} (export/trt_graph.py)."""
+    """tensorrt: {attention: native | plugin} (trt/graph.py)."""
     if raw is None:
         return {"attention": "native"}
     if not isinstance(raw, dict):

@@ -11,3 +11,9 @@ class MissingDependency(SpecexportError):
 
 class ParityError(SpecexportError):
     """An exported artifact does not match its PyTorch reference within tolerance (exit code 2)."""
+
+
+def shown(value) -> str:
+    """A key or path as the user wrote it, quoted when printing it plainly would break a one-line error."""
+    text = str(value)
+    return text if text.isprintable() and text.strip() == text and text else repr(value)

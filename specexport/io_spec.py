@@ -60,6 +60,33 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+# -- the tensor names: spelled here and nowhere else (tests/test_io_names.py checks) ---------------------
+INPUT_IDS = "input_ids"
+POSITION_IDS = "position_ids"
+ATTENTION_MASK = "attention_mask"
+LOGITS_ROWS = "logits_rows"
+LOGITS = "logits"
+HIDDEN_STATES = "hidden_states"
+AUX_HIDDEN_STATES = "aux_hidden_states"
+HEAD_TOPK_IDS = "head_topk_ids"              # Medusa heads graph
+HEAD_TOPK_LOGPROBS = "head_topk_logprobs"
+FEATURES = "features"                        # EAGLE head graph
+DRAFT_HIDDEN = "draft_hidden"
+TOPK_IDS = "topk_ids"
+TOPK_LOGPROBS = "topk_logprobs"
+PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE = "past_key", "past_value", "present_key", "present_value"
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    """(past_key.{layer}, past_value.{layer}): a layer's cache inputs."""
+    return f"{PAST_KEY}.{layer}", f"{PAST_VALUE}.{layer}"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    """(present_key.{layer}, present_value.{layer}): a layer's cache outputs (the same buffers, bound in place)."""
+    return f"{PRESENT_KEY}.{layer}", f"{PRESENT_VALUE}.{layer}"
+
+
 DYNAMIC_AXES = ("batch", "tokens", "total", "rows", "capacity")
 # 2: logits_rows (logits only for the rows asked for); 3: in-place KV caches [B, Hkv, C, D] and
 # attention_mask over past + new. Bump on any change here.
@@ -91,18 +118,18 @@ class ModelIO:
     def __post_init__(self):
         kv_axes = ("batch", self.num_kv_heads, "capacity", self.head_dim)
         ins = [
-            TensorSpec("input_ids", "int64", ("batch", "tokens")),
-            TensorSpec("position_ids", "int64", ("batch", "tokens")),
-            TensorSpec("attention_mask", "bool", ("batch", "tokens", "total")),
-            TensorSpec("logits_rows", "int64", ("batch", "rows")),
+            TensorSpec(INPUT_IDS, "int64", ("batch", "tokens")),
+            TensorSpec(POSITION_IDS, "int64", ("batch", "tokens")),
+            TensorSpec(ATTENTION_MASK, "bool", ("batch", "tokens", "total")),
+            TensorSpec(LOGITS_ROWS, "int64", ("batch", "rows")),
         ]
         outs = [
-            TensorSpec("logits", "float32", ("batch", "rows", self.vocab_size)),
-            TensorSpec("hidden_states", "float32", ("batch", "tokens", self.hidden_size)),
+            TensorSpec(LOGITS, "float32", ("batch", "rows", self.vocab_size)),
+            TensorSpec(HIDDEN_STATES, "float32", ("batch", "tokens", self.hidden_size)),
         ]
         if self.aux_hidden_layers:
             width = len(self.aux_hidden_layers) * self.hidden_size
-            outs.append(TensorSpec("aux_hidden_states", "float32", ("batch", "tokens", width)))
+            outs.append(TensorSpec(AUX_HIDDEN_STATES, "float32", ("batch", "tokens", width)))
         for i in range(self.num_layers):
             past_k, past_v = self.past_names(i)
             ins += [TensorSpec(past_k, "float32", kv_axes), TensorSpec(past_v, "float32", kv_axes)]
@@ -111,13 +138,8 @@ class ModelIO:
         object.__setattr__(self, "inputs", tuple(ins))
         object.__setattr__(self, "outputs", tuple(outs))
 
-    @staticmethod
-    def past_names(layer: int) -> tuple[str, str]:
-        return f"past_key.{layer}", f"past_value.{layer}"
-
-    @staticmethod
-    def present_names(layer: int) -> tuple[str, str]:
-        return f"present_key.{layer}", f"present_value.{layer}"
+    past_names = staticmethod(past_names)
+    present_names = staticmethod(present_names)
 
     @property
     def input_names(self) -> list[str]:
@@ -151,10 +173,10 @@ class ModelIO:
         attention = np.ones((B, T, P + T), bool)
         attention[:, :, P:] = mask
         rows = np.arange(T) if rows is None else rows
-        feeds = {"input_ids": tokens,
-                 "position_ids": np.ascontiguousarray(np.broadcast_to(np.asarray(positions, np.int64), (B, T))),
-                 "attention_mask": attention,
-                 "logits_rows": np.ascontiguousarray(np.broadcast_to(np.asarray(rows, np.int64),
+        feeds = {INPUT_IDS: tokens,
+                 POSITION_IDS: np.ascontiguousarray(np.broadcast_to(np.asarray(positions, np.int64), (B, T))),
+                 ATTENTION_MASK: attention,
+                 LOGITS_ROWS: np.ascontiguousarray(np.broadcast_to(np.asarray(rows, np.int64),
                                                                      (B, np.asarray(rows).shape[-1])))}
         feeds.update(zip(self.past_input_names, past))
         return feeds
@@ -217,9 +239,9 @@ class HeadsIO:
 
     def __post_init__(self):
         per_head = ("batch", "tokens", self.num_heads, self.top_k)
-        object.__setattr__(self, "inputs", (TensorSpec("hidden_states", "float32", ("batch", "tokens", self.hidden_size)),))
-        object.__setattr__(self, "outputs", (TensorSpec("head_topk_ids", "int64", per_head),
-                                             TensorSpec("head_topk_logprobs", "float32", per_head)))
+        object.__setattr__(self, "inputs", (TensorSpec(HIDDEN_STATES, "float32", ("batch", "tokens", self.hidden_size)),))
+        object.__setattr__(self, "outputs", (TensorSpec(HEAD_TOPK_IDS, "int64", per_head),
+                                             TensorSpec(HEAD_TOPK_LOGPROBS, "float32", per_head)))
 
     input_names = ModelIO.input_names
     output_names = ModelIO.output_names
@@ -259,17 +281,17 @@ class EagleIO:
         kv_axes = ("batch", self.num_kv_heads, "capacity", self.head_dim)
         per_row = ("batch", "rows", self.top_k)
         object.__setattr__(self, "inputs", (
-            TensorSpec("input_ids", "int64", ("batch", "tokens")),
-            TensorSpec("position_ids", "int64", ("batch", "tokens")),
-            TensorSpec("attention_mask", "bool", ("batch", "tokens", "total")),
-            TensorSpec("logits_rows", "int64", ("batch", "rows")),
-            TensorSpec("features", "float32", ("batch", "tokens", self.feature_width)),
-            TensorSpec("draft_hidden", "float32", ("batch", "tokens", self.hidden_size)),
+            TensorSpec(INPUT_IDS, "int64", ("batch", "tokens")),
+            TensorSpec(POSITION_IDS, "int64", ("batch", "tokens")),
+            TensorSpec(ATTENTION_MASK, "bool", ("batch", "tokens", "total")),
+            TensorSpec(LOGITS_ROWS, "int64", ("batch", "rows")),
+            TensorSpec(FEATURES, "float32", ("batch", "tokens", self.feature_width)),
+            TensorSpec(DRAFT_HIDDEN, "float32", ("batch", "tokens", self.hidden_size)),
             *(TensorSpec(n, "float32", kv_axes) for n in ModelIO.past_names(0))))
         object.__setattr__(self, "outputs", (
-            TensorSpec("topk_ids", "int64", per_row),
-            TensorSpec("topk_logprobs", "float32", per_row),
-            TensorSpec("hidden_states", "float32", ("batch", "tokens", self.hidden_size)),
+            TensorSpec(TOPK_IDS, "int64", per_row),
+            TensorSpec(TOPK_LOGPROBS, "float32", per_row),
+            TensorSpec(HIDDEN_STATES, "float32", ("batch", "tokens", self.hidden_size)),
             *(TensorSpec(n, "float32", kv_axes) for n in ModelIO.present_names(0))))
 
     input_names = ModelIO.input_names
@@ -298,13 +320,13 @@ class EagleIO:
             mask = np.ones((T, P + T), bool)
             mask[:, P:] = np.tril(np.ones((T, T), bool))
         zeros = np.zeros
-        return {"input_ids": tokens[None],
-                "position_ids": np.asarray(P + np.arange(T) if positions is None else positions, np.int64)[None],
-                "attention_mask": np.asarray(mask, bool)[None],
-                "logits_rows": np.asarray(np.arange(T) if rows is None else rows, np.int64).reshape(1, -1),
-                "features": np.asarray(zeros((T, self.feature_width)) if features is None else features,
+        return {INPUT_IDS: tokens[None],
+                POSITION_IDS: np.asarray(P + np.arange(T) if positions is None else positions, np.int64)[None],
+                ATTENTION_MASK: np.asarray(mask, bool)[None],
+                LOGITS_ROWS: np.asarray(np.arange(T) if rows is None else rows, np.int64).reshape(1, -1),
+                FEATURES: np.asarray(zeros((T, self.feature_width)) if features is None else features,
                                        np.float32)[None],
-                "draft_hidden": np.asarray(zeros((T, self.hidden_size)) if draft_hidden is None else draft_hidden,
+                DRAFT_HIDDEN: np.asarray(zeros((T, self.hidden_size)) if draft_hidden is None else draft_hidden,
                                            np.float32)[None],
                 **dict(zip(self.past_names(0), past))}
 

@@ -22,6 +22,17 @@ from specexport.export.tiny import TINY_CONFIGS, make_tiny_checkpoint, train_tok
 MAX_SEQ_LEN = 128
 
 
+def pytest_runtest_setup(item):
+    """The machine markers (tests/machine.py): skip a test this machine cannot run or check."""
+    from machine import MARKERS
+
+    for mark in item.iter_markers():
+        if mark.name in MARKERS:
+            skip, why = MARKERS[mark.name]
+            if skip():
+                pytest.skip(why)
+
+
 def _write_yaml(path: Path, **fields) -> Path:
     """Write a model.yaml with these top-level fields (Paths become strings)."""
     def plain(v):

@@ -226,6 +226,13 @@ def goodness_of_fit(counts: np.ndarray, probs: np.ndarray, *, min_expected: floa
     return Fit(float(res.pvalue), tv, n, len(probs))
 
 
+def chain(draft, gamma: int, *, draft_stop: float = 0.0):
+    """The proposer of a draft model at γ (DraftChain), or None (vanilla) for γ 0 or no draft."""
+    from specexport.runtime.proposers import DraftChain
+
+    return DraftChain(draft, gamma, draft_stop=draft_stop) if draft is not None and gamma else None
+
+
 def decode_many(target, proposer, prompt, params, runs: int, *, max_new: int, seed: int):
     """tokens [runs, max_new] from `runs` decodes through the whole loop sharing one rng, and the
     summed proposed / accepted counts (the proposal and verdict paths were both exercised if 0 <

@@ -273,7 +273,7 @@ def test_peers_run_apart_and_are_compared_with_our_fp32_vanilla_output(bench_rep
 
 
 def test_same_output_is_whole_and_never_empty():
-    from specexport.report.bench import _same_output
+    from specexport.report.rows import _same_output
 
     assert _same_output([5, 6, 2], [5, 6, 2], {2}) and _same_output([5, 6], [5, 6, 2], {2})
     assert not _same_output([], [5, 6], {2}) and not _same_output([5], [5, 6], {2})

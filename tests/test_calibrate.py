@@ -18,9 +18,9 @@ import onnx
 import pytest
 
 import specexport
-from specexport.calibrate import fp16 as fp16_pass
-from specexport.calibrate.feeds import PHASES, runtime_feeds, split_point
-from specexport.export.quality import runtime_session, sampled_sequences
+from specexport.quant import fp16 as fp16_pass
+from specexport.quant.feeds import PHASES, runtime_feeds, split_point
+from specexport.quant.quality import runtime_session, sampled_sequences
 from specexport.export.to_onnx import check_graph_io
 from specexport.io_spec import ModelIO
 from specexport.manifest import read_manifest
@@ -162,7 +162,7 @@ def test_the_plugin_graph_passes_the_parity_gate_against_pytorch(built_llama, ti
     numpy reference: the same phases (prefill, decode, a random tree) as the exported graph's gate."""
     from specexport.export.to_onnx import load_hf_model
     from specexport.export.validate import compare, onnx_logits, parity_case, reference_logits
-    from specexport.plugins.graph import cpu_session, write_plugin_graph
+    from specexport.trt.plugin_graph import cpu_session, write_plugin_graph
 
     path, io = _fp32(built_llama)
     folder = tmp_path / "fp32"
@@ -184,7 +184,7 @@ def test_the_plugin_graph_passes_the_parity_gate_against_pytorch(built_llama, ti
 
 
 def test_activation_quantized_graphs_pad_one_row_calls_at_any_difference():
-    from specexport.export.quality import min_tokens_for
+    from specexport.quant.quality import min_tokens_for
 
     for scheme in ("modelopt", "smoothquant", "static_qdq"):
         assert min_tokens_for({"one_token": 1e-6, "two_tokens": 0.0}, scheme) == 2
@@ -194,7 +194,7 @@ def test_activation_quantized_graphs_pad_one_row_calls_at_any_difference():
 
 
 def test_what_stays_unquantized(built_llama):
-    from specexport.calibrate.ptq import kept_high_precision
+    from specexport.quant.ptq import kept_high_precision
 
     path, io = _fp32(built_llama)
     model = onnx.load(str(path), load_external_data=False)

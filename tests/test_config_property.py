@@ -13,7 +13,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specexport.config import GATE_KEYS, MODEL_KEYS, PRECISIONS, TOP_KEYS, BuildConfig, load_config
+from specexport.config import MODEL_KEYS, PRECISIONS, TOP_KEYS, BuildConfig, load_config
+from specexport.schemes import GATE_KEYS
 from specexport.errors import SpecexportError
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

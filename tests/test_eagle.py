@@ -1,4 +1,4 @@
-"""EAGLE heads in the published layouts (export/eagle.py): loading, version from the keys, the checks
+"""EAGLE heads in the published layouts (heads/eagle.py): loading, version from the keys, the checks
 against the target, and the PyTorch head against transformers' Llama layer and across tree masks."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from specexport.errors import SpecexportError  # noqa: E402
-from specexport.export.eagle import eagle3_layers, load_eagle, make_head  # noqa: E402
+from specexport.heads.eagle import eagle3_layers, load_eagle, make_head  # noqa: E402
 
 H, HEADS, KV, INTER, V = 32, 4, 2, 64, 96
 

@@ -85,8 +85,8 @@ def write_eagle3(folder, target, *, layers=None, draft_vocab=200, noise=0.02, se
 @pytest.fixture(scope="module")
 def random_eagle3(tmp_path_factory):
     """An exported EAGLE-3 head with random weights everywhere (attention matters), on random features."""
-    from specexport.export.eagle import load_eagle
-    from specexport.export.eagle_graph import export_head, io_for
+    from specexport.heads.eagle import load_eagle
+    from specexport.heads.eagle_graph import export_head, io_for
     from test_eagle import H, V, write_eagle3 as write_random
 
     root = tmp_path_factory.mktemp("eagle-graph")
@@ -99,8 +99,8 @@ def random_eagle3(tmp_path_factory):
 
 
 def test_head_graph_matches_the_published_head_and_the_check_has_teeth(random_eagle3, monkeypatch):
-    from specexport.export.eagle import load_eagle
-    from specexport.export.eagle_graph import head_parity
+    from specexport.heads.eagle import load_eagle
+    from specexport.heads.eagle_graph import head_parity
     from specexport.io_spec import EagleIO
 
     w, embed, io, path = random_eagle3
@@ -126,7 +126,7 @@ def test_head_graph_matches_the_published_head_and_the_check_has_teeth(random_ea
 # -- builds ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def eagle_builds(tiny_root, tiny_checkpoints, tokenizer, write_yaml, run_build):
-    from specexport.export import eagle_stage
+    from specexport.build.stages import eagle as eagle_stage
     from specexport.export.tiny import make_tiny_checkpoint
 
     patch = pytest.MonkeyPatch()

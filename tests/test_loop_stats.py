@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fakes import (Fit, TabularBackend, counts_of, exact_continuation_probs, goodness_of_fit, greedy_reference,
+from fakes import (Fit, TabularBackend, chain, counts_of, exact_continuation_probs, goodness_of_fit, greedy_reference,
                    make_table, perturb_table)
 from specexport.errors import SpecexportError
 from specexport.runtime import loop
@@ -52,9 +52,8 @@ def run_decodes(target, draft, prompt, params, gamma, runs, max_new, seed, draft
     proposed = 0
     for r in range(runs):
         stats = DecodeStats()
-        toks = np.concatenate(list(decode(target, draft, np.asarray(prompt), max_new_tokens=max_new,
-                                          params=params, gamma=gamma, rng=rng, stats=stats,
-                                          draft_stop=draft_stop)))
+        toks = np.concatenate(list(decode(target, chain(draft, gamma, draft_stop=draft_stop), np.asarray(prompt),
+                                          max_new_tokens=max_new, params=params, rng=rng, stats=stats)))
         out[r] = toks
         accepted[r] = stats.accepted
         proposed += stats.proposed
@@ -200,8 +199,8 @@ def test_teeth_draft_rollback_keeping_a_rejected_row_fails_loudly():
     target, draft = backends(draft_cls=KeepsRejectedDraftRow)
     with pytest.raises(SpecexportError):
         for seed in range(50):
-            list(decode(target, draft, np.array([3, 1]), max_new_tokens=30, params=SamplingParams(1.0),
-                        gamma=4, rng=np.random.default_rng(seed), stats=DecodeStats()))
+            list(decode(target, chain(draft, 4), np.array([3, 1]), max_new_tokens=30,
+                        params=SamplingParams(1.0), rng=np.random.default_rng(seed), stats=DecodeStats()))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -218,8 +217,9 @@ def test_kv_invariants_after_every_round(params, gamma, draft_stop):
         stats = DecodeStats()
         seq = list(prompt)
         proposed = accepted = 0
-        for chunk in decode(target, draft, prompt, max_new_tokens=100, params=params, gamma=gamma,
-                            rng=np.random.default_rng(seed), stats=stats, draft_stop=draft_stop):
+        for chunk in decode(target, chain(draft, gamma, draft_stop=draft_stop), prompt, max_new_tokens=100,
+                            params=params,
+                            rng=np.random.default_rng(seed), stats=stats):
             seq += chunk.tolist()
             n = len(seq)
             assert target.length == n - 1 and target.context().tolist() == seq[:n - 1]
@@ -251,13 +251,15 @@ def test_greedy_equals_plain_greedy(gamma, draft_stop):
     target, draft = backends(capacity=256)
     rejected = 0
     for prompt in _greedy_prompts():
-        plain = np.concatenate(list(decode(target, None, prompt, max_new_tokens=200, params=SamplingParams(0.0),
-                                           gamma=gamma, rng=np.random.default_rng(0), stats=DecodeStats())))
+        plain = np.concatenate(list(decode(target, chain(None, gamma), prompt, max_new_tokens=200,
+                                           params=SamplingParams(0.0),
+                                           rng=np.random.default_rng(0), stats=DecodeStats())))
         np.testing.assert_array_equal(plain, greedy_reference(TARGET, prompt, 200))
         stats = DecodeStats()
-        spec = np.concatenate(list(decode(target, draft, prompt, max_new_tokens=200, params=SamplingParams(0.0),
-                                          gamma=gamma, rng=np.random.default_rng(1), stats=stats,
-                                          prefill_chunk=3 + gamma, draft_stop=draft_stop)))
+        spec = np.concatenate(list(decode(target, chain(draft, gamma, draft_stop=draft_stop), prompt,
+                                          max_new_tokens=200,
+                                          params=SamplingParams(0.0), rng=np.random.default_rng(1), stats=stats,
+                                          prefill_chunk=3 + gamma)))
         np.testing.assert_array_equal(spec, plain, err_msg=f"prompt {prompt.tolist()}, γ = {gamma}")
         rejected += stats.proposed - stats.accepted
     assert rejected > 0
@@ -271,8 +273,9 @@ def test_greedy_with_many_random_tables():
         target = TabularBackend(table, capacity=220, max_tokens=8)
         draft = TabularBackend(perturb_table(rng, table, noise=0.5 + seed % 2), capacity=220, max_tokens=8)
         prompt = rng.integers(0, 7, size=1 + seed)
-        spec = np.concatenate(list(decode(target, draft, prompt, max_new_tokens=200, params=SamplingParams(0.0),
-                                          gamma=1 + seed % 6, rng=np.random.default_rng(seed), stats=DecodeStats())))
+        spec = np.concatenate(list(decode(target, chain(draft, 1 + seed % 6), prompt, max_new_tokens=200,
+                                          params=SamplingParams(0.0),
+                                          rng=np.random.default_rng(seed), stats=DecodeStats())))
         np.testing.assert_array_equal(spec, greedy_reference(table, prompt, 200), err_msg=f"seed {seed}")
 
 
@@ -283,8 +286,8 @@ def test_draft_equal_to_target_accepts_everything(params, gamma):
     target, draft = backends(draft_table=TARGET, capacity=128)
     for seed in range(5):
         stats = DecodeStats()
-        toks = np.concatenate(list(decode(target, draft, np.array([seed % V, 2]), max_new_tokens=100, params=params,
-                                          gamma=gamma, rng=np.random.default_rng(seed), stats=stats)))
+        toks = np.concatenate(list(decode(target, chain(draft, gamma), np.array([seed % V, 2]), max_new_tokens=100,
+                                          params=params, rng=np.random.default_rng(seed), stats=stats)))
         assert len(toks) == 100
         assert stats.proposed > 0 and stats.accepted == stats.proposed, (stats.accepted, stats.proposed)
         assert stats.target_passes == -(-99 // (gamma + 1))               # ceil(99 / (γ + 1)) rounds
@@ -324,8 +327,8 @@ def test_decode_stops_at_capacity(params, gamma):
             target, draft = backends(capacity=C)
             prompt = np.random.default_rng(seed).integers(0, V, size=plen)
             stats = DecodeStats()
-            toks = np.concatenate(list(decode(target, draft if gamma else None, prompt, max_new_tokens=1000,
-                                              params=params, gamma=gamma, rng=np.random.default_rng(seed),
+            toks = np.concatenate(list(decode(target, chain(draft, gamma), prompt, max_new_tokens=1000,
+                                              params=params, rng=np.random.default_rng(seed),
                                               stats=stats)))
             assert plen + len(toks) == C, f"prompt {plen} + emitted {len(toks)} != capacity {C} (γ = {gamma})"
             assert stats.emitted == len(toks) and target.length <= C
@@ -336,8 +339,8 @@ def test_decode_emits_exactly_max_new_tokens(budget):
     target, draft = backends()
     for gamma in (1, 3, 6):
         for seed in range(5):
-            toks = np.concatenate(list(decode(target, draft, np.array([1, 2]), max_new_tokens=budget,
-                                              params=SamplingParams(1.0), gamma=gamma,
+            toks = np.concatenate(list(decode(target, chain(draft, gamma), np.array([1, 2]), max_new_tokens=budget,
+                                              params=SamplingParams(1.0),
                                               rng=np.random.default_rng(seed), stats=DecodeStats())))
             assert len(toks) == budget
 
@@ -350,7 +353,7 @@ def test_decode_prompt_without_room(plen):
     target, draft = backends(capacity=10)
     prompt = np.arange(plen, dtype=np.int64) % V
     try:
-        toks = list(decode(target, draft, prompt, max_new_tokens=5, params=SamplingParams(0.0), gamma=2,
+        toks = list(decode(target, chain(draft, 2), prompt, max_new_tokens=5, params=SamplingParams(0.0),
                            rng=np.random.default_rng(0), stats=DecodeStats()))
     except SpecexportError:
         return
@@ -361,7 +364,7 @@ def test_decode_zero_budget_emits_nothing():
     """max_new_tokens = 0 asks for no tokens: emit none (or refuse with a clear error)."""
     target, draft = backends()
     try:
-        toks = list(decode(target, draft, np.array([1, 2]), max_new_tokens=0, params=SamplingParams(0.0), gamma=2,
+        toks = list(decode(target, chain(draft, 2), np.array([1, 2]), max_new_tokens=0, params=SamplingParams(0.0),
                            rng=np.random.default_rng(0), stats=DecodeStats()))
     except (SpecexportError, ValueError):
         return
@@ -374,7 +377,7 @@ def test_backend_timings_record_every_forward_tagged_by_phase():
     target, draft = backends(capacity=60)
     target.timings, draft.timings = {}, {}
     stats = DecodeStats()
-    list(decode(target, draft, np.array([1, 2, 3]), max_new_tokens=30, params=SamplingParams(0.0), gamma=3,
+    list(decode(target, chain(draft, 3), np.array([1, 2, 3]), max_new_tokens=30, params=SamplingParams(0.0),
                 rng=np.random.default_rng(0), stats=stats))
     for backend, role in ((target, "target"), (draft, "draft")):
         assert [len(v) for k, v in backend.timings.items() if k[0] == "prefill"] == [1]      # 3 tokens, one chunk
@@ -391,8 +394,8 @@ def test_rounds_record_every_target_pass_and_sum_to_the_output():
     for gamma in (1, 3, 5):
         target, draft = backends(capacity=40)
         stats = DecodeStats()
-        toks = np.concatenate(list(decode(target, draft, np.array([1, 2]), max_new_tokens=25,
-                                          params=SamplingParams(0.0), gamma=gamma, rng=np.random.default_rng(1),
+        toks = np.concatenate(list(decode(target, chain(draft, gamma), np.array([1, 2]), max_new_tokens=25,
+                                          params=SamplingParams(0.0), rng=np.random.default_rng(1),
                                           stats=stats)))
         assert len(stats.rounds) == stats.target_passes
         assert 1 + sum(k + 1 for _, k in stats.rounds) == len(toks) == stats.emitted == stats.delivered == 25
@@ -417,7 +420,7 @@ def test_decode_time_excludes_prefill_with_an_injected_clock():
     tick(target, lambda t: 1.0 + 0.1 * t)
     tick(draft, lambda t: 0.25)
     stats = DecodeStats()
-    list(decode(target, draft, np.array([1, 2, 3, 4]), max_new_tokens=11, params=SamplingParams(0.0), gamma=2,
+    list(decode(target, chain(draft, 2), np.array([1, 2, 3, 4]), max_new_tokens=11, params=SamplingParams(0.0),
                 rng=np.random.default_rng(0), stats=stats, clock=lambda: now[0]))
     assert stats.prefill_s == pytest.approx(1.4) and stats.draft_prefill_s == pytest.approx(0.25)
     assert stats.ttft_s == pytest.approx(1.65)

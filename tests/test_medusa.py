@@ -18,7 +18,7 @@ import pytest
 
 from fakes import counts_of, goodness_of_fit
 from specexport.errors import SpecexportError
-from specexport.export.medusa import export_heads, heads_parity, load_medusa, save_medusa_1
+from specexport.heads.medusa import export_heads, heads_parity, load_medusa, save_medusa_1
 from specexport.io_spec import HeadsIO
 from specexport.runtime import loop
 from specexport.runtime.proposers import MedusaTree
@@ -179,7 +179,7 @@ def test_medusa_tree_checks_its_heads():
 
 
 def test_auto_tree_worked_example():
-    from specexport.export.medusa_tree import choose_tree, greedy_tree
+    from specexport.heads.medusa_tree import choose_tree, greedy_tree
 
     acc = np.array([[0.6, 0.2], [0.5, 0.1]])
     paths, probs = greedy_tree(acc, 4)

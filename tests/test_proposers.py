@@ -297,7 +297,7 @@ def test_draft_trees_through_the_pipeline_and_the_cli(built_llama, capsys):
     import specexport
     from specexport.cli import main
     from specexport.errors import SpecexportError
-    from specexport.runtime.pipeline import DRAFT_TREES
+    from specexport.runtime.methods import DRAFT_TREES
 
     with specexport.load(built_llama) as pipe:
         ref = pipe.generate(prompt_ids=[5, 9, 11], max_new_tokens=40, method="vanilla").token_ids

@@ -20,8 +20,8 @@ import specexport
 from specexport.cli import main
 from specexport.config import DEFAULT_QUALITY_GATES, load_config
 from specexport.errors import SpecexportError
-from specexport.export.plan import plan_build
-from specexport.export.quality import QualityReport, text_sequences
+from specexport.build.plan import plan_build
+from specexport.quant.quality import QualityReport, text_sequences
 from specexport.export.to_onnx import check_graph_io
 from specexport.io_spec import ModelIO
 from specexport.manifest import file_problems, listed_files, read_manifest, sha256_file
@@ -171,7 +171,7 @@ def test_greedy_speculative_equals_vanilla_on_the_same_precision(built_quant, pr
 
 def test_quantized_graph_computes_each_row_independently(built_quant):
     """Lossless verification needs a token's logits not to depend on the other tokens of the call."""
-    from specexport.export.quality import prefill_logits, runtime_session
+    from specexport.quant.quality import prefill_logits, runtime_session
 
     manifest = read_manifest(built_quant)
     io = ModelIO.from_dict(manifest["models"]["target"]["io"])
@@ -311,7 +311,8 @@ def test_config_precisions_resolve_per_model_with_fp32_first(tiny_checkpoints, t
     assert cfg.precisions == ("fp32", "int8")
     assert cfg.target.precisions == ("fp32", "int8") and cfg.draft.precisions == ("fp32", "int4")
     assert cfg.quality_gates == {**DEFAULT_QUALITY_GATES, "int4": {"min_top1": 0.5, "max_kl": 0.2}}
-    assert plan_build(cfg).stages() == [("target", "fp32"), ("target", "int8"), ("draft", "fp32"), ("draft", "int4")]
+    graphs = [(s.role, s.precision) for s in plan_build(cfg).stages() if s.precision]    # stages are values now
+    assert graphs == [("target", "fp32"), ("target", "int8"), ("draft", "fp32"), ("draft", "int4")]
 
 
 # -- pieces --------------------------------------------------------------------------------------
@@ -375,8 +376,8 @@ def test_smoothquant_rewrite_is_exact_in_fp32(built_quant, tmp_path):
     """X/s @ diag(s)W = X @ W: the smoothed fp32 graph gives the original logits; norms take the 1/s
     where they can (q/k/v, gate/up inputs) and a Mul is inserted where they cannot (o_proj, down_proj,
     lm_head)."""
-    from specexport.export import smooth
-    from specexport.export.quality import runtime_session
+    from specexport.quant import smooth
+    from specexport.quant.quality import runtime_session
     from specexport.manifest import stage_dir
 
     m = read_manifest(built_quant)

@@ -17,6 +17,7 @@ from specexport.errors import SpecexportError
 from specexport.io_spec import ModelIO
 from specexport.runtime.backends.ort import OrtBackend
 from specexport.runtime.loop import DecodeStats, decode
+from specexport.runtime.proposers import DraftChain
 from specexport.runtime.sampling import SamplingParams
 from specexport.runtime.tree import Tree
 
@@ -90,8 +91,8 @@ def test_draft_equal_to_target_accepts_everything(built_long):
     target, draft = _backend(built_long, "target"), _backend(built_long, "target")
     for gamma in (1, 3, 7):
         st = DecodeStats()
-        ids = list(decode(target, draft, np.array([1, 40, 41, 42]), max_new_tokens=60, params=SamplingParams(),
-                          gamma=gamma, rng=np.random.default_rng(0), stats=st))
+        ids = list(decode(target, DraftChain(draft, gamma), np.array([1, 40, 41, 42]), max_new_tokens=60,
+                          params=SamplingParams(), rng=np.random.default_rng(0), stats=st))
         assert st.proposed > 0 and st.accepted == st.proposed, (gamma, st.accepted, st.proposed)
         assert sum(map(len, ids)) == 60
 

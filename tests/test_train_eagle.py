@@ -19,7 +19,7 @@ from specexport.distill.eagle_head import head_config, trainable_head  # noqa: E
 from specexport.distill.heads import HeadsTrainConfig, train_heads  # noqa: E402
 from specexport.distill.train import DATA_FIELDS, data_fingerprint  # noqa: E402
 from specexport.errors import SpecexportError  # noqa: E402
-from specexport.export.eagle import EagleWeights, load_eagle, make_head  # noqa: E402
+from specexport.heads.eagle import EagleWeights, load_eagle, make_head  # noqa: E402
 from specexport.export.tiny import make_tiny_checkpoint  # noqa: E402
 from specexport.runtime.tree import Tree  # noqa: E402
 

@@ -9,7 +9,7 @@ import pytest
 
 from specexport.distill.heads import HeadsTrainConfig, train_heads
 from specexport.errors import SpecexportError
-from specexport.export.medusa import load_medusa
+from specexport.heads.medusa import load_medusa
 
 
 def _cfg(target, out, corpus, **kw):

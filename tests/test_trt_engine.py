@@ -1,4 +1,4 @@
-"""TensorRT engines and their backend (export/trt_graph.py, export/trt_engine.py, runtime/backends/trt.py),
+"""TensorRT engines and their backend (trt/graph.py, trt/engine.py, runtime/backends/trt.py),
 everything short of TensorRT itself:
 
 - the in-place engine graph (TRT_KVCacheUpdate + TRT_Attention, or + the tree-attention plugin) passes the
@@ -27,8 +27,9 @@ import numpy as np
 import onnx
 import pytest
 
+from specexport import _tensorrt
 from specexport.errors import ParityError, SpecexportError
-from specexport.export import trt_graph
+from specexport.trt import graph as trt_graph
 from specexport.export.validate import ancestor_mask, compare, onnx_logits, parity_case, reference_logits
 from specexport.io_spec import ModelIO
 from specexport.manifest import read_manifest
@@ -54,14 +55,6 @@ def _engine_graph(fp32, attention: str, name: str | None = None) -> Path:
     folder, io, _, _ = fp32
     return trt_graph.write_engine_graph(folder / "model.onnx", folder / (name or f"engine-{attention}.onnx"),
                                         head_dim=io.head_dim, kv_capacity=MAX_SEQ_LEN, attention=attention)
-
-
-def _skip_where_tensorrt_imports():
-    try:
-        import tensorrt  # noqa: F401
-    except (ImportError, OSError):
-        return
-    pytest.skip("TensorRT is importable here: these check its absence")
 
 
 # -- the engine graph on CPU -----------------------------------------------------------------------
@@ -148,7 +141,7 @@ def test_the_reference_ops_against_worked_examples_and_torch():
 # -- profiles, missing TensorRT, import hygiene --------------------------------------------------------
 
 def test_profiles_for_fixed_capacity_caches_come_from_the_tensor_table():
-    from specexport.export.trt_engine import profiles
+    from specexport.trt.engine import profiles
 
     io = ModelIO(num_layers=2, num_kv_heads=2, head_dim=16, hidden_size=64, vocab_size=384)
     shapes = profiles(io, max_seq_len=127, prefill_tokens=64, verify_tokens=16, kv_capacity=128)
@@ -167,11 +160,11 @@ def test_profiles_for_fixed_capacity_caches_come_from_the_tensor_table():
         profiles(io, max_seq_len=128, prefill_tokens=200, verify_tokens=16, kv_capacity=128)
 
 
+@pytest.mark.no_trt
 def test_without_tensorrt_each_entry_point_fails_in_one_line_naming_it(fp32, tmp_path):
-    from specexport.export.trt_engine import build_engine, engine_stage
+    from specexport.trt.engine import build_engine, engine_stage
     from specexport.runtime.backends.trt import open_trt_backend
 
-    _skip_where_tensorrt_imports()
     folder, io, _, _ = fp32
     stage = tmp_path / "stage"
     shutil.copytree(folder, stage)
@@ -192,7 +185,7 @@ def test_without_tensorrt_each_entry_point_fails_in_one_line_naming_it(fp32, tmp
 
 
 def test_the_tensorrt_modules_import_neither_tensorrt_nor_torch():
-    code = ("import sys, specexport.runtime.backends.trt, specexport.export.trt_engine, specexport.export.trt_graph; "
+    code = ("import sys, specexport.runtime.backends.trt, specexport.trt.engine, specexport.trt.graph; "
             "bad = {'tensorrt', 'torch', 'onnx', 'triton'} & set(sys.modules); assert not bad, bad")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-1000:]
@@ -368,14 +361,14 @@ def fake_trt(monkeypatch):
 
     calls: list = []
     monkeypatch.setitem(sys.modules, "tensorrt", make_fake_tensorrt(calls))
-    monkeypatch.setattr(trt_plugin, "gpu_arch", lambda: "sm_90")
+    monkeypatch.setattr(_tensorrt, "gpu_arch", lambda: "sm_90")
     monkeypatch.setattr(trt_plugin, "register", lambda: calls.append(("register_plugin",)) or trt_plugin.PLUGIN_ID)
     return calls
 
 
 @pytest.mark.parametrize("attention", ["native", "plugin"])
 def test_engine_build_calls_tensorrt_in_the_documented_order(fp32, fake_trt, attention, monkeypatch):
-    from specexport.export.trt_engine import build_engine, profiles
+    from specexport.trt.engine import build_engine, profiles
 
     folder, io, _, _ = fp32
     graph = _engine_graph(fp32, attention, name="engine.onnx")
@@ -411,7 +404,7 @@ def test_engine_build_calls_tensorrt_in_the_documented_order(fp32, fake_trt, att
 def test_a_failed_engine_build_leaves_the_previous_engine(fp32, fake_trt, monkeypatch):
     import tensorrt
 
-    from specexport.export.trt_engine import build_engine
+    from specexport.trt.engine import build_engine
 
     folder, io, _, _ = fp32
     graph = _engine_graph(fp32, "native", name="engine.onnx")
@@ -426,7 +419,7 @@ def test_a_failed_engine_build_leaves_the_previous_engine(fp32, fake_trt, monkey
 @pytest.fixture
 def fake_engine(fp32, fake_trt):
     """(folder with engine.onnx + model.plan built through the fake, io, calls)."""
-    from specexport.export.trt_engine import build_engine
+    from specexport.trt.engine import build_engine
 
     folder, io, _, _ = fp32
     graph = _engine_graph(fp32, "native", name="engine.onnx")
@@ -485,7 +478,7 @@ def test_the_backend_runs_each_call_on_the_profile_that_covers_it(fake_engine):
 def test_the_backend_matches_pytorch_and_onnx_runtime_through_tree_commits(fp32, fake_engine):
     """backend_logits (the self-check's driver) on the fake engine against PyTorch; then a tree whose
     committed path is not a prefix (rows move on the device) against OrtBackend doing the same."""
-    from specexport.export.trt_engine import backend_logits
+    from specexport.trt.engine import backend_logits
     from specexport.runtime.backends.ort import OrtBackend
 
     _, _, case, reference = fp32
@@ -509,7 +502,7 @@ def test_the_backend_matches_pytorch_and_onnx_runtime_through_tree_commits(fp32,
 
 
 def test_engine_stage_builds_and_self_checks_through_the_fake(fp32, fake_trt, tmp_path, monkeypatch):
-    from specexport.export.trt_engine import engine_stage
+    from specexport.trt.engine import engine_stage
     from specexport.runtime.backends.trt import TrtBackend
 
     folder, io, _, _ = fp32
@@ -549,7 +542,6 @@ def test_with_tensorrt_present_engines_need_version_11_and_a_gpu(fake_trt, monke
     import tensorrt
 
     from specexport import _tensorrt
-    from specexport.plugins import trt_plugin
 
     assert _tensorrt.require_engines("backends: tensorrt") is tensorrt
     monkeypatch.setattr(tensorrt, "__version__", "10.13.3")
@@ -562,7 +554,7 @@ def test_with_tensorrt_present_engines_need_version_11_and_a_gpu(fake_trt, monke
     def no_gpu():
         raise SpecexportError("tree-attention plugin: no NVIDIA GPU found (neither torch.cuda nor nvidia-smi)")
 
-    monkeypatch.setattr(trt_plugin, "gpu_arch", no_gpu)
+    monkeypatch.setattr(_tensorrt, "gpu_arch", no_gpu)
     with pytest.raises(SpecexportError, match=r"^backends: tensorrt: TensorRT 11\.4\.0 is installed, but no NVIDIA "
                                               r"GPU found"):
         _tensorrt.require_engines("backends: tensorrt")

@@ -21,13 +21,16 @@ def cli():
 
 
 def _register() -> None:
-    from specexport.cli import bench, build, distill, generate, heads, inspect, serve  # noqa: F401  (commands register on import)
+    """The subcommands, listed here (each module only defines its command: no import back into this one)."""
+    from specexport.cli import bench, build, distill, generate, heads, inspect, serve
+
+    for command in (bench.bench, build.build, distill.distill_draft, generate.generate, heads.train_heads, inspect.inspect, serve.serve, serve.export_triton):
+        cli.add_command(command)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = any(a in ("-v", "--verbose") for a in argv)
-    _register()
     try:
         cli.main(args=argv, prog_name="specexport", standalone_mode=False)
     except click.exceptions.Abort:
@@ -48,3 +51,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry_point() -> None:     # [project.scripts]
     sys.exit(main())
+
+
+_register()

@@ -5,14 +5,13 @@ from pathlib import Path
 
 import click
 
-from specexport.cli import cli
 
 
 def _csv(value, cast=str):
     return tuple(cast(v) for v in value.split(",") if v.strip()) if value else None
 
 
-@cli.command()
+@click.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.option("--precisions", default=None, help="Comma list (default: every precision built for the target).")
 @click.option("--methods", default="vanilla,draft", show_default=True)

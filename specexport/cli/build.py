@@ -5,20 +5,22 @@ from pathlib import Path
 
 import click
 
-from specexport.cli import cli
 
 
-@cli.command()
+@click.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--dry-run", is_flag=True, help="Validate the config and print the plan; build nothing.")
 @click.option("--force", is_flag=True, help="Rebuild every stage, even unchanged ones.")
+@click.option("--only", default=None, metavar="ROLE[/PRECISION]",
+              help="Rebuild only these stages (e.g. target, draft/int4, medusa, tokenizer); every other stage is "
+                   "kept from the current build as it is.")
 @click.option("--bench/--no-bench", default=True, show_default=True,
               help="End with a short latency report per precision (and store the γ for --gamma auto).")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
-def build(config, dry_run, force, bench, verbose):
+def build(config, dry_run, force, only, bench, verbose):
     """Build the artifacts described by CONFIG (a model.yaml)."""
     from specexport.config import load_config
-    from specexport.export.plan import plan_build
+    from specexport.build.plan import plan_build
 
     from rich.console import Console
 
@@ -27,9 +29,9 @@ def build(config, dry_run, force, bench, verbose):
     _print_plan(plan)
     if dry_run:
         return
-    from specexport.export.build import Reporter, run_build
+    from specexport.build.run import Reporter, run_build
 
-    manifest = run_build(plan, force=force, reporter=Reporter())
+    manifest = run_build(plan, force=force, reporter=Reporter(), only=only)
     _print_summary(manifest, cfg.output)
     if bench:
         _print_quick_bench(cfg)
@@ -75,7 +77,7 @@ def _print_plan(plan) -> None:
             aux += f", proposes {m.io.vocab_size} of them ({m.config.vocab if isinstance(m.config.vocab, int) else m.config.vocab.name})"
         console.print(f"  {m.role}: {m.config.path} ({a.model_type}, {a.num_layers} layers x {a.hidden_size}, "
                       f"{a.num_heads}/{a.num_kv_heads} heads, vocab {a.vocab_size}{aux})")
-    console.print(f"  stages: {', '.join(f'{r} {p}' for r, p in plan.stages())}")
+    console.print(f"  stages: {', '.join(s.name for s in plan.stages())}")
 
 
 def _print_summary(manifest: dict, output) -> None:

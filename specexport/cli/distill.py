@@ -5,7 +5,6 @@ from pathlib import Path
 
 import click
 
-from specexport.cli import cli
 
 
 def checkpoint_folder(target: str, console=None) -> Path:
@@ -39,7 +38,7 @@ def self_distillation_options(command):
     return command
 
 
-@cli.command("distill-draft")
+@click.command("distill-draft")
 @click.argument("target", type=click.Path())
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output checkpoint folder.")
 @click.option("--layers", default=2, show_default=True, help="Draft decoder layers.")

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import click
 
-from specexport.cli import cli
 
 
-@cli.command()
+@click.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.argument("prompt")
 @click.option("--method", default="draft", show_default=True,

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import click
 
-from specexport.cli import cli
 from specexport.cli.distill import self_distillation_options
 from specexport.errors import SpecexportError
 
@@ -18,7 +17,7 @@ MEDUSA_ONLY = ("heads", "layers", "projection", "top_k")
 EAGLE_ONLY = ("draft_vocab", "ttt_steps", "eval_depth", "chat_template", "intermediate_size")
 
 
-@cli.command("train-heads")
+@click.command("train-heads")
 @click.argument("target", type=click.Path())
 @click.option("--out", required=True, type=click.Path(file_okay=False),
               help="Output folder (Medusa-1 layout, or the published EAGLE-1 / EAGLE-3 layout).")

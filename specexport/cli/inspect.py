@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import click
 
-from specexport.cli import cli
 
 
-@cli.command()
+@click.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the raw manifest.")
 @click.option("--verify", is_flag=True,

@@ -5,10 +5,9 @@ from pathlib import Path
 
 import click
 
-from specexport.cli import cli
 
 
-@cli.command()
+@click.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
@@ -34,7 +33,7 @@ def serve(output_dir, host, port, method, precision, draft_precision, threads, n
         draft_precision=draft_precision, threads=threads, spin=spin)
 
 
-@cli.command("export-triton")
+@click.command("export-triton")
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.option("--out", "repo", required=True, type=click.Path(file_okay=False),
               help="The Triton model repository to write the model folder into (created if missing).")

@@ -14,7 +14,7 @@ pure function of (seed, step). --draft-vocab N (EAGLE-3): the N ids most frequen
 sequences, EOS always in; lm_head starts as those rows of the target's, p is renormalised over them.
 
 Output: the published layout (config.json + model.safetensors for EAGLE-3, pytorch_model.bin for
-EAGLE-1) that export/eagle.py's load_eagle reads and make_head computes exactly (checked after writing:
+EAGLE-1) that heads/eagle.py's load_eagle reads and make_head computes exactly (checked after writing:
 report["reference_max_abs_diff"]), and train_report.json: the loss history's ends and, on held-out
 prompts before and after training, per-depth top-1 accuracy and the mean acceptance length of greedy
 chain drafting (tokens per target pass).
@@ -32,6 +32,7 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.distill import data as distill_data
+from specexport.distill import outputs
 from specexport.distill import train as distill
 from specexport.distill.eagle_head import head_config, trainable_head
 from specexport.errors import SpecexportError
@@ -47,7 +48,7 @@ def train_eagle(cfg, *, console=None, on_step=None) -> dict:
     check(cfg)
     transformers.utils.logging.disable_progress_bar()
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    state_dir = distill.state_folder(cfg.out.parent / f".{cfg.out.name}.heads", cfg)
+    state_dir = outputs.state_folder(cfg.out.parent / f".{cfg.out.name}.heads", cfg)
     tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.target)
     cfg = resolve_chat_template(cfg, tokenizer)
     target = transformers.AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
@@ -70,7 +71,7 @@ def train_eagle(cfg, *, console=None, on_step=None) -> dict:
     state_path = state_dir / "state.pt"
     step, history = _resume(state_path, head, opt, cfg, console)
     before = evaluate(target, fresh(), data["heldout"], aux=aux, depth=cfg.eval_depth)
-    progress = distill._progress(console, cfg.steps, step, label=f"train-heads {cfg.kind}")
+    progress = outputs._progress(console, cfg.steps, step, label=f"train-heads {cfg.kind}")
     start, seen = time.perf_counter(), 0
     try:
         while step < cfg.steps:
@@ -81,7 +82,7 @@ def train_eagle(cfg, *, console=None, on_step=None) -> dict:
             history.append(round(loss, 5))
             progress(step, loss, seen / max(time.perf_counter() - start, 1e-9))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                distill.atomic_save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
+                outputs.atomic_save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
                                      "history": history, "fingerprint": cfg.fingerprint()}, state_path)
             if on_step:
                 on_step(step)
@@ -101,7 +102,7 @@ def _resume(path: Path, head, opt, cfg, console) -> tuple[int, list]:
         return 0, []
     head.load_state_dict(state["head"])
     opt.load_state_dict(state["opt"])
-    distill._say(console, f"resuming from step {state['step']}")
+    outputs._say(console, f"resuming from step {state['step']}")
     return state["step"], state["history"]
 
 
@@ -144,7 +145,7 @@ def _version(cfg) -> int:
 def _aux_layers(cfg, num_layers: int) -> tuple[int, ...]:
     if cfg.kind != "eagle3":
         return ()
-    from specexport.export.eagle import eagle3_layers
+    from specexport.heads.eagle import eagle3_layers
 
     return eagle3_layers({}, num_layers, where=f"--kind eagle3 on a target of {num_layers} layers")
 
@@ -174,7 +175,7 @@ def _load_or_make_features(cfg, target, train, aux, state_dir: Path, console) ->
             return store
     device = next(target.parameters()).device
     feats, finals = [], []
-    bar = distill._progress(console, len(train), 0, label="target features")
+    bar = outputs._progress(console, len(train), 0, label="target features")
     try:
         for start in range(0, len(train), cfg.batch_size):
             rows = train[start:start + cfg.batch_size]
@@ -189,7 +190,7 @@ def _load_or_make_features(cfg, target, train, aux, state_dir: Path, console) ->
     store = {"fingerprint": key, "feats": _compact(torch.cat(feats)),
              "final": _compact(torch.cat(finals)) if aux else None,
              "offsets": torch.tensor(np.cumsum([0] + [len(s) for s in train]))}
-    distill.atomic_save(store, path)
+    outputs.atomic_save(store, path)
     return store
 
 
@@ -312,7 +313,7 @@ def evaluate(target, head, heldout, *, aux, depth: int) -> dict:
 
 def _write_outputs(cfg, head, hcfg, target, heldout, aux, *, before, after, history) -> dict:
     torch = require("torch")
-    partial = distill.output_partial(cfg)
+    partial = outputs.output_partial(cfg)
     dtype = getattr(torch, cfg.dtype)
     tensors = {k: (v if v.dtype in (torch.int64, torch.bool) else v.to(dtype)).detach().cpu().contiguous()
                for k, v in head.state_dict().items()}
@@ -330,9 +331,9 @@ def _write_outputs(cfg, head, hcfg, target, heldout, aux, *, before, after, hist
               "loss_first": history[:5], "loss_last": history[-5:],
               "before": before, "after": after,
               "reference_max_abs_diff": reference_diff(partial, head, target, heldout, aux, dtype=cfg.dtype),
-              "config": distill.json_config(cfg)}
+              "config": outputs.json_config(cfg)}
     (partial / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    distill.place_outputs(partial, cfg)
+    outputs.place_outputs(partial, cfg)
     return report
 
 
@@ -341,7 +342,7 @@ def reference_diff(folder, head, target, heldout, aux, *, dtype: str = "float32"
     the first held-out sequence (causal, step 0), `head`'s weights rounded to the written dtype first
     (so fp16 files compare like for like): 0 up to float32 rounding when the files hold what was trained."""
     torch = require("torch")
-    from specexport.export.eagle import load_eagle, make_head
+    from specexport.heads.eagle import load_eagle, make_head
 
     if not heldout:
         return None

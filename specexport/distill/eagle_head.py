@@ -1,6 +1,6 @@
 """The trainable EAGLE head (EAGLE-1 and EAGLE-3) and its training-time-test unroll (issue 11).
 
-The parameters carry the published key names (export/eagle.py), so `state_dict()` is the checkpoint,
+The parameters carry the published key names (heads/eagle.py), so `state_dict()` is the checkpoint,
 and the forward is `make_head`'s arithmetic step for step (a test holds them equal at 1e-5).
 
 Glossary (one sequence x_0 .. x_n of the target, its features f_0 .. f_n):
@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from specexport._optional import require
-from specexport.export.eagle import rope_frequencies
+from specexport.heads.eagle import rope_frequencies
 
 
 @dataclass(frozen=True)

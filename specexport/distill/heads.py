@@ -10,7 +10,7 @@ data code); resumable the same way: state in .<out name>.heads/ beside the outpu
 residual block at zero (the block is the identity) and, with their own projection, a copy of the
 target's lm_head, so an untrained head k already guesses "the next token again".
 
-The output is the published Medusa-1 layout (export/medusa.py: medusa_lm_head.safetensors +
+The output is the published Medusa-1 layout (heads/medusa.py: medusa_lm_head.safetensors +
 config.json; `--projection shared` writes the "version 2" layout that reuses the target's lm_head),
 so heads made here load in other tools and `medusa: {path: OUT}` builds them; train_report.json
 holds each head's top-1 and top-k accuracy on held-out prompts (the target's greedy continuations).
@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specexport._optional import require
+from specexport.distill import outputs
 from specexport.distill import train as distill
 from specexport.errors import SpecexportError
 
@@ -85,7 +86,7 @@ def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
     transformers = require("transformers")
     transformers.utils.logging.disable_progress_bar()
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    state_dir = distill.state_folder(cfg.out.parent / f".{cfg.out.name}.heads", cfg)
+    state_dir = outputs.state_folder(cfg.out.parent / f".{cfg.out.name}.heads", cfg)
     tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.target)
     target = transformers.AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
     for p in target.parameters():
@@ -105,9 +106,9 @@ def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
                                       f"{unexpected}); delete it to start over")
             opt.load_state_dict(state["opt"])
             step, history = state["step"], state["history"]
-            distill._say(console, f"resuming from step {step}")
+            outputs._say(console, f"resuming from step {step}")
     before = evaluate(target, medusa_heads(target, cfg).to(device), data["heldout"], cfg.top_k)
-    progress = distill._progress(console, cfg.steps, step, label="train-heads")
+    progress = outputs._progress(console, cfg.steps, step, label="train-heads")
     start, seen = time.perf_counter(), 0
     try:
         while step < cfg.steps:
@@ -119,7 +120,7 @@ def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
             progress(step, loss, seen / max(time.perf_counter() - start, 1e-9))
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 trained = {k: v for k, v in heads.state_dict().items() if k != "proj" or cfg.projection == "own"}
-                distill.atomic_save({"heads": trained, "opt": opt.state_dict(), "step": step,
+                outputs.atomic_save({"heads": trained, "opt": opt.state_dict(), "step": step,
                                      "history": history, "fingerprint": cfg.fingerprint()}, state_path)
             if on_step:
                 on_step(step)
@@ -246,9 +247,9 @@ def evaluate(target, heads, heldout, top_k: int) -> dict:
 def _write_outputs(cfg: HeadsTrainConfig, heads, before, after, history) -> dict:
     import numpy as np
 
-    from specexport.export.medusa import save_medusa_1
+    from specexport.heads.medusa import save_medusa_1
 
-    partial = distill.output_partial(cfg)
+    partial = outputs.output_partial(cfg)
     blocks = [[(b.linear.weight.detach().cpu().numpy(), b.linear.bias.detach().cpu().numpy()) for b in seq]
               for seq in heads.blocks]
     proj = heads.proj.detach().cpu().numpy()
@@ -258,7 +259,7 @@ def _write_outputs(cfg: HeadsTrainConfig, heads, before, after, history) -> dict
               "dtype": cfg.dtype, "steps": cfg.steps,
               "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
               "top_k": cfg.top_k, "before": before, "after": after,
-              "config": distill.json_config(cfg)}
+              "config": outputs.json_config(cfg)}
     (partial / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    distill.place_outputs(partial, cfg)
+    outputs.place_outputs(partial, cfg)
     return report

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 from specexport._optional import require
+from specexport.config import GGUF_MAGIC as MAGIC, gguf_cache_root, is_gguf  # noqa: F401  (is_gguf: this module's API too)
 from specexport.errors import MissingDependency, SpecexportError
 
-MAGIC = b"GGUF"
 RECORD = "gguf_source.json"
 BY = "specexport gguf conversion"
 
@@ -39,15 +39,6 @@ LLAMA_CPP_SPLITS = {"smollm": (r"\p{N}", _GPT2), "gpt-2": (_GPT2,)}
 SAMPLES = ("12345", "x =   1", "a  2024", "    42,   7\n\t\t3", "def fib(n):\n    return n",
            "Hello world! It's 3.14159, isn't it?", "The year 1999 was  great.", "naïve café – 東京 ²³ ½",
            "for i in range(10):\n        print(i ** 2)  # 100%")
-
-
-def is_gguf(path) -> bool:
-    """True for a file whose first 4 bytes are b"GGUF"."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == MAGIC
-    except OSError:                       # missing, a folder, unreadable
-        return False
 
 
 def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None) -> Path:
@@ -95,8 +86,6 @@ def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None) -> Path:
 
 
 def _cache_root(cache_dir) -> Path:
-    from specexport.config import gguf_cache_root
-
     return gguf_cache_root(cache_dir)
 
 

@@ -93,7 +93,7 @@ def onnx_logits(onnx_path, io: ModelIO, case: ParityCase, *, session=None, kv_ca
     `session`: an open session of the graph to use instead (quantized graphs pass one with prepacking
     on, which their MatMulNBits kernels need to compute what the runtime computes). `kv_capacity`: the
     graph's caches have that many rows and the committed length is carried beside them (the TensorRT
-    engine graph's fixed-capacity form, export/trt_graph.py); None: empty caches grown by each call."""
+    engine graph's fixed-capacity form, trt/graph.py); None: empty caches grown by each call."""
     if session is None:
         ort = require("onnxruntime")
         opts = ort.SessionOptions()

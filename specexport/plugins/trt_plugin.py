@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 
+from specexport import _tensorrt
 from specexport.errors import SpecexportError
 
 NAMESPACE, NAME = "specexport", "tree_attention"
@@ -35,33 +36,11 @@ def plugin_node(inputs, outputs, *, num_kv_heads: int, scale: float, name: str |
                                  scale=float(scale))
 
 
-def gpu_arch() -> str:
-    """sm_<major><minor> of the GPU the engine is being built on (torch's CUDA, else nvidia-smi)."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            return f"sm_{major}{minor}"
-    except ImportError:
-        pass
-    import subprocess
-
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
-                             text=True, check=True).stdout.split()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        raise SpecexportError("tree-attention plugin: no NVIDIA GPU found (neither torch.cuda nor nvidia-smi)") from None
-    return "sm_" + out.replace(".", "")
-
-
 @functools.cache
 def register() -> str:
     """Register specexport::tree_attention with TensorRT's plugin registry (once per process); returns
     the plugin id. Call before parsing an ONNX graph that contains plugin nodes."""
-    from specexport._tensorrt import require_tensorrt
-
-    trt = require_tensorrt("tree-attention plugin")
+    trt = _tensorrt.require_tensorrt("tree-attention plugin")
     import tensorrt.plugin as trtp
 
     from specexport.plugins import tree_attention as kernel
@@ -78,7 +57,7 @@ def register() -> str:
         dtype = {trt.float16: "fp16", trt.float32: "fp32"}.get(q.dtype)
         if dtype is None:
             raise SpecexportError(f"tree-attention plugin: q is {q.dtype}; expected float16 or float32")
-        info = kernel.compile_kernel(gpu_arch(), dtype=dtype, num_q_heads=hq, num_kv_heads=num_kv_heads, head_dim=d,
+        info = kernel.compile_kernel(_tensorrt.gpu_arch(), dtype=dtype, num_q_heads=hq, num_kv_heads=num_kv_heads, head_dim=d,
                                      scale=scale)
         t, s = q.shape_expr[0], k.shape_expr[0]
         launch = trtp.KernelLaunchParams()

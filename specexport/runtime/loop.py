@@ -29,8 +29,8 @@ import numpy as np
 
 from specexport.errors import SpecexportError
 from specexport.runtime.accept import accept_chain, accept_greedy, accept_tree, accept_tree_sampled
-from specexport.runtime.backends.base import Backend
-from specexport.runtime.proposers import DraftChain, Limits
+from specexport.runtime.backends.base import Backend, prefill  # noqa: F401  (prefill: loop.prefill for callers)
+from specexport.runtime.proposers.base import Limits
 from specexport.runtime.sampling import SamplingParams, sample, warp
 
 
@@ -98,17 +98,11 @@ class DecodeStats:
 
 
 def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int, params: SamplingParams,
-           rng: np.random.Generator, stats: DecodeStats, gamma: int = 0, prefill_chunk: int = 64,
-           draft_stop: float = 0.0, clock=time.perf_counter):
+           rng: np.random.Generator, stats: DecodeStats, prefill_chunk: int = 64, clock=time.perf_counter):
     """Yield chunks of emitted tokens ([k] int64 arrays).
 
-    proposer: a Proposer (runtime/proposers), or a draft model's Backend, which is run as
-    DraftChain(draft, gamma, draft_stop=draft_stop); None, or a Backend with gamma 0, is vanilla decoding.
-    clock: seconds, for the stats (the bench injects one in its tests)."""
-    if isinstance(proposer, Backend):
-        proposer = DraftChain(proposer, gamma, draft_stop=draft_stop) if gamma > 0 else None
-    elif not 0.0 <= draft_stop < 1.0:
-        raise SpecexportError(f"draft_stop: expected a probability in [0, 1), got {draft_stop!r}")
+    proposer: a Proposer (runtime/proposers; a draft model runs as DraftChain(draft, gamma)); None is
+    vanilla decoding. clock: seconds, for the stats (the bench injects one in its tests)."""
     start = clock()
     capacity = min(target.capacity, proposer.capacity or target.capacity) if proposer else target.capacity
     if not 1 <= len(prompt) < capacity:
@@ -187,19 +181,6 @@ def _verify(target, proposer, proposal, seq, n, params, rng, stats, features) ->
     stats.accepted_at[:k] += 1
     stats.rounds.append((T - 1, k))
     return verdict.tokens
-
-
-def prefill(backend: Backend, prompt: np.ndarray, chunk: int, *, features=None) -> np.ndarray:
-    """Run the prompt in chunks and commit it; returns the last position's logits [V] (a copy).
-    features: called with each chunk's output, rows and first position (_feature_sink)."""
-    chunk = min(chunk, backend.max_tokens)
-    for s in range(0, len(prompt), chunk):
-        part = prompt[s:s + chunk]
-        out = backend.forward(part, phase="prefill")
-        if features is not None:
-            features(out, slice(None), backend.length)
-        backend.commit(len(part))
-    return np.array(out.logits[-1])
 
 
 def _feature_sink(proposer):

@@ -17,39 +17,14 @@ import numpy as np
 from specexport._optional import require
 from specexport.errors import SpecexportError
 from specexport.io_spec import ModelIO
-from specexport.gamma import lookup as lookup_gamma
 from specexport.manifest import check_files, file_problems, listed_files, read_manifest
 from specexport.runtime.backends import open_backend
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
-from specexport.runtime.proposers import DraftChain, DraftTree, DynamicTree, EagleTree, MedusaTree, PromptLookup
+from specexport.runtime.methods import METHODS, proposer_for
 from specexport.runtime.sampling import SamplingParams
 
-METHODS = ("vanilla", "draft", "lookup", "medusa", "eagle")
 PREFILL_CHUNK = 64
-# Static draft trees (rank paths: the r-th most likely draft token at each depth). "wide" branches at
-# the first two levels, "deep" follows the top-1 path further; both 15 nodes, for max_verify_tokens 16.
-DRAFT_TREES = {
-    "small": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)],
-    "wide": [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0),
-             (0, 0, 0, 0), (0, 0, 0, 0, 0)],
-    "deep": [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 0, 0),
-             (0, 0, 0, 0, 1), (0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0, 0, 0), (1, 0, 0)],
-}
-
-# Static Medusa trees by size (nodes besides the root), rank paths into the heads' top-k. Depth d reads
-# head d-1, so paths deeper than the build's heads are dropped. "medium" fits max_verify_tokens 16.
-MEDUSA_TREES = {
-    "small": [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)],
-    "medium": [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
-               (0, 1, 0), (1, 0, 0), (0, 0, 0, 0)],
-    "large": [(0,), (1,), (2,), (3,), (4,), (5,), (0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (2, 0),
-              (2, 1), (3, 0), (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (2, 0, 0),
-              (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 1, 0), (0, 1, 0, 0), (1, 0, 0, 0), (0, 0, 0, 0, 0),
-              (0, 0, 0, 0, 0, 0)],
-}
-
-
 @dataclass
 class GenerationOutput:
     text: str
@@ -180,7 +155,7 @@ class Pipeline:
         stage = entry["precisions"][precision]
         check_files(self.dir, stage["files"])      # cheap: sizes; a truncated or missing file names itself
         options = dict(self._options)
-        if self.backend_kind == "tensorrt":         # the stage's engine (export/trt_engine.py)
+        if self.backend_kind == "tensorrt":         # the stage's engine (trt/engine.py)
             if "engine" not in stage:
                 raise SpecexportError(f"backend: 'tensorrt' was not built for the {role} {precision} (build with "
                                       f"backends: [tensorrt])")
@@ -190,7 +165,7 @@ class Pipeline:
             raise SpecexportError(f"backend: {self.backend_kind!r} was not built; built: {stage['backend']}")
         if stage.get("min_tokens", 1) > 1:          # the build measured this graph's one-row kernels differ
             options["min_tokens"] = stage["min_tokens"]
-        if stage.get("ort_optimization", "all") != "all":     # Q/DQ graphs: basic (calibrate/ptq.py)
+        if stage.get("ort_optimization", "all") != "all":     # Q/DQ graphs: basic (quant/ptq.py)
             options["optimization"] = stage["ort_optimization"]
         if "cpu_graph" in stage:                    # fp16: its fp32 stand-in for CPUs (calibrate/fp16.emulate)
             options["graph"] = stage["cpu_graph"]
@@ -234,7 +209,7 @@ class Pipeline:
         paths or a DRAFT_TREES name); gamma is not used."""
         ids = self._prompt_ids(prompt, prompt_ids)
         params = self._params(temperature, top_k, top_p)
-        proposer = self._proposer_for(method, gamma, draft_stop, lookup_branches, tree, sampled_children)
+        proposer = proposer_for(self, method, gamma, draft_stop, lookup_branches, tree, sampled_children)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpecexportError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
         stats, detok = DecodeStats(), IncrementalDetokenizer(self.tokenizer, ids.tolist())
@@ -271,7 +246,7 @@ class Pipeline:
     def chat_prompt(self, text: str) -> str:
         """`text` as one user message in the build's chat template (what a chat client sends to
         `specexport serve`); an error when the tokenizer has no chat template."""
-        from specexport.serve.chat import user_prompt
+        from specexport.chat import user_prompt
 
         return user_prompt(self.dir, self.manifest, text)
 
@@ -309,143 +284,6 @@ class Pipeline:
             return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         except ValueError as err:
             raise SpecexportError(str(err)) from None
-
-    def _proposer_for(self, method: str, gamma, draft_stop: float, lookup_branches: int, tree=None,
-                      sampled_children: bool = False):
-        """The round's proposer (None for vanilla). gamma="auto" (draft only) takes the γ `specexport
-        bench` stored for these precisions, and decodes vanilla when it predicted speculation would lose."""
-        if method == "auto":
-            return self._auto_method()
-        if method not in METHODS:
-            raise SpecexportError(f"method: {method!r} is not supported; supported: {', '.join(METHODS)}, auto")
-        if method == "vanilla":
-            return None
-        if method not in self.methods:
-            what = {"medusa": "Medusa heads", "eagle": "EAGLE head"}.get(method, "draft model")
-            raise SpecexportError(f"method: {method!r} was not built (no {what} in this build); "
-                                  f"available: {', '.join(self.methods)}")
-        if method == "medusa":
-            return self._medusa_tree(("auto" if self._auto_medusa_tree() else "medium") if tree is None else tree)
-        if method == "eagle":
-            return self._eagle_tree("auto" if tree is None else tree)
-        if method == "lookup":
-            gamma = self._check_gamma(gamma, auto=False)
-            if not isinstance(lookup_branches, int) or lookup_branches < 1:
-                raise SpecexportError(f"lookup_branches: expected an integer >= 1, got {lookup_branches!r}")
-            return PromptLookup(gamma, branches=lookup_branches, max_nodes=self.max_verify_tokens - 1)
-        if tree is not None:
-            return self._draft_tree(tree, sampled_children)
-        if sampled_children:
-            raise SpecexportError("sampled_children: only for draft trees (give tree=...)")
-        if gamma == "auto":
-            choice = lookup_gamma(self.manifest, self.precision, self.draft_precision)
-            if choice is None:
-                raise SpecexportError(f"gamma: 'auto' needs a measured choice for target {self.precision!r} with "
-                                      f"draft {self.draft_precision!r}: run `specexport bench {self.dir}` first")
-            self.auto_note = (f"γ = {choice['gamma']} (predicted speedup {choice['predicted_speedup']:.2f}x)"
-                              if choice["gamma"] else
-                              f"speculation predicted to lose here (best predicted speedup "
-                              f"{choice['predicted_speedup']:.2f}x): decoding vanilla")
-            if choice["gamma"] == 0:
-                return None
-            gamma = min(int(choice["gamma"]), self.max_verify_tokens - 1)
-        return DraftChain(self.draft, self._check_gamma(gamma, auto=True), draft_stop=draft_stop)
-
-    def _auto_method(self):
-        """The configuration `specexport bench` measured best for these precisions (vanilla when every
-        one lost), on exactly these graphs."""
-        dp = self.draft_precision if "draft" in self.manifest["models"] else "-"
-        choice = lookup_gamma(self.manifest, self.precision, dp, section="method_auto")
-        if choice is None:
-            raise SpecexportError(f"method: 'auto' needs a measured choice for target {self.precision!r}"
-                                  f"{'' if dp == '-' else f' with draft {dp!r}'}: run `specexport bench {self.dir}` "
-                                  f"first (with the --methods to choose from)")
-        speed = f"measured {choice['speedup']:.2f}x" if choice.get("speedup") else "no speculative row measured"
-        if choice["method"] == "vanilla":
-            self.auto_note = f"vanilla: every configuration measured lost to it (best: {choice['best_measured']}, {speed})"
-            return None
-        tree = f", tree {choice['tree']}" if choice["tree"] else ""
-        self.auto_note = f"{choice['method']} γ {choice['gamma']}{tree} ({speed} over vanilla)"
-        if choice["draft_precision"] not in (None, self.draft_precision):
-            self.use_draft_precision(choice["draft_precision"])
-        return self._proposer_for(choice["method"], max(1, min(choice["gamma"], self.max_verify_tokens - 1)),
-                                  choice.get("draft_stop", 0.0), 1, choice["tree"])
-
-    def _draft_tree(self, tree, sampled: bool = False) -> DraftTree:
-        return self._fitting(lambda paths: DraftTree(self.draft, paths, sampled=sampled), _named_tree(tree, DRAFT_TREES))
-
-    def _auto_medusa_tree(self):
-        return self.manifest.get("heads", {}).get("medusa", {}).get("auto_tree")
-
-    def _medusa_tree(self, tree) -> MedusaTree:
-        heads = self.medusa
-        if tree == "auto":
-            auto = self._auto_medusa_tree()
-            if auto is None:
-                raise SpecexportError("tree: 'auto' needs the tree the build measured; this build has none "
-                                      "(rebuild it with this version)")
-            return self._fitting(lambda paths: MedusaTree(heads, paths), auto["paths"])
-        paths = _named_tree(tree, MEDUSA_TREES)
-        if isinstance(tree, str):               # a default: keep the paths these heads can reach
-            paths = [p for p in paths if len(p) <= heads.num_heads and max(p) < heads.top_k]
-        return self._fitting(lambda paths: MedusaTree(heads, paths), paths)
-
-    def _eagle_tree(self, tree) -> EagleTree:
-        """tree: "auto" (what the build measured best), "dynamic" (DynamicTree's defaults), a mapping
-        {top_k, depth, total_tokens} (a dynamic tree), or a static tree (rank paths or a DRAFT_TREES name)."""
-        entry = self.manifest["heads"]["eagle"]
-        if tree == "auto":
-            auto = entry.get("auto_tree")
-            if not auto:
-                raise SpecexportError("tree: 'auto' needs the tree the build measured; this build has none "
-                                      "(rebuild it with this version)")
-            tree = {k: auto[k] for k in ("top_k", "depth", "total_tokens")}
-        if isinstance(tree, str) and tree.startswith("dynamic"):
-            tree = dynamic_tree_settings(tree)
-        if isinstance(tree, dict):
-            unknown = set(tree) - {"top_k", "depth", "total_tokens"}
-            if unknown:
-                raise SpecexportError(f"tree: unknown keys {sorted(unknown)} for a dynamic EAGLE tree; allowed: "
-                                      f"top_k, depth, total_tokens")
-            try:
-                shape = DynamicTree(**tree)
-            except ValueError as err:
-                raise SpecexportError(str(err)) from None
-            if shape.scratch_rows > entry["scratch_rows"]:
-                raise SpecexportError(f"tree: (depth - 1) x top_k = {shape.scratch_rows} draft rows; the head's "
-                                      f"cache has {entry['scratch_rows']} beyond max_seq_len")
-        else:
-            shape = _named_tree(tree, DRAFT_TREES)
-        version = entry["version"]
-        columns = None
-        if version == 3:
-            from specexport.runtime.proposers.eagle import feature_columns
-
-            target_io = self.manifest["models"]["target"]["io"]
-            columns = feature_columns(target_io["aux_hidden_layers"], entry["aux_layers"], target_io["hidden_size"])
-        head = self.eagle
-        return self._fitting(lambda t: EagleTree(head, t, target_ids=entry.get("target_ids"), feature_columns=columns,
-                                                 feature_source="aux" if version == 3 else "hidden"), shape)
-
-    def _fitting(self, make, paths):
-        """make(paths) with one-line errors, checked against the graph's verify width."""
-        try:
-            proposer = make(paths)
-        except ValueError as err:
-            raise SpecexportError(str(err)) from None
-        if proposer.max_nodes > self.max_verify_tokens - 1:
-            raise SpecexportError(f"tree: {proposer.max_nodes} nodes; the graph verifies at most max_verify_tokens "
-                                  f"- 1 = {self.max_verify_tokens - 1} besides the root (rebuild with a larger "
-                                  f"max_verify_tokens)")
-        return proposer
-
-    def _check_gamma(self, gamma, *, auto: bool) -> int:
-        if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= self.max_verify_tokens - 1:
-            alternative = " or 'auto'" if auto else ""
-            raise SpecexportError(f"gamma: expected an integer in 1..{self.max_verify_tokens - 1} (the graph "
-                                  f"verifies up to max_verify_tokens={self.max_verify_tokens}){alternative}, "
-                                  f"got {gamma!r}")
-        return gamma
 
     def _trim_to_stop(self, ids: list[int], stop) -> list[int]:
         """The shortest prefix of `ids` whose text contains a stop string (independent of γ)."""

@@ -20,7 +20,7 @@ import uuid
 
 from specexport._optional import require
 from specexport.errors import SpecexportError
-from specexport.serve.chat import load_chat_template
+from specexport.chat import load_chat_template
 from specexport.serve.protocol import ChatRequest, CompletionRequest, RequestError, error_body
 from specexport.serve.worker import Event, ModelWorker
 

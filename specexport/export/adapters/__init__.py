@@ -1,2 +1,1 @@
-"""Built-in architecture adapters. Import a module here to register it."""
-from specexport.export.adapters import llama, qwen  # noqa: F401
+"""Built-in architecture adapters, one short module per family; export/registry.py lists them."""

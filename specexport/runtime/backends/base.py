@@ -109,3 +109,16 @@ class Backend:
     def _move_rows(self, keep: np.ndarray) -> None:
         """Copy KV rows length + keep[k] -> length + k (keep is increasing, so in-order copies are safe)."""
         raise NotImplementedError
+
+
+def prefill(backend: "Backend", prompt: np.ndarray, chunk: int, *, features=None) -> np.ndarray:
+    """Run the prompt in chunks and commit it; returns the last position's logits [V] (a copy).
+    features: called with each chunk's output, rows and first position (_feature_sink)."""
+    chunk = min(chunk, backend.max_tokens)
+    for s in range(0, len(prompt), chunk):
+        part = prompt[s:s + chunk]
+        out = backend.forward(part, phase="prefill")
+        if features is not None:
+            features(out, slice(None), backend.length)
+        backend.commit(len(part))
+    return np.array(out.logits[-1])

@@ -8,7 +8,7 @@ Buffers (allocated once, never resized; B = 1):
     mask          max_tokens x (capacity + max_tokens) bool, flat: each call's [1, T, length + T] view
 
 `draft` runs T rows at `positions`; each row reads either the target's feature (`features`) or the
-head's own state (`own`): the graph's other input gets zeros (export/eagle_graph.py). `past_mask`
+head's own state (`own`): the graph's other input gets zeros (heads/eagle_graph.py). `past_mask`
 [T, length] says which cached rows each new row sees: None is all of them (catching up on committed
 text); a draft level passes its rows' ancestors among the earlier levels' rows. The rows' K/V land
 at [length, length + T); `commit` keeps them (the committed text, or a level the next one attends

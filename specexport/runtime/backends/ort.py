@@ -128,7 +128,7 @@ class OrtBackend(Backend):
 
 
 # the manifest's ort_optimization -> ORT's level (Q/DQ graphs: basic, so they compute what they say;
-# calibrate/ptq.py)
+# quant/ptq.py)
 OPTIMIZATION_LEVELS = {"all": "ORT_ENABLE_ALL", "basic": "ORT_ENABLE_BASIC"}
 
 

@@ -1,4 +1,4 @@
-"""TensorRT backend: an engine built from the in-place engine graph (export/trt_graph.py), device buffers.
+"""TensorRT backend: an engine built from the in-place engine graph (trt/graph.py), device buffers.
 
 UNVERIFIED: written against TensorRT 11's Python runtime API as NVIDIA/TensorRT 11.1's bindings state it
 (python/src/infer/pyCore.cpp: Runtime.deserialize_cuda_engine, ICudaEngine.get_tensor_profile_shape /
@@ -20,7 +20,7 @@ Addresses are bound once (and again after a profile switch); a forward sets the 
 shapes, copies them host -> device, enqueues the engine, copies logits / hidden (/ aux) device -> host
 and synchronises the stream once: the one host synchronisation per forward.
 
-Profiles: the engine has two (export/trt_engine.py: prefill, decode/verify); a forward of T tokens runs
+Profiles: the engine has two (trt/engine.py: prefill, decode/verify); a forward of T tokens runs
 on the smallest profile whose token range covers T, switched with set_optimization_profile_async.
 
 Tree commits (`_move_rows`): one advanced-indexing copy over the single [2L, ...] KV tensor,
@@ -44,7 +44,7 @@ from specexport.io_spec import ModelIO
 from specexport.runtime.backends.base import StepOutput
 from specexport.runtime.backends.ort import OrtBackend
 
-ENGINE_FILE = "model.plan"          # export/trt_engine.py writes it beside the engine graph
+ENGINE_FILE = "model.plan"          # trt/engine.py writes it beside the engine graph
 
 
 def open_trt_backend(model_dir, *, io: ModelIO, capacity: int, max_tokens: int, **options) -> "TrtBackend":
@@ -124,7 +124,7 @@ class TrtBackend(OrtBackend):
             for past, present in zip(io.past_names(i), io.present_names(i)):
                 if engine.get_aliased_input_tensor(present) != past:
                     raise SpecexportError(f"{self.model_path}: {present} does not alias {past}: not an in-place "
-                                          "engine (build it from the engine graph, export/trt_graph.py)")
+                                          "engine (build it from the engine graph, trt/graph.py)")
                 if engine.get_tensor_dtype(past) != trt.DataType.FLOAT:
                     raise SpecexportError(f"{self.model_path}: {past} is {engine.get_tensor_dtype(past)}; this "
                                           "backend keeps float32 caches")

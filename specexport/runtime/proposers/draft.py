@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from specexport.errors import SpecexportError
-from specexport.runtime.proposers import Limits, Proposal, Proposer
+from specexport.runtime.proposers.base import Limits, Proposal, Proposer
 from specexport.runtime.sampling import sample, warp
 from specexport.runtime.tree import Tree
 
@@ -28,7 +28,7 @@ class DraftChain(Proposer):
         self.capacity = draft.capacity
 
     def begin(self, prompt: np.ndarray, prefill_chunk: int) -> None:
-        from specexport.runtime.loop import prefill
+        from specexport.runtime.backends.base import prefill
 
         self.draft.reset()
         prefill(self.draft, prompt, prefill_chunk)

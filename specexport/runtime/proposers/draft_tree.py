@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specexport.runtime.proposers import Limits, Proposal, Proposer
+from specexport.runtime.proposers.base import Limits, Proposal, Proposer
 from specexport.runtime.sampling import sample, warp
 from specexport.runtime.tree import cut, from_rank_paths
 
@@ -33,7 +33,7 @@ class DraftTree(Proposer):
         self.capacity = draft.capacity
 
     def begin(self, prompt: np.ndarray, prefill_chunk: int) -> None:
-        from specexport.runtime.loop import prefill
+        from specexport.runtime.backends.base import prefill
 
         self.draft.reset()
         prefill(self.draft, prompt, prefill_chunk)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specexport.errors import SpecexportError
-from specexport.runtime.proposers import Limits, Proposal, Proposer
+from specexport.runtime.proposers.base import Limits, Proposal, Proposer
 from specexport.runtime.tree import Tree, cut, from_rank_paths
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from specexport.errors import SpecexportError
-from specexport.runtime.proposers import Limits, Proposal, Proposer
+from specexport.runtime.proposers.base import Limits, Proposal, Proposer
 from specexport.runtime.tree import Tree
 
 

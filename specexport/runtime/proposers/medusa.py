@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specexport.runtime.proposers import Limits, Proposal, Proposer
+from specexport.runtime.proposers.base import Limits, Proposal, Proposer
 from specexport.runtime.tree import cut, from_rank_paths
 
 

@@ -72,7 +72,7 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
     Example: the tiny llama (2 layers, 4/2 heads, D 16) at kv_capacity 128 gets 4 TRT_KVCacheUpdate
     nodes, 2 TRT_Attention nodes, and past_key.0 typed [batch, 2, 128, 16]. Checked on CPU (cpu_session);
     UNVERIFIED: that TensorRT's parser imports it and builds it (no TensorRT where this was written)."""
-    from specexport.plugins.graph import attention_fields
+    from specexport.trt.plugin_graph import attention_fields
 
     onnx = require("onnx")
     helper = onnx.helper
@@ -166,7 +166,7 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
             ]
     if not count:
         raise SpecexportError(f"engine graph: the graph has no {SOURCE_OP} node to replace")
-    from specexport.plugins.graph import _live
+    from specexport.trt.plugin_graph import _live
 
     graph.ClearField("node")
     graph.node.extend(_live(nodes, {o.name for o in graph.output}))
@@ -288,10 +288,10 @@ _REGISTERED: list = []
 
 def _register_reference_ops(ext) -> None:
     """The custom ops as onnxruntime-extensions Python ops (once per process; the tree-attention plugin's
-    comes from plugins/graph.py)."""
+    comes from trt/plugin_graph.py)."""
     if _REGISTERED:
         return
-    from specexport.plugins.graph import _register_reference_op
+    from specexport.trt.plugin_graph import _register_reference_op
 
     _register_reference_op(ext)
     d = ext.PyCustomOpDef

@@ -27,7 +27,7 @@ PREFIX = 16             # accuracy is measured on the target's greedy continuati
 def head_accuracy(target_session, target_io, heads_session, sequences, top_k: int, *, start: int = 0) -> np.ndarray:
     """acc [N, K] over the positions i >= start of `sequences` (token arrays) where the truth exists
     (start = PREFIX - 1: from the last prefix token on, the part the target continued itself)."""
-    from specexport.export.medusa import target_states
+    from specexport.heads.medusa import target_states
 
     hits, total = None, None
     for seq in sequences:

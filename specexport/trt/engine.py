@@ -1,4 +1,4 @@
-"""TensorRT engines: built from the in-place engine graph (export/trt_graph.py), checked after the build.
+"""TensorRT engines: built from the in-place engine graph (trt/graph.py), checked after the build.
 
     engine_stage(folder, ...)                           what `specexport build` runs for backends: [tensorrt]
       1. engine.onnx = the precision's model.onnx with attention rewritten and KV updated in place
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specexport import _tensorrt
 from specexport.errors import ParityError, SpecexportError
 from specexport.io_spec import ModelIO
 from specexport.runtime.backends.trt import ENGINE_FILE      # the engine's file name beside engine.onnx
@@ -94,11 +95,10 @@ def build_engine(graph: Path, dest: Path, io: ModelIO, *, max_seq_len: int, pref
     -> OnnxParser(network, logger).parse_from_file -> create_builder_config -> set_memory_pool_limit
     -> one create_optimization_profile / set_shape... / add_optimization_profile per profile (prefill is
     index 0, decode_verify 1) -> build_serialized_network -> the bytes to `dest`.partial, renamed."""
-    from specexport._tensorrt import require_tensorrt
     from specexport.plugins import trt_plugin
 
     graph, dest = Path(graph), Path(dest)
-    trt = require_tensorrt(f"engine {dest.name}")
+    trt = _tensorrt.require_tensorrt(f"engine {dest.name}")
     if attention not in ("native", "plugin"):
         raise SpecexportError(f"attention: expected native or plugin, got {attention!r}")
     shapes = profiles(io, max_seq_len=max_seq_len, prefill_tokens=prefill_tokens, verify_tokens=verify_tokens,
@@ -124,7 +124,7 @@ def build_engine(graph: Path, dest: Path, io: ModelIO, *, max_seq_len: int, pref
         raise SpecexportError(f"{graph}: TensorRT could not build an engine (its log above says why)")
     _write_atomically(dest, serialized)
     return {"file": dest.name, "made_from": graph.name, "attention": attention, "kv_capacity": kv_capacity,
-            "tensorrt": trt.__version__, "cuda": _cuda_version(), "arch": trt_plugin.gpu_arch(),
+            "tensorrt": trt.__version__, "cuda": _cuda_version(), "arch": _tensorrt.gpu_arch(),
             "plugin": _plugin_record(plugin), "strongly_typed": True,
             "profiles": {k: {n: [list(s) for s in v] for n, v in r.items()} for k, r in shapes.items()},
             "build_seconds": round(time.perf_counter() - start, 2)}
@@ -190,7 +190,7 @@ def engine_stage(folder: Path, *, io: ModelIO, precision: str, fp32_graph: Path,
     Raises SpecexportError naming TensorRT in one line where it is absent (before writing anything), and
     ParityError when the rewrite check or the self-check fails."""
     from specexport._tensorrt import require_engines
-    from specexport.export.trt_graph import ENGINE_GRAPH, KV_UPDATE_OP, write_engine_graph
+    from specexport.trt.graph import ENGINE_GRAPH, KV_UPDATE_OP, write_engine_graph
 
     folder = Path(folder)
     require_engines(f"{precision} engine")
@@ -229,7 +229,7 @@ def check_rewrite(fp32_graph: Path, io: ModelIO, *, kv_capacity: int, attention:
     """The engine rewrite of the fp32 graph, run on CPU with the reference ops, against the fp32 graph in
     ONNX Runtime on the parity gate's phases: the max relative logit error (float rounding: ~1e-7)."""
     from specexport._optional import require
-    from specexport.export.trt_graph import cpu_session, engine_graph, engine_graph_logits
+    from specexport.trt.graph import cpu_session, engine_graph, engine_graph_logits
     from specexport.export.validate import compare, onnx_logits, parity_case
 
     onnx = require("onnx")
@@ -248,7 +248,7 @@ def selfcheck(folder: Path, *, io: ModelIO, fp32_graph: Path, max_seq_len: int, 
     as a chain (tree_commit_error); greedy speculative (prompt lookup, 2 branches: chains and tries)
     against greedy vanilla on the engine, token for token.
     Returns the measurements and "failures" (empty when it passed). UNVERIFIED (the backend is)."""
-    from specexport.export.quality import runtime_session
+    from specexport.quant.quality import runtime_session
     from specexport.export.validate import compare, onnx_logits, parity_case
     from specexport.runtime.backends.trt import open_trt_backend
     from specexport.runtime.loop import DecodeStats, decode

@@ -2,7 +2,7 @@
 onnxruntime's quantization tools), fp16 / fp8 / int8_sq for GPUs (calibrate/: a cast pass and
 NVIDIA ModelOpt's Q/DQ).
 
-Schemes (`quantization: {int8: {scheme: ..., ...}}` in model.yaml; SCHEMES has each one's options):
+Schemes (`quantization: {int8: {scheme: ..., ...}}` in model.yaml; config.SCHEMES has each one's options):
   matmulnbits  every MatMul with a constant weight (attention projections, MLP, lm_head) becomes
                `com.microsoft.MatMulNBits` (MatMulNBitsQuantizer: asymmetric blocks of `block_size`
                along K; `accuracy_level` 4 quantizes activations to int8 per block of each row and
@@ -12,18 +12,18 @@ Schemes (`quantization: {int8: {scheme: ..., ...}}` in model.yaml; SCHEMES has e
                uint8 activations with per-tensor scales calibrated on sequences sampled from the fp32
                graph, int8 per-channel weights); ORT fuses each group into an int8 kernel. Options:
                `calibrate` (minmax, percentile 99.999, entropy: onnxruntime's calibrators),
-               `smooth_alpha` (SmoothQuant before calibration, export/smooth.py; 0 = off) and
+               `smooth_alpha` (SmoothQuant before calibration, quant/smooth.py; 0 = off) and
                `lm_head: fp32` (leave the output projection unquantized).
   dynamic      int8 only: DynamicQuantizeLinear + MatMulInteger (`quantize_dynamic`). One activation
                scale per call, so a token's logits depend on the other tokens of the pass (relative
                9e-2 on the tiny llama): verifying γ+1 tokens disagrees with one-token decoding and
                speculative output differs from the graph's own vanilla output. The build refuses it
                for a target (the row-independence check in build.py); a draft may use it.
-  cast         fp16 only: every node in fp16 but attention and the rotary angles (calibrate/fp16.py).
-  modelopt     fp8 only: E4M3 Q/DQ (calibrate/ptq.py). Options: `calibrate` (max, entropy),
+  cast         fp16 only: every node in fp16 but attention and the rotary angles (quant/fp16.py).
+  modelopt     fp8 only: E4M3 Q/DQ (quant/ptq.py). Options: `calibrate` (max, entropy),
                `lm_head` (fp32: left unquantized; quantized), `smooth_alpha` (SmoothQuant first; 0 = off),
                `keep` (mlp_down: the MLPs' down projections stay fp32; none).
-  smoothquant  int8_sq only: SmoothQuant (`smooth_alpha`), then INT8 Q/DQ with ModelOpt (calibrate/ptq.py).
+  smoothquant  int8_sq only: SmoothQuant (`smooth_alpha`), then INT8 Q/DQ with ModelOpt (quant/ptq.py).
 Embeddings, norms and attention stay fp32 (fp16 in the cast graph), and so does the IO table.
 """
 from __future__ import annotations
@@ -33,25 +33,10 @@ import logging
 from pathlib import Path
 
 from specexport._optional import require
+from specexport.schemes import default_scheme   # the options a model.yaml may name: schemes.SCHEMES
 
 BITS = {"int8": 8, "int4": 4, "fp16": 16, "fp8": 8, "int8_sq": 8}
-ALPHAS = (0.0, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-# scheme -> (precisions it can make, {option: (default, allowed values or a type)})
-SCHEMES = {
-    "matmulnbits": (("int8", "int4"), {"block_size": (32, (16, 32, 64, 128, 256)), "accuracy_level": (4, (0, 1, 2, 3, 4))}),
-    "static_qdq": (("int8",), {"smooth_alpha": (0.0, ALPHAS),
-                               "calibrate": ("minmax", ("minmax", "percentile", "entropy")),
-                               "lm_head": ("int8", ("int8", "fp32"))}),
-    "dynamic": (("int8",), {}),
-    "cast": (("fp16",), {}),
-    "modelopt": (("fp8",), {"calibrate": ("max", ("max", "entropy")), "lm_head": ("fp32", ("fp32", "quantized")),
-                            "smooth_alpha": (0.0, ALPHAS), "keep": ("none", ("none", "mlp_down"))}),
-    "smoothquant": (("int8_sq",), {"smooth_alpha": (0.5, ALPHAS), "calibrate": ("max", ("max", "entropy")),
-                                   "lm_head": ("fp32", ("fp32", "quantized")), "keep": ("none", ("none", "mlp_down"))}),
-}
-DEFAULT_SCHEMES = {"int8": "matmulnbits", "int4": "matmulnbits", "fp16": "cast", "fp8": "modelopt",
-                   "int8_sq": "smoothquant"}
-MODELOPT = ("modelopt", "smoothquant")                        # made by calibrate/ptq.py (NVIDIA ModelOpt)
+MODELOPT = ("modelopt", "smoothquant")                        # made by quant/ptq.py (NVIDIA ModelOpt)
 CALIBRATED = ("static_qdq", *MODELOPT)       # need calibration data; they quantize activations with static scales
 ROW_INDEPENDENT = {"matmulnbits": True, "static_qdq": True, "dynamic": False, "cast": True, "modelopt": True,
                    "smoothquant": True}
@@ -59,9 +44,9 @@ TOOLS = {
     "matmulnbits": ("onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer", "MatMulNBits"),
     "static_qdq": ("onnxruntime.quantization.quantize_static", "QuantizeLinear/DequantizeLinear + MatMul (U8S8)"),
     "dynamic": ("onnxruntime.quantization.quantize_dynamic", "DynamicQuantizeLinear + MatMulInteger"),
-    "cast": ("specexport.calibrate.fp16.to_fp16", "fp16 compute, fp32 IO"),
+    "cast": ("specexport.quant.fp16.to_fp16", "fp16 compute, fp32 IO"),
     "modelopt": ("modelopt.onnx.quantization.quantize (quantize_mode fp8)", "QuantizeLinear/DequantizeLinear E4M3"),
-    "smoothquant": ("specexport.export.smooth + modelopt.onnx.quantization.quantize (quantize_mode int8)",
+    "smoothquant": ("specexport.quant.smooth + modelopt.onnx.quantization.quantize (quantize_mode int8)",
                     "QuantizeLinear/DequantizeLinear INT8 (symmetric)"),
 }
 
@@ -76,11 +61,6 @@ def cpu_graph(scheme: dict | None) -> str:
     return CPU_GRAPHS.get((scheme or {}).get("scheme"), "model.onnx")
 
 
-def default_scheme(precision: str) -> dict:
-    name = DEFAULT_SCHEMES[precision]
-    return {"scheme": name, **{k: d for k, (d, _) in SCHEMES[name][1].items()}}
-
-
 def quantize_graph(source: Path, dest: Path, precision: str, scheme: dict | None = None, *, io=None,
                    calibration=(), feeds=()) -> list[Path]:
     """Write the `precision` version of the fp32 graph `source` to `dest` (+ `dest`.data); returns the files.
@@ -92,7 +72,7 @@ def quantize_graph(source: Path, dest: Path, precision: str, scheme: dict | None
     q = require("onnxruntime.quantization")
     with _quiet_quantizer():
         if kind == "cast":
-            from specexport.calibrate.fp16 import emulate, to_fp16
+            from specexport.quant.fp16 import emulate, to_fp16
 
             half = to_fp16(onnx.load(str(source)))
             emulated = dest.with_name(CPU_GRAPHS[kind])
@@ -103,7 +83,7 @@ def quantize_graph(source: Path, dest: Path, precision: str, scheme: dict | None
             onnx.save(emulate(stand_in), str(emulated), save_as_external_data=True, location=emulated.name + ".data")
             return [dest, dest.with_name(dest.name + ".data"), emulated, emulated.with_name(emulated.name + ".data")]
         elif kind in MODELOPT:
-            from specexport.calibrate.ptq import quantize_qdq
+            from specexport.quant.ptq import quantize_qdq
 
             quantize_qdq(source, dest, precision, scheme, list(feeds))
         elif kind == "matmulnbits":
@@ -141,7 +121,7 @@ def _static_qdq(q, source: Path, dest: Path, scheme: dict, feeds: list) -> None:
         exclude = [n.name for n in onnx.load(str(source), load_external_data=False).graph.node
                    if n.op_type == "MatMul" and "logits" in n.output] if scheme.get("lm_head") == "fp32" else []
         if scheme.get("smooth_alpha"):
-            from specexport.export import smooth
+            from specexport.quant import smooth
 
             model = onnx.load(str(source))
             act_max = smooth.activation_channel_max(source, feeds, list(smooth.weight_matmuls(model)), scratch)

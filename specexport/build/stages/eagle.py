@@ -1,4 +1,4 @@
-"""The build's EAGLE stage: export the head, check it against the published head in PyTorch on the
+"""EagleStage: export the head, check it against the published head in PyTorch on the
 target fp32 graph's own features, choose `tree: auto`, and check the speculative output.
 
 `tree: auto` (EAGLE-2's dynamic tree has three knobs; which are best depends on the head's accuracy
@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from specexport import owned
+from specexport.build.context import eval_sequences, files_entry
+from specexport.build.stages.medusa import HeadsStage
 from specexport.errors import ParityError
 
 # (top_k, depth, total_tokens) tried by tree: auto; total_tokens is capped by max_verify_tokens - 1
@@ -27,62 +30,73 @@ AUTO_PROMPTS, AUTO_PREFIX, AUTO_TOKENS = 4, 16, 48
 SCRATCH_ROWS = 512            # head cache rows beyond max_seq_len for a round's draft levels (runtime too)
 
 
-def eagle_stage(plan, hp, previous: dict, force: bool, folders, reporter, results) -> dict:
-    """Export + parity + tree: auto for an EAGLE head; the manifest's heads.eagle record (reused when
-    unchanged)."""
-    from specexport.export.build import eval_sequences, files_entry, reused_heads
-    from specexport.export.eagle_graph import export_head, head_parity
-    from specexport.export.quality import runtime_session
-    from specexport.export.validate import parity_case
 
-    out, cfg, target, w = plan.config.output, plan.config, plan.target, hp.weights
-    old = reused_heads(plan, hp, previous, force, results, reporter)
-    if old is not None:
-        return old
-    target_dir = out / next(r.entry["dir"] for r in results if r.role == "target" and r.precision == "fp32")
-    partial, final = folders.new(hp.role, "fp32")
-    start = time.perf_counter()
-    try:
-        embed, lm_head = target_embeddings(target, w.version)
-        label = (f"EAGLE-{w.version}" + (f", layers {list(w.aux_layers)}, draft vocabulary {w.draft_vocab}"
-                                         if w.version == 3 else ""))
-        with reporter.stage(f"export the {label} head to ONNX"):
-            names = [f.name for f in export_head(w, embed, lm_head, hp.io, partial / "model.onnx")]
-        with reporter.stage(f"check the {hp.role} head against PyTorch on the target's features"):
-            case = parity_case(target.io, max_seq_len=cfg.max_seq_len, max_verify_tokens=cfg.max_verify_tokens)
-            session = runtime_session(target_dir / "model.onnx")
-            seq = case.seq[:min(len(case.seq), 24)]
-            feats = target_features(session, target.io, seq, w)
-            report = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", seq, feats[:-1])
-        del embed, lm_head
-        if not report["max_rel_error"] <= cfg.parity_tolerance:
-            raise ParityError(f"{hp.role} head: parity check failed: relative error {report['max_rel_error']:.3e} "
-                              f"({', '.join(f'{k} {v:.2e}' for k, v in report['per_phase'].items())}) > tolerance "
-                              f"{cfg.parity_tolerance:.1e}")
-        if hp.prompt_ids:                    # eagle.prompts: what the model will be asked
-            prefixes = [np.asarray(p, np.int64) for p in hp.prompt_ids[:AUTO_PROMPTS]]
-            source = f"the first {len(prefixes)} of eagle.prompts {hp.config.prompts}"
-        else:                                # held-out text: the first AUTO_PREFIX tokens of each sequence
-            sequences, text = eval_sequences(plan, target, session, reporter, {})
-            prefixes = [seq[:AUTO_PREFIX] for seq in sequences if len(seq) > AUTO_PREFIX][:AUTO_PROMPTS]
-            source = f"{AUTO_PREFIX}-token prefixes of {text['description']}"
-        del session
-        with reporter.stage("tree: auto from greedy decoding of held-out prompts (and its check against vanilla)"):
-            auto = auto_tree(target_dir, partial, plan, hp, prefixes)
-        reporter.note(f"  tree auto: top_k {auto['top_k']}, depth {auto['depth']}, {auto['total_tokens']} tokens, "
-                      f"{auto['tokens_per_pass']:.2f} tokens per target pass, predicted {auto['predicted_speedup']:.2f}x")
-        folders.publish(partial, final)
-    finally:
-        owned.remove(partial)          # ours: marked when made
-    stage = {**files_entry(out, final, names), "parity_reference": "pytorch",
-             "parity_max_rel_error": report["max_rel_error"], "parity_per_phase": report["per_phase"],
-             "parity_rows": report["rows"], "parity_tolerance": cfg.parity_tolerance,
-             "build_seconds": round(time.perf_counter() - start, 2)}
-    return {"source": str(hp.config.path), "version": w.version, "aux_layers": list(w.aux_layers),
-            "draft_vocab": w.draft_vocab, "target_ids": None if w.version != 3 else w.target_ids().tolist(),
-            "top_k": hp.io.top_k, "fingerprint": hp.fingerprint, "io": hp.io.to_dict(),
-            "scratch_rows": SCRATCH_ROWS, "auto_tree": {**auto, "text": f"greedy continuations of {source}"},
-            "precisions": {"fp32": stage}}
+@dataclass(frozen=True)
+class EagleStage(HeadsStage):
+    def run(self, ctx) -> dict:
+        """Export + parity + tree: auto for an EAGLE head: the manifest's heads.eagle record."""
+        hp, cfg, w = self.heads, ctx.config, self.heads.weights
+        target_dir = ctx.stage_dir("target/fp32")
+        partial, final = ctx.folders.new(hp.role, "fp32")
+        start = time.perf_counter()
+        try:
+            names, report, session = _export_and_check(ctx, hp, target_dir, partial)
+            prefixes, source = _auto_prefixes(ctx, hp, session)
+            del session
+            with ctx.reporter.stage("tree: auto from greedy decoding of held-out prompts (and its check against "
+                                    "vanilla)"):
+                auto = auto_tree(target_dir, partial, ctx.plan, hp, prefixes)
+            ctx.reporter.note(f"  tree auto: top_k {auto['top_k']}, depth {auto['depth']}, {auto['total_tokens']} "
+                              f"tokens, {auto['tokens_per_pass']:.2f} tokens per target pass, predicted "
+                              f"{auto['predicted_speedup']:.2f}x")
+            ctx.folders.publish(partial, final)
+        finally:
+            owned.remove(partial)          # ours: marked when made
+        stage = {**files_entry(ctx.out, final, names), "parity_reference": "pytorch",
+                 "parity_max_rel_error": report["max_rel_error"], "parity_per_phase": report["per_phase"],
+                 "parity_rows": report["rows"], "parity_tolerance": cfg.parity_tolerance,
+                 "build_seconds": round(time.perf_counter() - start, 2)}
+        return {"source": str(hp.config.path), "version": w.version, "aux_layers": list(w.aux_layers),
+                "draft_vocab": w.draft_vocab, "target_ids": None if w.version != 3 else w.target_ids().tolist(),
+                "top_k": hp.io.top_k, "fingerprint": hp.fingerprint, "io": hp.io.to_dict(),
+                "scratch_rows": SCRATCH_ROWS, "auto_tree": {**auto, "text": f"greedy continuations of {source}"},
+                "precisions": {"fp32": stage}}
+
+
+def _export_and_check(ctx, hp, target_dir, partial):
+    """Export the head graph into `partial` and check it against the published head in PyTorch on the
+    target graph's features: (file names, parity report, the open target session)."""
+    from specexport.export.validate import parity_case
+    from specexport.heads.eagle_graph import export_head, head_parity
+    from specexport.quant.quality import runtime_session
+
+    cfg, target, w = ctx.config, ctx.model("target"), hp.weights
+    embed, lm_head = target_embeddings(target, w.version)
+    label = (f"EAGLE-{w.version}" + (f", layers {list(w.aux_layers)}, draft vocabulary {w.draft_vocab}"
+                                     if w.version == 3 else ""))
+    with ctx.reporter.stage(f"export the {label} head to ONNX"):
+        names = [f.name for f in export_head(w, embed, lm_head, hp.io, partial / "model.onnx")]
+    with ctx.reporter.stage(f"check the {hp.role} head against PyTorch on the target's features"):
+        case = parity_case(target.io, max_seq_len=cfg.max_seq_len, max_verify_tokens=cfg.max_verify_tokens)
+        session = runtime_session(target_dir / "model.onnx")
+        seq = case.seq[:min(len(case.seq), 24)]
+        feats = target_features(session, target.io, seq, w)
+        report = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", seq, feats[:-1])
+    if not report["max_rel_error"] <= cfg.parity_tolerance:
+        raise ParityError(f"{hp.role} head: parity check failed: relative error {report['max_rel_error']:.3e} "
+                          f"({', '.join(f'{k} {v:.2e}' for k, v in report['per_phase'].items())}) > tolerance "
+                          f"{cfg.parity_tolerance:.1e}")
+    return names, report, session
+
+
+def _auto_prefixes(ctx, hp, session):
+    """The prompts tree: auto decodes from, and a line saying what they are."""
+    if hp.prompt_ids:                    # eagle.prompts: what the model will be asked
+        prefixes = [np.asarray(p, np.int64) for p in hp.prompt_ids[:AUTO_PROMPTS]]
+        return prefixes, f"the first {len(prefixes)} of eagle.prompts {hp.config.prompts}"
+    sequences, text = eval_sequences(ctx, ctx.model("target"), session)   # held-out text: each one's first tokens
+    prefixes = [seq[:AUTO_PREFIX] for seq in sequences if len(seq) > AUTO_PREFIX][:AUTO_PROMPTS]
+    return prefixes, f"{AUTO_PREFIX}-token prefixes of {text['description']}"
 
 
 def target_embeddings(target, version: int):
@@ -103,7 +117,7 @@ def target_embeddings(target, version: int):
 def target_features(session, target_io, tokens, weights) -> np.ndarray:
     """[S, F] the head's features of every position of `tokens`, from the target graph (an open session):
     EAGLE-1 its final state, EAGLE-3 its aux layers' inputs in the head's order."""
-    from specexport.export.medusa import target_states
+    from specexport.heads.medusa import target_states
     from specexport.runtime.proposers.eagle import feature_columns
 
     if weights.version == 1:
@@ -116,7 +130,7 @@ def target_features(session, target_io, tokens, weights) -> np.ndarray:
 def auto_tree(target_dir, head_dir, plan, hp, prefixes) -> dict:
     """Decode AUTO_TOKENS greedy tokens after each prefix (token arrays) with each candidate tree; check
     them against vanilla; choose by predicted speedup (module docstring)."""
-    from specexport.export.medusa_tree import greedy_continuation, verify_costs
+    from specexport.heads.medusa_tree import greedy_continuation, verify_costs
     from specexport.runtime.backends.eagle import OrtEagleHead
     from specexport.runtime.backends.ort import OrtBackend
     from specexport.runtime.loop import DecodeStats, decode

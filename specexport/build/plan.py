@@ -62,15 +62,43 @@ class Plan:
     calibration_ids: tuple[int, ...] | None = None   # calibration_text, the same way
     heads: tuple[HeadsPlan, ...] = ()
 
-    def stages(self) -> list[tuple[str, str]]:
-        return [(m.role, p) for m in self.models for p in m.config.precisions]
+    def stages(self) -> list:
+        """The build, in the order it runs (build/stage.py): per model its fp32 graph, then (a draft with
+        `vocab: N`, after the target's graph) its measured vocabulary before its own graphs, then each
+        quantized precision; the heads; the tokenizer copy."""
+        from specexport.build.outdir import tokenizer_digest
+        from specexport.build.stages.eagle import EagleStage
+        from specexport.build.stages.export import ExportStage
+        from specexport.build.stages.medusa import MedusaStage
+        from specexport.build.stages.quantize import QuantizeStage
+        from specexport.build.stages.tokenizer import TokenizerStage
+        from specexport.build.stages.vocab import VocabStage
+
+        stages = []
+        for mp in self.models:
+            measured = isinstance(mp.config.vocab, int) and mp.vocab_ids is None
+            if measured:
+                stages.append(VocabStage(f"{mp.role}/vocab", mp.fingerprint, needs=("target/fp32",)))
+            for precision in mp.config.precisions:
+                name = f"{mp.role}/{precision}"
+                if precision == "fp32":
+                    stages.append(ExportStage(name, self.stage_fingerprint(mp, precision),
+                                              needs=(f"{mp.role}/vocab",) if measured else ()))
+                else:
+                    stages.append(QuantizeStage(name, self.stage_fingerprint(mp, precision),
+                                                needs=(f"{mp.role}/fp32",)))
+        for hp in self.heads:
+            kind = EagleStage if hp.role == "eagle" else MedusaStage
+            stages.append(kind(hp.role, hp.fingerprint, needs=("target/fp32",), heads=hp))
+        stages.append(TokenizerStage("tokenizer", tokenizer_digest(self.tokenizer_files)))
+        return stages
 
     def stage_fingerprint(self, mp: ModelPlan, precision: str) -> str:
         """What a stage depends on: the model's export fingerprint and, for a quantized precision, the
         quantizer settings, its quality gate and the held-out tokens."""
         if precision == "fp32":
             return mp.fingerprint
-        from specexport.export.quality import SETTINGS
+        from specexport.quant.quality import SETTINGS
         options = {"model": mp.fingerprint, "precision": precision, "quantizer": mp.config.quantization[precision],
                    "gate": self.config.quality_gates[precision], "quality": SETTINGS,
                    "quantizer_code": source_hash(QUANTIZER_SOURCES),
@@ -86,7 +114,7 @@ class Plan:
 def plan_build(cfg: BuildConfig, *, console=None) -> Plan:
     """console: a rich Console for progress lines (converting a GGUF model takes tens of seconds)."""
     from specexport.config import check_output_apart
-    from specexport.export.outdir import check_output
+    from specexport.build.outdir import check_output
 
     check_output_apart(cfg)                      # before anything is written: inputs and output apart
     check_output(cfg.output)
@@ -147,7 +175,7 @@ def _check_quantizers(cfg: BuildConfig) -> None:
     import importlib.util
 
     from specexport.config import GPU_PRECISIONS
-    from specexport.export.quantize import MODELOPT
+    from specexport.quant.quantize import MODELOPT
 
     models = [m for m in (cfg.target, cfg.draft) if m is not None]
     gpu = sorted({p for m in models for p in m.precisions if p in GPU_PRECISIONS})
@@ -162,7 +190,7 @@ def _check_quantizers(cfg: BuildConfig) -> None:
 
 
 def _plan_medusa(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
-    from specexport.export.medusa import load_medusa
+    from specexport.heads.medusa import load_medusa
 
     weights = load_medusa(hc.path, hidden_size=target.arch.hidden_size, vocab_size=target.arch.vocab_size)
     if hc.top_k > target.arch.vocab_size:
@@ -176,8 +204,8 @@ def _plan_medusa(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
 
 
 def _plan_eagle(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
-    from specexport.export.eagle import WEIGHT_FILES, load_eagle
-    from specexport.export.eagle_graph import io_for
+    from specexport.heads.eagle import WEIGHT_FILES, load_eagle
+    from specexport.heads.eagle_graph import io_for
 
     arch = target.arch
     weights = load_eagle(hc.path, hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
@@ -197,10 +225,10 @@ def _plan_eagle(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
 
 def _prompt_ids(path: Path, tokenizer_dir: Path) -> tuple[tuple[int, ...], ...]:
     """eagle.prompts as the runtime feeds them: each a user message rendered by the runtime's own chat
-    template (serve/chat.py, what Pipeline.chat_ids uses) and encoded without adding special tokens
+    template (chat.py, what Pipeline.chat_ids uses) and encoded without adding special tokens
     again, when the tokenizer has a template; else the text as generate() encodes it."""
     from specexport.prompts import read_prompts
-    from specexport.serve.chat import load_chat_template
+    from specexport.chat import load_chat_template
 
     tok = require("transformers").AutoTokenizer.from_pretrained(tokenizer_dir)
     template = load_chat_template(tokenizer_dir)
@@ -213,7 +241,7 @@ def _prompt_ids(path: Path, tokenizer_dir: Path) -> tuple[tuple[int, ...], ...]:
 
 def _text_ids(cfg: BuildConfig, path: Path | None, key: str) -> tuple[int, ...] | None:
     """A text file's token ids (target tokenizer, no special tokens); checked long enough here."""
-    from specexport.export.quality import MIN_EVAL_TOKENS
+    from specexport.quant.quality import MIN_EVAL_TOKENS
 
     if path is None:
         return None
@@ -339,13 +367,12 @@ def _fingerprint(path: Path, options: dict) -> str:
 # fingerprint, so a graph made by older exporter code is never reused (hashing the sources, rather than a
 # constant bumped by hand, cannot be forgotten; the price is that a comment edit also rebuilds).
 GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gqa.py", "export/to_onnx.py",
-                 "export/registry.py",
-                 "export/adapters/*.py")
-ENGINE_SOURCES = ("export/trt_graph.py", "export/trt_engine.py", "plugins/*.py")
-QUANTIZER_SOURCES = ("export/quantize.py", "export/smooth.py", "export/quality.py", "calibrate/*.py")
-HEADS_SOURCES = ("io_spec.py", "export/medusa.py", "export/medusa_tree.py", "export/medusa_stage.py",
+                 "export/registry.py", "export/adapters/*.py")
+ENGINE_SOURCES = ("trt/*.py", "plugins/*.py", "build/stages/engines.py")
+QUANTIZER_SOURCES = ("quant/*.py", "build/stages/quantize.py")
+HEADS_SOURCES = ("io_spec.py", "heads/medusa.py", "heads/medusa_tree.py", "build/stages/medusa.py",
                  "export/to_onnx.py")
-EAGLE_SOURCES = ("io_spec.py", "export/eagle.py", "export/eagle_graph.py", "export/eagle_stage.py", "export/gqa.py",
+EAGLE_SOURCES = ("io_spec.py", "heads/eagle.py", "heads/eagle_graph.py", "build/stages/eagle.py", "export/gqa.py",
                  "export/to_onnx.py")
 
 

@@ -34,7 +34,7 @@ def min_tokens_for(rows: dict, scheme: str) -> int:
     (one-row difference 1.0e-6, multi-row exactly 0) greedy speculative output differed from vanilla on
     2 of 3 prompts within 32 tokens; others tolerate ROW_TOLERANCE (fp32 kernels' 1e-7 differences do
     not grow)."""
-    from specexport.export.quantize import CALIBRATED
+    from specexport.quant.quantize import CALIBRATED
 
     limit = 0.0 if scheme in CALIBRATED else ROW_TOLERANCE
     return 2 if rows["one_token"] > limit else 1

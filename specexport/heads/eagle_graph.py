@@ -1,5 +1,5 @@
 """An EAGLE head as an ONNX graph with a KV cache of its own (EagleIO in io_spec.py), and its check
-against the published head in PyTorch (export/eagle.py's `make_head`).
+against the published head in PyTorch (heads/eagle.py's `make_head`).
 
     input_ids [B,T]   features [B,T,F]   draft_hidden [B,T,H]   position_ids [B,T]   attention_mask [B,T,P+T]
         |                  |                    |                     |                      |
@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport._optional import require
-from specexport.export.eagle import EagleWeights, make_head, rope_frequencies
+from specexport.heads.eagle import EagleWeights, make_head, rope_frequencies
 from specexport.io_spec import DYNAMIC_AXES, EagleIO
 
 

@@ -4,7 +4,7 @@ Made with NVIDIA ModelOpt's ONNX PTQ (`modelopt.onnx.quantization.quantize`), ca
 ONNX Runtime with feeds in the runtime's shapes and real past KV (feeds.py):
   fp8      E4M3 QuantizeLinear/DequantizeLinear on the weights (per tensor) and the activations of the
            weight MatMuls (Ada/Hopper/Thor; Orin has no FP8 tensor cores: int8_sq or int4 there).
-  int8_sq  SmoothQuant (export/smooth.py: ModelOpt's ONNX path has none, its SmoothQuant is the torch
+  int8_sq  SmoothQuant (quant/smooth.py: ModelOpt's ONNX path has none, its SmoothQuant is the torch
            path's) folded into the graph first, then INT8 Q/DQ (symmetric, per-channel weights,
            per-tensor activations), which is what TensorRT's INT8 kernels take.
 Only MatMuls are quantized (`op_types_to_quantize`): ModelOpt's int8 mode otherwise also puts Q/DQ in
@@ -56,7 +56,7 @@ def quantize_qdq(source: Path, dest: Path, precision: str, scheme: dict, feeds: 
         _declare_attention_types(onnx, model)
         exclude = kept_high_precision(model, scheme)          # named before smoothing inserts its Muls
         if scheme.get("smooth_alpha"):
-            from specexport.export import smooth
+            from specexport.quant import smooth
 
             act_max = smooth.activation_channel_max(source, feeds, list(smooth.weight_matmuls(model)), scratch)
             smooth.smooth(model, act_max, scheme["smooth_alpha"])
@@ -111,7 +111,7 @@ def _in_child(job: dict) -> None:
     calibrators in the importing process (modelopt/onnx/quantization/ort_patching.py): afterwards
     onnxruntime's own quantize_static with percentile calibration failed in the same process
     ("Histogram has not been collected"), which the static_qdq int8 scheme uses."""
-    done = subprocess.run([sys.executable, "-m", "specexport.calibrate.ptq", json.dumps(job)], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "specexport.quant.ptq", json.dumps(job)], capture_output=True,
                           text=True, check=False)
     if done.returncode:
         tail = "\n".join(done.stderr.strip().splitlines()[-12:])

@@ -1,0 +1,1 @@
+"""The kinds of build stage (build/stage.py): one module each."""

@@ -1,0 +1,110 @@
+"""The records of a bench report: one row per configuration (`_row`, keys `ROW_KEYS`; the arithmetic is
+in `accounting.py`), the peers (opened in their own processes by `peers.py`) and their rows, and the
+memory figures (weights, KV buffers, peak RSS).
+"""
+from __future__ import annotations
+
+import resource
+import statistics
+from pathlib import Path
+
+from specexport.report import accounting as acc
+from specexport.report.grid import VANILLA, Config, accuracy_only
+
+ROW_KEYS = ("precision", "draft_precision", "method", "gamma", "tokens_per_s", "ttft_ms", "tpot_ms_p50", "tpot_ms_p90",
+            "acceptance_rate", "acceptance_per_position", "mean_accepted_tokens", "speedup_vs_vanilla",
+            "speedup_ci95", "ideal_speedup", "efficiency", "draft_step_ratio", "verify_step_ratio",
+            "ideal_free_draft", "ideal_free_verify", "capped_by", "speedup_vs_fp32_vanilla", "speedup_vs_fp32_ci95",
+            "accuracy_only")
+# Rows whose target or draft is a GPU precision (fp16 / fp8 / int8_sq graphs) run on ONNX Runtime CPU as an
+# accuracy path (FP8 Q/DQ is emulated there): they report acceptance and tokens per pass, and no time.
+SPEED_KEYS = ("tokens_per_s", "ttft_ms", "prefill_ms", "draft_prefill_ms", "tpot_ms_p50", "tpot_ms_p90",
+              "tokens_per_s_end_to_end", "speedup_vs_vanilla", "speedup_ci95", "ideal_speedup", "efficiency",
+              "draft_step_ratio", "verify_step_ratio", "ideal_free_draft", "ideal_free_verify", "capped_by",
+              "speedup_vs_fp32_vanilla", "speedup_vs_fp32_ci95")
+
+
+def _row(c: Config, runs, costs) -> dict:
+    method, tp, dp, g, stop = c.method, c.precision, c.draft_precision, c.gamma, c.draft_stop
+    st = runs[c]
+    vanilla = runs.get(Config(VANILLA, tp, None, 0))
+    cost = costs[(tp, c.proposer)]
+    c1 = cost["target"].get(1)          # one target session per precision: vanilla's T = 1 forwards are these
+    tps = acc.throughput(st)
+    base = acc.throughput(vanilla) if vanilla else None
+    speedup = tps / base if tps and base else None
+    fp32 = runs.get(Config(VANILLA, "fp32", None, 0))      # a quantized row against the fp32 target's vanilla
+    fp32_tps = acc.throughput(fp32) if fp32 and tp != "fp32" else None
+    where = dict.fromkeys(("draft_step_ratio", "verify_step_ratio", "ideal_free_draft", "ideal_free_verify",
+                           "capped_by"))
+    if method == VANILLA:
+        ideal, interval = 1.0, [1.0, 1.0]
+    else:
+        ideal = acc.ideal_speedup(st, c_vanilla1=c1, c_target=cost["target"], c_draft=cost["draft"]) if c1 else None
+        interval = acc.speedup_interval(st, vanilla) if vanilla else None
+        if c1:
+            where = acc.where_time_goes(st, c_vanilla1=c1, c_target=cost["target"], c_draft=cost["draft"])
+    row = {
+        "precision": tp, "draft_precision": dp, "method": method, "gamma": g, "draft_stop": stop, "tree": c.tree,
+        "tokens_per_s": tps, **acc.timing_figures(st),
+        # conditional acceptance per position needs chains of a fixed length: not adaptive, lookup or tree rows
+        **acc.acceptance_figures(st, g, bool(stop) or method == "lookup" or c.tree is not None),
+        "speedup_vs_vanilla": speedup, "speedup_ci95": interval, "ideal_speedup": ideal,
+        "efficiency": speedup / ideal if speedup and ideal else None, **where,
+        "speedup_vs_fp32_vanilla": tps / fp32_tps if tps and fp32_tps else None,
+        "speedup_vs_fp32_ci95": acc.speedup_interval(st, fp32) if fp32_tps else None,
+        "accuracy_only": accuracy_only(tp, dp),
+    }
+    return {**row, **dict.fromkeys(SPEED_KEYS)} if row["accuracy_only"] else row
+
+
+# -- peers and memory ----------------------------------------------------------------------------------
+def _open_peers(manifest, precisions, cfg, log):
+    if not cfg.peers:
+        return [], [{"peer": "all", "skipped": "peers not requested"}]
+    if cfg.temperature > 0:
+        return [], [{"peer": "all", "skipped": "peers run greedy; this bench samples"}]
+    from specexport.report.peers import PeerProcess, peer_specs
+
+    specs, skipped = peer_specs(manifest, precisions, work_dir=Path(cfg.out or cfg.output_dir / "bench") / "peers",
+                                log=log)
+    peers = []
+    for spec in specs:
+        try:
+            peers.append(PeerProcess(spec))
+        except RuntimeError as err:
+            skipped.append({"peer": f"{spec.family} {spec.precision}", "skipped": str(err)})
+    log(f"peers: {', '.join(n for p in peers for n in p.names) or 'none'} (each family in its own process)")
+    return peers, skipped
+
+
+def _peer_row(peer, name: str, runs, reference: list, manifest: dict) -> dict:
+    """A peer's decode-time tokens/s, and how often its whole output equals our fp32 vanilla output."""
+    eos = set(manifest["special_tokens"]["eos_token_ids"] or [])
+    same = [_same_output(g.tokens, reference[i], eos) for i, g in runs]
+    gens = [g for _, g in runs]
+    tokens = sum(max(len(g.tokens) - 1, 0) for g in gens)
+    seconds = sum(g.total_s - g.ttft_s for g in gens)
+    return {"peer": name, "precision": peer.spec.precision, "tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "ttft_ms": statistics.median(g.ttft_s * 1e3 for g in gens) if gens else None,
+            "same_tokens_as_fp32_vanilla": sum(same) / len(same) if same else None, "runs": len(gens)}
+
+
+def _same_output(got: list[int], ref: list[int] | None, eos: set) -> bool:
+    """Whole outputs equal (a trailing EOS aside, which some peers drop); an empty output never is."""
+    if not got or ref is None:
+        return False
+    strip = lambda ids: ids[:-1] if ids and ids[-1] in eos else ids      # noqa: E731
+    return strip(list(got)) == strip(list(ref))
+
+
+def _memory(manifest, pipes, peers) -> dict:
+    weights = {f"{role}/{p}": e["size_bytes"] for role, m in (*manifest["models"].items(),
+                                                              *manifest.get("heads", {}).items())
+               for p, e in m["precisions"].items()}
+    kv = {f"{tp}/{dp}": p.target.kv_bytes + d.kv_bytes for tp, p in pipes.items() for dp, d in p.drafts.items()}
+    kv.update({f"{tp}/-": p.target.kv_bytes for tp, p in pipes.items()})
+    return {"weights_bytes": weights, "kv_buffer_bytes": kv,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_note": "the bench process: every configuration's sessions; peers are apart",
+            "peers_peak_rss_bytes": {f"{p.spec.family} {p.spec.precision}": p.peak_rss_bytes for p in peers}}

@@ -1,0 +1,165 @@
+"""`run_bench`: the order of a bench. The target's thread settings are chosen (or given), every draft
+and head opened, every configuration runs once untimed (warm-up), then every round runs every
+configuration once per prompt (the order rotated per cell), followed by the peers; from the timings of
+those runs and an isolated timing per forward size come the rows, the γ and method choices (stored with
+the build when greedy), and the report written to report.json / report.md / plots.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from specexport.gamma import store_gamma_choices
+from specexport.manifest import read_manifest, write_json_atomic, write_text_atomic
+from specexport.report import accounting as acc
+from specexport.report.choice import _acceptance_drop, _gamma_choice, method_choices
+from specexport.report.folder import REPORT_FILES, claim_report_folder, record_report_files
+from specexport.report.grid import BenchConfig, _check_request, _configs, accuracy_only
+from specexport.report.rows import _memory, _open_peers, _peer_row, _row
+from specexport.report.threads import ThreadSetting, fastest_for_vanilla
+from specexport.report.timing import _clocked, _encode, _isolated_costs, _ms, _reference_outputs, _run, _step_costs
+from specexport.runtime.methods import HEAD_METHODS
+
+# A peer's thread pools (torch's OpenMP, ONNX Runtime's) spin for a while after it answers, in its own
+# process but on our cores: measured on the demo, the run right after the peers had its prefill 38%
+# slower (20.3 vs 14.7 ms) until this pause was added. Rotating the order spreads whatever remains.
+PEER_SETTLE_S = 0.1
+
+
+def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipeline=None) -> dict:
+    """Run the bench and write its report. `clock` and `open_pipeline(precision=, threads=, spin=)` are
+    for tests: every time the report uses comes from `clock`."""
+    import specexport
+
+    manifest = read_manifest(cfg.output_dir)
+    precisions, has_draft = _check_request(cfg, manifest)
+    claim_report_folder(Path(cfg.out or cfg.output_dir / "bench"))
+    configs = _configs(precisions, manifest, cfg, has_draft)
+    if open_pipeline is None:
+        def open_pipeline(**kw):
+            return specexport.load(cfg.output_dir, **kw)
+    first_prompt = cfg.prompts[0]
+    settings, probes = {}, {}
+    for tp in precisions:
+        if cfg.threads is None:
+            settings[tp], probes[tp] = fastest_for_vanilla(
+                open_pipeline, tp, lambda pipe: _encode(pipe, first_prompt, cfg.chat), log=log)
+        else:
+            settings[tp] = ThreadSetting(cfg.threads, True)
+    pipes = {tp: _clocked(open_pipeline(precision=tp, **settings[tp].options()), clock) for tp in precisions}
+    try:
+        return _measure(cfg, manifest, configs, pipes, settings, probes, clock, log)
+    finally:
+        for pipe in pipes.values():
+            pipe.close()
+
+
+def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dict:
+    _open_proposers(configs, pipes, clock)
+    prompt_ids = {p: _encode(next(iter(pipes.values())), p, cfg.chat) for p in cfg.prompts}
+    log(f"bench: warm-up, {len(configs)} configurations")
+    for c in configs:
+        _run(pipes, c, prompt_ids[cfg.prompts[0]], cfg.max_new_tokens, cfg.temperature)
+    reference = _reference_outputs(cfg, pipes, prompt_ids) if cfg.peers and cfg.temperature == 0 else []
+    for pipe in pipes.values():                     # time every forward from here on
+        for b in pipe.opened:
+            b.timings = {}
+    peers, peer_skips = _open_peers(manifest, list(pipes), cfg, log)
+    runs, peer_runs = _interleave(cfg, configs, pipes, peers, prompt_ids, log)
+    costs = _step_costs(configs, pipes)
+    for pipe in pipes.values():                     # the isolated timing below is not part of the runs
+        for b in pipe.opened:
+            b.timings = None
+    max_t = max(cfg.gammas) + 1
+    isolated = {(tp, key): _isolated_costs(pipes[tp], None if key in HEAD_METHODS else key, max_t, clock)
+                for tp, key in costs if not accuracy_only(tp, key)}   # only the γ choice uses these
+    rows = [_row(c, runs, costs) for c in configs]
+    choice = _gamma_choice(rows, costs, isolated, max(cfg.gammas))
+    report = {
+        "command": " ".join(sys.argv),
+        "output_dir": str(cfg.output_dir),
+        "build_id": manifest["build_id"],
+        "settings": {"prompts": len(cfg.prompts), "rounds": cfg.rounds, "max_new_tokens": cfg.max_new_tokens,
+                     "greedy": cfg.temperature == 0, "temperature": cfg.temperature,
+                     "bootstrap_resamples": acc.BOOTSTRAP_RESAMPLES,
+                     "target_threads": {tp: s.label for tp, s in settings.items()},
+                     "thread_probe_tokens_per_s": probes,
+                     "draft_threads": 1},
+        "rows": rows,
+        "step_costs_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in costs.items()},
+        "step_costs_isolated_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in isolated.items()},
+        "gamma_auto": {f"{tp}/{dp}": c for (tp, dp), c in choice.items()},
+        "acceptance_drop": _acceptance_drop(rows),
+        "memory": _memory(manifest, pipes, peers),
+        "peers": [_peer_row(p, name, peer_runs[name], reference, manifest) for p in peers for name in p.names]
+                 + peer_skips,
+    }
+    _store_choices(cfg, manifest, report, choice, rows, log)
+    _write_report(report, Path(cfg.out or cfg.output_dir / "bench"), cfg.plots, log)   # claimed by run_bench
+    return report
+
+
+def _open_proposers(configs, pipes, clock) -> None:
+    """Every draft a row names, opened before the runs, and every proposer on the bench's clock."""
+    drafts = sorted({(c.precision, c.draft_precision) for c in configs if c.draft_precision is not None})
+    for tp, dp in drafts:                           # open every draft before the runs
+        pipes[tp].use_draft_precision(dp)
+        pipes[tp].draft.clock = clock
+    for kind in {c.method for c in configs} & set(HEAD_METHODS):
+        for pipe in pipes.values():
+            getattr(pipe, kind).clock = clock
+
+
+def _interleave(cfg, configs, pipes, peers, prompt_ids: dict, log) -> tuple[dict, dict]:
+    """The timed rounds: per configuration and per peer name, its runs (a peer's with the prompt's index).
+    The peers are closed at the end, an error included."""
+    runs = {c: [] for c in configs}
+    peer_runs = {name: [] for peer in peers for name in peer.names}
+    log(f"bench: {len(configs)} configurations + {len(peer_runs)} peers x {len(cfg.prompts)} prompts x {cfg.rounds} "
+        "rounds, interleaved")
+    try:
+        for r in range(cfg.rounds):
+            for i, prompt in enumerate(cfg.prompts):
+                # rotate the order per cell: no configuration always runs first, right after the peers
+                shift = (r * len(cfg.prompts) + i) % len(configs)
+                for c in configs[shift:] + configs[:shift]:
+                    runs[c].append(_run(pipes, c, prompt_ids[prompt], cfg.max_new_tokens, cfg.temperature,
+                                        seed=r * 1000 + i))
+                for peer in peers:
+                    for name in peer.names:
+                        peer_runs[name].append((i, peer.run(name, prompt_ids[prompt], cfg.max_new_tokens)))
+                if peers:
+                    time.sleep(PEER_SETTLE_S)
+            log(f"  round {r + 1}/{cfg.rounds} done")
+    finally:
+        for peer in peers:
+            peer.close()
+    return runs, peer_runs
+
+
+def _store_choices(cfg, manifest, report: dict, choice: dict, rows, log) -> None:
+    """The method choices into the report, and the γ and method choices stored with the build when greedy."""
+    stored = {k: {"gamma": c["gamma"], "predicted_speedup": c["predicted_speedup"],
+                  "measured_tokens": c["measured_tokens"]} for k, c in choice.items()}
+    methods = method_choices(rows)
+    report["method_auto"] = {f"{tp}/{dp}": c for (tp, dp), c in methods.items()}
+    if cfg.temperature == 0:
+        report["gamma_store"] = store_gamma_choices(cfg.output_dir, stored, build_id=manifest["build_id"],
+                                                    command=report["command"])
+        report["gamma_store"] += store_gamma_choices(cfg.output_dir, methods, build_id=manifest["build_id"],
+                                                     command=report["command"], section="method_auto")
+    else:                       # `--gamma auto` / `--method auto` are greedy measurements; this one samples
+        report["gamma_store"] = [f"not stored: this bench sampled at temperature {cfg.temperature} (the stored "
+                                 f"choices are greedy measurements)"]
+    for line in report["gamma_store"]:
+        log(f"bench: {line}")
+
+
+def _write_report(report: dict, out_dir: Path, plots: bool, log) -> None:
+    from specexport.report.render import plot_speedups, render_markdown
+
+    report["plots"] = plot_speedups(report, out_dir, log) if plots else []
+    write_text_atomic(out_dir / "report.md", render_markdown(report))
+    write_json_atomic(out_dir / "report.json", report)
+    record_report_files(out_dir, REPORT_FILES)

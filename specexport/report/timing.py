@@ -1,0 +1,91 @@
+"""Timed runs and forward costs: one generation of a configuration (`_run`) on pipelines whose
+every time comes from the bench's clock (`_clocked`), the fp32 vanilla outputs the peers are checked
+against, the timings of what proposes in a row, and the isolated cost of one forward per size (for the
+γ prediction beyond the sizes the runs made). Times are seconds; `_ms` turns cost tables into ms.
+"""
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+from specexport.report import accounting as acc
+from specexport.report.grid import Config
+from specexport.runtime.methods import HEAD_METHODS
+
+
+def _clocked(pipe, clock):
+    pipe.clock = pipe.target.clock = clock
+    return pipe
+
+
+def _encode(pipe, prompt: str, chat: bool) -> list[int]:
+    return pipe.chat_ids(prompt) if chat else pipe.encode(prompt)
+
+
+def _run(pipes, c: Config, prompt_ids, max_new_tokens: int, temperature: float = 0.0, *, seed: int = 0):
+    """One generation; sampled (temperature > 0) with the same seed for every configuration of a cell."""
+    pipe = pipes[c.precision]
+    if c.draft_precision is not None:
+        pipe.use_draft_precision(c.draft_precision)
+    return pipe.generate(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, method=c.method, gamma=max(c.gamma, 1),
+                         draft_stop=c.draft_stop, tree=c.tree, temperature=temperature, seed=seed).stats
+
+
+def _reference_outputs(cfg, pipes, prompt_ids: dict) -> list[list[int]]:
+    """Our fp32 vanilla output per prompt: what every peer row's "same tokens" is checked against."""
+    import specexport
+
+    pipe = pipes.get("fp32") or specexport.load(cfg.output_dir, precision="fp32")
+    try:
+        return [pipe.generate(prompt_ids=prompt_ids[p], max_new_tokens=cfg.max_new_tokens, method="vanilla").token_ids
+                for p in cfg.prompts]
+    finally:
+        if pipe is not pipes.get("fp32"):
+            pipe.close()
+
+
+def _proposer_timings(pipe, key) -> dict | None:
+    """Timings of what proposes in rows whose Config.proposer is `key`: a draft precision, "medusa" or
+    "eagle" (their heads), None for rows that make no proposer forwards (vanilla, lookup)."""
+    model = pipe.opened_heads.get(key) if key in HEAD_METHODS else pipe.drafts[key] if key else None
+    return model.timings if model is not None else None
+
+
+def _step_costs(configs, pipes) -> dict:
+    """Per (target precision, Config.proposer): the decode costs of the timed runs' forwards."""
+    # "draft" prices every forward that is not the target's: the draft model's, or the Medusa / EAGLE
+    # heads' (keyed by Config.proposer; lookup rows make none)
+    return {(tp, key): {"target": acc.decode_costs(pipes[tp].target.timings),
+                        "draft": acc.decode_costs(_proposer_timings(pipes[tp], key))}
+            for tp, key in {(c.precision, c.proposer) for c in configs}}
+
+
+def _isolated_costs(pipe, dp, max_t: int, clock, reps: int = 20) -> dict:
+    """Median seconds of one forward at a context of 64 tokens (fewer when max_seq_len is small),
+    target for T = 1..max_t, draft T = 1: for the γ prediction beyond the sizes the runs made."""
+    if dp is not None:
+        pipe.use_draft_precision(dp)
+    ctx = (3 + np.arange(max(1, min(64, pipe.capacity - max_t)))) % pipe.target.vocab_size
+    target = {t: [] for t in range(1, max_t + 1)}
+    draft = []
+    for _ in range(reps):
+        for t in target:
+            target[t].append(_time_forward(pipe.target, ctx, t, clock))
+        if dp is not None:
+            draft.append(_time_forward(pipe.draft, ctx, 1, clock))
+    return {"target": {t: statistics.median(v) for t, v in target.items()},
+            "draft": {1: statistics.median(draft)} if draft else {}}
+
+
+def _time_forward(backend, ctx, t: int, clock) -> float:
+    backend.reset()
+    backend.forward(ctx, phase="prefill")
+    backend.commit(len(ctx))
+    start = clock()
+    backend.forward(ctx[:t])
+    return clock() - start
+
+
+def _ms(costs: dict) -> dict:
+    return {role: {str(t): v * 1e3 for t, v in table.items()} for role, table in costs.items()}

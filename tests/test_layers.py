@@ -1,0 +1,30 @@
+"""The house rules ARCHITECTURE.md states, checked: the import layers and no import cycles (import-linter,
+contracts in pyproject.toml), and no module over ~400 lines without a reason in its docstring."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_LINES = 420
+
+
+def test_import_layers_and_no_cycles(capsys):
+    from importlinter.cli import lint_imports
+
+    code = lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True)
+    out = capsys.readouterr().out
+    broken = out[out.find("Broken contracts"):] if "Broken contracts" in out else out[-3000:]
+    assert code == 0, f"import contracts broken (see ARCHITECTURE.md for the layers):\n{broken}"
+
+
+def test_long_modules_say_why():
+    """A module over MAX_LINES lines says why in its docstring ("Longer than ... because ...")."""
+    long = []
+    for path in sorted((ROOT / "specexport").rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > MAX_LINES:
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            if "longer than" not in doc.lower():
+                long.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
+    assert not long, f"split these modules or say in their docstring why they are longer than {MAX_LINES} lines: {long}"
