@@ -234,8 +234,8 @@ def _prompt_ids(path: Path, tokenizer_dir: Path) -> tuple[tuple[int, ...], ...]:
     template = load_chat_template(tokenizer_dir)
     texts = read_prompts(path, where="eagle.prompts")
     if template is None:
-        return tuple(tuple(tok(text)["input_ids"]) for text in texts)
-    return tuple(tuple(tok(template.render([{"role": "user", "content": text}]), add_special_tokens=False)["input_ids"])
+        return tuple(tuple(tok(text).input_ids) for text in texts)
+    return tuple(tuple(tok(template.render([{"role": "user", "content": text}]), add_special_tokens=False).input_ids)
                  for text in texts)
 
 
@@ -250,7 +250,7 @@ def _text_ids(cfg: BuildConfig, path: Path | None, key: str) -> tuple[int, ...] 
     except (OSError, UnicodeDecodeError) as err:
         raise SpecexportError(f"{key}: {path} is not a readable UTF-8 text file ({err})") from None
     tok = require("transformers").AutoTokenizer.from_pretrained(cfg.target.path)
-    ids = tuple(tok(text, add_special_tokens=False)["input_ids"])
+    ids = tuple(tok(text, add_special_tokens=False).input_ids)
     if len(ids) < MIN_EVAL_TOKENS:
         needs = "the quality gate" if key == "eval_text" else "calibration"
         raise SpecexportError(f"{key}: {path} has {len(ids)} tokens; {needs} needs at least {MIN_EVAL_TOKENS}")

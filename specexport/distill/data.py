@@ -43,7 +43,7 @@ def prompts_from_files(paths, tokenizer, *, max_tokens: int) -> list[list[int]]:
             raise SpecexportError(f"--prompts: {path} does not exist")
         for para in path.read_text(errors="replace").split("\n\n"):
             if para.strip():
-                ids = tokenizer(para, add_special_tokens=True)["input_ids"]
+                ids = tokenizer(para, add_special_tokens=True).input_ids
                 prompts.append(ids[-max_tokens:])
     if not prompts:
         raise SpecexportError(f"--prompts: no non-empty paragraphs in {', '.join(map(str, paths))}")
@@ -58,7 +58,7 @@ def prompts_from_corpus(folder: Path, tokenizer, *, count: int, tokens: int, see
     while len(prompts) < count and tries < 20 * count:
         tries += 1
         text = files[rng.integers(len(files))].read_text(errors="replace")
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(text, add_special_tokens=False).input_ids
         if len(ids) <= tokens:
             continue
         start = int(rng.integers(0, len(ids) - tokens))
@@ -81,7 +81,7 @@ def render_chat(prompts: list[list[int]], tokenizer) -> list[list[int]]:
         text = tokenizer.decode(ids, skip_special_tokens=True)
         chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              tokenize=False)
-        rendered.append(tokenizer(chat, add_special_tokens=False)["input_ids"])
+        rendered.append(tokenizer(chat, add_special_tokens=False).input_ids)
     return rendered
 
 

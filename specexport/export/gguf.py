@@ -205,7 +205,7 @@ def _check_tokenizer(tok, meta: dict, path: Path) -> dict:
         checked[f"{name}_token_id"] = got = getattr(tok, f"{name}_token_id")
         if want is not None and got != want and name in ("bos", "eos"):
             fail(f"has {name}_token_id {got}, the GGUF says {want}")
-    ids = tok("a")["input_ids"]
+    ids = tok("a").input_ids
     for name, flag, at in (("bos", meta["add_bos"], 0), ("eos", meta["add_eos"], -1)):
         if flag is not None and (ids[at] == meta["ids"][name]) != flag:
             fail(f"{'does not add' if flag else 'adds'} {name} while tokenizer.ggml.add_{name}_token is {flag}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specexport._optional import require
-from specexport.io_spec import ModelIO
+from specexport.io_spec import LOGITS, ModelIO
 from specexport.runtime.tree import Tree
 
 
@@ -109,7 +109,7 @@ def onnx_logits(onnx_path, io: ModelIO, case: ParityCase, *, session=None, kv_ca
         outs = dict(zip(io.output_names, session.run(None, feeds)))
         if commit:
             state["past"], state["committed"] = io.presents(outs), state["committed"] + len(tokens)
-        return outs["logits"][0]
+        return outs[LOGITS][0]
 
     n, seq = case.n_prompt, case.seq
     causal = np.tril(np.ones((n, n), bool))

@@ -27,7 +27,13 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.heads.eagle import EagleWeights, make_head, rope_frequencies
-from specexport.io_spec import DYNAMIC_AXES, EagleIO
+from specexport.io_spec import (
+    DYNAMIC_AXES,
+    HIDDEN_STATES,
+    TOPK_IDS,
+    TOPK_LOGPROBS,
+    EagleIO,
+)
 
 
 def graph_module(w: EagleWeights, embed: np.ndarray, lm_head: np.ndarray | None, top_k: int):
@@ -186,8 +192,8 @@ def head_parity(w: EagleWeights, embed: np.ndarray, lm_head, io: EagleIO, onnx_p
         nonlocal past, count
         outs = dict(zip(io.output_names, session.run(None, io.feeds(toks, features=feats, draft_hidden=own,
                                                                     positions=positions, mask=mask, past=past))))
-        past = [outs["present_key.0"], outs["present_value.0"]]
-        ids, values, hidden = outs["topk_ids"][0], outs["topk_logprobs"][0], outs["hidden_states"][0]
+        past = [outs[n] for n in io.present_names(0)]
+        ids, values, hidden = outs[TOPK_IDS][0], outs[TOPK_LOGPROBS][0], outs[HIDDEN_STATES][0]
         for r, (ref_lp, ref_hidden) in enumerate(refs):
             at_ids = ref_lp[ids[r]]
             top = -np.sort(-ref_lp)[:io.top_k]

@@ -25,7 +25,7 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.errors import SpecexportError
-from specexport.io_spec import HeadsIO
+from specexport.io_spec import HIDDEN_STATES, HeadsIO
 
 HEAD_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 FULL_MODEL_PREFIX = "medusa_head."
@@ -232,7 +232,7 @@ def heads_parity(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO
         ref = torch.log_softmax(torch.stack([head(torch.from_numpy(hidden)) for head in
                                              reference_module(weights, lm_head)], dim=1), -1).numpy()   # [S, N, V]
     session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    ids, values = session.run(None, {"hidden_states": hidden[None].astype(np.float32)})
+    ids, values = session.run(None, {HIDDEN_STATES: hidden[None].astype(np.float32)})
     ids, values = ids[0], values[0]                                            # [S, N, K]
     at_ids = np.take_along_axis(ref, ids, axis=-1)
     ref_top = -np.sort(-ref, axis=-1)[..., :io.top_k]
@@ -241,7 +241,7 @@ def heads_parity(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO
     return {"max_rel_error": error / scale, "max_abs_error": error, "rows": int(hidden.shape[0])}
 
 
-def target_states(session, io, tokens: np.ndarray, outputs=("hidden_states",)) -> list[np.ndarray]:
+def target_states(session, io, tokens: np.ndarray, outputs=(HIDDEN_STATES,)) -> list[np.ndarray]:
     """The target graph's `outputs` (an open ORT session) over `tokens`, one causal prefill without
     past, batch row 0: hidden_states [S, H], logits [S, V]."""
     return [out[0] for out in session.run(list(outputs), io.feeds(np.asarray(tokens)[None]))]

@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from specexport.io_spec import HEAD_TOPK_IDS, HIDDEN_STATES, LOGITS
+
 CONTEXT = 64            # committed tokens when timing the verify pass
 REPS = 15
 PREFIX = 16             # accuracy is measured on the target's greedy continuations of prefixes this long
@@ -31,9 +33,9 @@ def head_accuracy(target_session, target_io, heads_session, sequences, top_k: in
 
     hits, total = None, None
     for seq in sequences:
-        hidden, logits = target_states(target_session, target_io, seq, ("hidden_states", "logits"))  # [S, H], [S, V]
+        hidden, logits = target_states(target_session, target_io, seq, (HIDDEN_STATES, LOGITS))  # [S, H], [S, V]
         argmax = logits.argmax(-1)                                                             # [S]
-        ids = heads_session.run(["head_topk_ids"], {"hidden_states": hidden[None]})[0][0]     # [S, N, K]
+        ids = heads_session.run([HEAD_TOPK_IDS], {HIDDEN_STATES: hidden[None]})[0][0]          # [S, N, K]
         S, N, K = ids.shape
         if hits is None:
             hits, total = np.zeros((N, K)), np.zeros(N)

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport._optional import require
+from specexport.io_spec import LOGITS
 
 MODES = {"fp8": "fp8", "int8_sq": "int8"}
 ORT_OPTIMIZATION = {"fp16": "all", "fp8": "basic", "int8_sq": "basic"}
@@ -86,7 +87,7 @@ def kept_high_precision(model, scheme: dict) -> list[str]:
     for n in model.graph.node:
         if n.op_type != "MatMul" or n.input[1] not in inits:
             continue
-        if "logits" in n.output:
+        if LOGITS in n.output:
             if scheme.get("lm_head", "fp32") == "fp32":
                 out.append(n.name)
         elif scheme.get("keep", "none") == "mlp_down" and n.input[0] in producer \

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specexport._optional import require
-from specexport.io_spec import ModelIO
+from specexport.io_spec import LOGITS, ModelIO
 
 MIN_EVAL_TOKENS = 16        # an eval_text shorter than this is refused at plan time
 EVAL_SEQUENCES = 4          # sequences per quality check
@@ -139,7 +139,7 @@ def _step(session, io: ModelIO, tokens: np.ndarray, positions: np.ndarray, past:
     """One graph call on [B, T] tokens after `past`; returns logits [B, T, V] and the caches with the new K/V."""
     feeds = io.feeds(tokens, positions=positions, past=past)
     outs = dict(zip(io.output_names, session.run(None, feeds)))
-    return outs["logits"], io.presents(outs)
+    return outs[LOGITS], io.presents(outs)
 
 
 def _log_softmax(logits: np.ndarray) -> np.ndarray:

@@ -33,6 +33,7 @@ import logging
 from pathlib import Path
 
 from specexport._optional import require
+from specexport.io_spec import LOGITS
 from specexport.schemes import default_scheme   # the options a model.yaml may name: schemes.SCHEMES
 
 BITS = {"int8": 8, "int4": 4, "fp16": 16, "fp8": 8, "int8_sq": 8}
@@ -119,7 +120,7 @@ def _static_qdq(q, source: Path, dest: Path, scheme: dict, feeds: list) -> None:
     scratch.mkdir(parents=True)
     try:
         exclude = [n.name for n in onnx.load(str(source), load_external_data=False).graph.node
-                   if n.op_type == "MatMul" and "logits" in n.output] if scheme.get("lm_head") == "fp32" else []
+                   if n.op_type == "MatMul" and LOGITS in n.output] if scheme.get("lm_head") == "fp32" else []
         if scheme.get("smooth_alpha"):
             from specexport.quant import smooth
 

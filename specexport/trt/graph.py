@@ -50,6 +50,14 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.errors import SpecexportError
+from specexport.io_spec import (
+    ATTENTION_MASK,
+    INPUT_IDS,
+    PAST_KEY,
+    PAST_VALUE,
+    PRESENT_KEY,
+    PRESENT_VALUE,
+)
 
 ENGINE_GRAPH = "engine.onnx"                      # the file name beside the precision's model.onnx
 ATTENTION_OPTIONS = ("native", "plugin")
@@ -81,7 +89,7 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
     if not isinstance(kv_capacity, int) or kv_capacity < 1:
         raise SpecexportError(f"kv_capacity: expected a positive integer, got {kv_capacity!r}")
     graph = model.graph
-    for name in ("input_ids", "attention_mask"):
+    for name in (INPUT_IDS, ATTENTION_MASK):
         if name not in {i.name for i in graph.input}:
             raise SpecexportError(f"engine graph: the graph has no input {name!r}")
     consts: set[str] = set()
@@ -98,9 +106,9 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
     # -- shared: the write position P and the mask, once per graph ------------------------------
     e = "/engine"
     nodes = [
-        node("Shape", ["attention_mask"], [f"{e}/total"], f"{e}/total", start=2, end=3),       # [1] P + T
-        node("Shape", ["input_ids"], [f"{e}/tokens"], f"{e}/tokens", start=1, end=2),          # [1] T
-        node("Shape", ["input_ids"], [f"{e}/batch"], f"{e}/batch", start=0, end=1),            # [1] B
+        node("Shape", [ATTENTION_MASK], [f"{e}/total"], f"{e}/total", start=2, end=3),         # [1] P + T
+        node("Shape", [INPUT_IDS], [f"{e}/tokens"], f"{e}/tokens", start=1, end=2),            # [1] T
+        node("Shape", [INPUT_IDS], [f"{e}/batch"], f"{e}/batch", start=0, end=1),              # [1] B
         node("Sub", [f"{e}/total", f"{e}/tokens"], [f"{e}/past_length"], f"{e}/past_length"),  # [1] P
         node("Expand", [f"{e}/past_length", f"{e}/batch"], [f"{e}/write_index64"], f"{e}/write_index64"),
         node("Cast", [f"{e}/write_index64"], [f"{e}/write_index"], f"{e}/write_index",
@@ -110,15 +118,15 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
     if attention == "native":
         nodes += [
             node("Sub", [const(f"{e}/capacity", [kv_capacity]), f"{e}/total"], [f"{e}/pad_rows"], f"{e}/pad_rows"),
-            node("Shape", ["attention_mask"], [f"{e}/batch_tokens"], f"{e}/batch_tokens", start=0, end=2),
+            node("Shape", [ATTENTION_MASK], [f"{e}/batch_tokens"], f"{e}/batch_tokens", start=0, end=2),
             node("Concat", [f"{e}/batch_tokens", f"{e}/pad_rows"], [f"{e}/pad_shape"], f"{e}/pad_shape", axis=0),
             node("ConstantOfShape", [f"{e}/pad_shape"], [f"{e}/mask_pad"], f"{e}/mask_pad",
                  value=helper.make_tensor("false", onnx.TensorProto.BOOL, [1], [False])),   # [B, T, C-P-T]
-            node("Concat", ["attention_mask", f"{e}/mask_pad"], [f"{e}/mask_rows"], f"{e}/mask_rows", axis=2),
+            node("Concat", [ATTENTION_MASK, f"{e}/mask_pad"], [f"{e}/mask_rows"], f"{e}/mask_rows", axis=2),
             node("Unsqueeze", [f"{e}/mask_rows", const(f"{e}/axis1", [1])], [f"{e}/mask"], f"{e}/mask"),  # [B,1,T,C]
         ]
     else:
-        nodes.append(node("Squeeze", ["attention_mask", const(f"{e}/axis0", [0])], [f"{e}/mask"], f"{e}/mask"))
+        nodes.append(node("Squeeze", [ATTENTION_MASK, const(f"{e}/axis0", [0])], [f"{e}/mask"], f"{e}/mask"))
     mask = f"{e}/mask"
 
     count = 0
@@ -193,10 +201,13 @@ def _valid_rows(node, cache: str, p: str, zero: str, axis2: str, axis0: str) -> 
             node("Transpose", [f"{p}_squeezed"], [f"{p}_rows"], f"{p}_rows", perm=[1, 0, 2])]
 
 
+CACHE_PREFIXES = tuple(f"{n}." for n in (PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE))   # past_key.{i}, ...
+
+
 def _fix_capacity(graph, kv_capacity: int) -> None:
     """Write the caches' capacity into the graph's past_* inputs and present_* outputs (dimension 2)."""
     for value in (*graph.input, *graph.output):
-        if value.name.startswith(("past_key.", "past_value.", "present_key.", "present_value.")):
+        if value.name.startswith(CACHE_PREFIXES):
             dim = value.type.tensor_type.shape.dim[2]
             dim.Clear()
             dim.dim_value = kv_capacity

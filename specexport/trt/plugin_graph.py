@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport._optional import require
+from specexport.io_spec import ATTENTION_MASK
 from specexport.plugins.trt_plugin import NAME, NAMESPACE, plugin_node
 
 ATTENTION_OP = "GroupQueryAttention"
@@ -40,7 +41,7 @@ def plugin_graph(model, *, head_dim: int):
     onnx = require("onnx")
     helper = onnx.helper
     graph = model.graph
-    mask = _graph_input(graph, "attention_mask")
+    mask = _graph_input(graph, ATTENTION_MASK)
     consts: dict[str, str] = {}
     nodes, count = [], 0
 

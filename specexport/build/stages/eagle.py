@@ -23,6 +23,7 @@ from specexport import owned
 from specexport.build.context import eval_sequences, files_entry
 from specexport.build.stages.medusa import HeadsStage
 from specexport.errors import ParityError
+from specexport.io_spec import AUX_HIDDEN_STATES
 
 # (top_k, depth, total_tokens) tried by tree: auto; total_tokens is capped by max_verify_tokens - 1
 AUTO_CANDIDATES = ((1, 3, 3), (1, 5, 5), (2, 4, 7), (2, 6, 11), (4, 5, 15), (4, 6, 31), (8, 6, 63))
@@ -122,7 +123,7 @@ def target_features(session, target_io, tokens, weights) -> np.ndarray:
 
     if weights.version == 1:
         return target_states(session, target_io, tokens)[0]
-    aux, = target_states(session, target_io, tokens, ("aux_hidden_states",))
+    aux, = target_states(session, target_io, tokens, (AUX_HIDDEN_STATES,))
     columns = feature_columns(target_io.aux_hidden_layers, weights.aux_layers, target_io.hidden_size)
     return aux if columns is None else aux[:, columns]
 
