@@ -16,9 +16,8 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.errors import SpecexportError
-from specexport.io_spec import ModelIO
 from specexport.manifest import check_files, file_problems, listed_files, read_manifest
-from specexport.runtime.backends import open_backend
+from specexport.runtime.backends import open_eagle, open_medusa, open_model, require_kind
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.methods import METHODS, proposer_for
@@ -54,10 +53,7 @@ class Pipeline:
                 raise SpecexportError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1
                                                           else "") + ": the build is damaged; rebuild it")
         self.precision, self.backend_kind = precision, backend
-        if backend == "tensorrt":          # at once, before reading the build: what is missing, in one line
-            from specexport._tensorrt import require_engines
-
-            require_engines("backend tensorrt")
+        require_kind(backend)               # at once, before reading the build: what is missing, in one line
         self.draft_precision = precision if draft_precision is None else draft_precision
         self.capacity = self.manifest["max_seq_len"]
         self.max_verify_tokens = self.manifest["max_verify_tokens"]
@@ -95,33 +91,15 @@ class Pipeline:
     def medusa(self):
         """The Medusa heads (a callable hidden [H] -> top-k ids [N, K]), opened on first use."""
         if self._medusa is None:
-            from specexport.io_spec import HeadsIO
-            from specexport.runtime.backends.heads import open_heads
-
-            entry = self.manifest.get("heads", {}).get("medusa")
-            if entry is None:
-                raise SpecexportError("method: 'medusa' was not built (no medusa: heads in the model.yaml)")
-            stage = entry["precisions"]["fp32"]
-            check_files(self.dir, stage["files"])
-            self._medusa = open_heads(self.backend_kind, self.dir / stage["dir"], io=HeadsIO.from_dict(entry["io"]))
+            self._medusa = open_medusa(self.dir, self.manifest, kind=self.backend_kind)
         return self._medusa
 
     @property
     def eagle(self):
         """The EAGLE head (runtime/backends/eagle.py), opened on first use."""
         if self._eagle is None:
-            from specexport.io_spec import EagleIO
-            from specexport.runtime.backends.eagle import open_eagle_head
-
-            entry = self.manifest.get("heads", {}).get("eagle")
-            if entry is None:
-                raise SpecexportError("method: 'eagle' was not built (no eagle: head in the model.yaml)")
-            stage = entry["precisions"]["fp32"]
-            check_files(self.dir, stage["files"])
-            io = EagleIO.from_dict(entry["io"])
-            self._eagle = open_eagle_head(self.backend_kind, self.dir / stage["dir"], io=io,
-                                          capacity=self.capacity + entry["scratch_rows"],
-                                          max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK, io.top_k))
+            self._eagle = open_eagle(self.dir, self.manifest, kind=self.backend_kind, capacity=self.capacity,
+                                     max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK))
         return self._eagle
 
     @property
@@ -142,41 +120,11 @@ class Pipeline:
             raise
 
     def _open(self, role: str):
-        models = self.manifest["models"]
-        if role not in models:
-            raise SpecexportError(f"method: this build has no {role} model (built: {', '.join(models)})")
-        entry = models[role]
-        precision = self.precision if role == "target" else self.draft_precision
-        if precision not in entry["precisions"]:
-            key = "precision" if role == "target" else "draft_precision"
-            hint = "" if role == "target" else " (draft_precision defaults to precision; pass it to choose another)"
-            raise SpecexportError(f"{key}: {precision!r} was not built for the {role}; built: "
-                                  f"{', '.join(entry['precisions'])}{hint}")
-        stage = entry["precisions"][precision]
-        check_files(self.dir, stage["files"])      # cheap: sizes; a truncated or missing file names itself
-        options = dict(self._options)
-        if self.backend_kind == "tensorrt":         # the stage's engine (trt/engine.py)
-            if "engine" not in stage:
-                raise SpecexportError(f"backend: 'tensorrt' was not built for the {role} {precision} (build with "
-                                      f"backends: [tensorrt])")
-            engine = stage["engine"]
-            options = {"engine": engine["file"], "attention": engine["attention"], "min_tokens": engine["min_tokens"]}
-        elif stage["backend"] != self.backend_kind:
-            raise SpecexportError(f"backend: {self.backend_kind!r} was not built; built: {stage['backend']}")
-        if stage.get("min_tokens", 1) > 1:          # the build measured this graph's one-row kernels differ
-            options["min_tokens"] = stage["min_tokens"]
-        if stage.get("ort_optimization", "all") != "all":     # Q/DQ graphs: basic (quant/ptq.py)
-            options["optimization"] = stage["ort_optimization"]
-        if "cpu_graph" in stage:                    # fp16: its fp32 stand-in for CPUs (calibrate/fp16.emulate)
-            options["graph"] = stage["cpu_graph"]
-        backend = open_backend(self.backend_kind, self.dir / stage["dir"], io=ModelIO.from_dict(entry["io"]),
-                               capacity=self.capacity, max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
-                               threads=self._threads[role], **options)
-        if entry.get("vocab_ids") is not None:      # a draft over part of the vocabulary: target ids out
-            from specexport.runtime.backends.vocab import ReducedVocab
-
-            backend = ReducedVocab(backend, entry["vocab_ids"], models["target"]["vocab_size"])
-        return backend
+        """The target or the draft (in `draft_precision`), from the factory in runtime/backends."""
+        return open_model(self.dir, self.manifest, role, kind=self.backend_kind,
+                          precision=self.precision if role == "target" else self.draft_precision,
+                          capacity=self.capacity, max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
+                          threads=self._threads[role], **self._options)
 
     # -- public API -----------------------------------------------------------------------
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationOutput:

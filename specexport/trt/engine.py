@@ -45,7 +45,7 @@ ENGINE_GATES = {
 
 def kv_capacity_for(max_seq_len: int, min_tokens: int = 1) -> int:
     """Rows of the engine's KV caches: max_seq_len, plus room for the padding rows of a call padded to
-    min_tokens (OrtBackend._padded writes them past the committed rows)."""
+    min_tokens (ModelBuffers.run pads a call and writes them past the committed rows)."""
     return int(max_seq_len) + max(1, int(min_tokens)) - 1
 
 

@@ -1,8 +1,12 @@
 """Heads graphs (Medusa) in ONNX Runtime: the target's final hidden state in, each head's top-K ids out.
 
 No KV and no state: one call per round on one hidden row. Output buffers are allocated once and
-bound, as in OrtBackend; `timings` records each call as ("decode", 1) when set to {}, so the bench
-prices a heads call the way it prices a draft step.
+bound once, every tensor of the heads IO table to its buffer:
+    hidden     [1, 1, H]     float32  the input row
+    ids        [1, 1, N, K]  int64    each head's K most likely tokens, most likely first
+    logprobs   [1, 1, N, K]  float32  their log-probabilities
+`timings` records each call as ("decode", 1) when set to {}, so the bench prices a heads call the way
+it prices a draft step. Open heads with runtime/backends' `open_heads`.
 """
 from __future__ import annotations
 
@@ -11,8 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport.errors import SpecexportError
-from specexport.io_spec import HeadsIO
+from specexport.io_spec import HEAD_TOPK_IDS, HEAD_TOPK_LOGPROBS, HIDDEN_STATES, HeadsIO
 
 
 class OrtHeads:
@@ -29,10 +32,13 @@ class OrtHeads:
         self.ids = np.zeros((1, 1, io.num_heads, io.top_k), np.int64)                # [1, 1, N, K]
         self.logprobs = np.zeros((1, 1, io.num_heads, io.top_k), np.float32)         # [1, 1, N, K]
         self.binding = self.session.io_binding()
-        self.binding.bind_input("hidden_states", "cpu", 0, np.float32, self._hidden.shape, self._hidden.ctypes.data)
-        self.binding.bind_output("head_topk_ids", "cpu", 0, np.int64, self.ids.shape, self.ids.ctypes.data)
-        self.binding.bind_output("head_topk_logprobs", "cpu", 0, np.float32, self.logprobs.shape,
-                                 self.logprobs.ctypes.data)
+        buffers = {HIDDEN_STATES: self._hidden, HEAD_TOPK_IDS: self.ids, HEAD_TOPK_LOGPROBS: self.logprobs}
+        for spec in io.inputs:
+            buf = buffers[spec.name]
+            self.binding.bind_input(spec.name, "cpu", 0, buf.dtype.type, buf.shape, buf.ctypes.data)
+        for spec in io.outputs:
+            buf = buffers[spec.name]
+            self.binding.bind_output(spec.name, "cpu", 0, buf.dtype.type, buf.shape, buf.ctypes.data)
 
     def __call__(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [H] -> ids [N, K] (a view of a reused buffer: each head's K most likely tokens)."""
@@ -47,9 +53,3 @@ class OrtHeads:
 
     def close(self) -> None:
         """Nothing to release: no buffers outside the session, which goes with the object."""
-
-
-def open_heads(kind: str, model_dir, *, io: HeadsIO, **options):
-    if kind == "onnxruntime":
-        return OrtHeads(model_dir, io=io, **options)
-    raise SpecexportError(f"backend: {kind!r} is not available for heads in this version; available: onnxruntime")

@@ -4,13 +4,13 @@ UNVERIFIED: written against onnxruntime's documented Python API (OrtValue on "cu
 the machines this was written on have no GPU, so it has never run. `benchmarks/gpu_check.py` runs it
 on the demo against the CPU backend (greedy speculative output must equal vanilla) where a GPU is.
 
-Buffers:
-    k[i], v[i]   OrtValue [1, Hkv, capacity, D] float32 on the device: bound as past_key.i and
+Buffers (buffers.ModelBuffers, the CPU backend's, with the caches on the device):
+    k[i], v[i]   OrtValue [1, Hkv, C, D] float32 on the device: bound as past_key.i and
                  present_key.i (the same memory: GroupQueryAttention's CUDA kernel updates it in place)
     logits, hidden, aux: host arrays, bound as outputs: ONNX Runtime copies them back at the end of
                  each run, the one host synchronisation per forward
 The KV buffers are bound once; each forward binds only the small host inputs (token ids, positions,
-the mask, logits_rows: OrtBackend._small_inputs) and the host outputs.
+the mask, logits_rows: ModelBuffers.inputs) and the host outputs.
 Committing a tree path moves KV rows on the device by a host round trip of each buffer (OrtValue has
 no device-to-device slice copy): chains never move rows; trees pay O(cache) per accepted tree.
 What this backend does not change: which graph runs (model.onnx; an fp16 build's real fp16 graph,
@@ -24,8 +24,11 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.errors import SpecexportError
-from specexport.io_spec import ModelIO
-from specexport.runtime.backends.ort import OPTIMIZATION_LEVELS, OrtBackend
+from specexport.io_spec import (ATTENTION_MASK, AUX_HIDDEN_STATES, HIDDEN_STATES, INPUT_IDS, LOGITS, LOGITS_ROWS,
+                                POSITION_IDS, ModelIO)
+from specexport.runtime.backends.base import Backend, StepOutput
+from specexport.runtime.backends.buffers import ModelBuffers
+from specexport.runtime.backends.ort import OPTIMIZATION_LEVELS
 
 
 def cuda_provider_problem(ort) -> str | None:
@@ -37,74 +40,70 @@ def cuda_provider_problem(ort) -> str | None:
     return None
 
 
-class OrtCudaBackend(OrtBackend):
+class OrtCudaBackend(Backend):
     def __init__(self, model_dir, *, io: ModelIO, capacity: int, max_tokens: int, device_id: int = 0,
                  min_tokens: int = 1, optimization: str = "all", graph: str = "model.onnx", **unused):
         ort = require("onnxruntime")
         problem = cuda_provider_problem(ort)
         if problem:
             raise SpecexportError(problem)
-        self._init_base(capacity=capacity, max_tokens=max_tokens, vocab_size=io.vocab_size)
+        super().__init__(capacity=capacity, max_tokens=max_tokens, vocab_size=io.vocab_size)
         path = Path(model_dir) / "model.onnx"       # the GPU graph; `graph` names the CPU stand-in
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[optimization])
-        try:
-            self.session = ort.InferenceSession(str(path), opts, providers=[
-                ("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"])
-        except Exception as err:       # onnxruntime raises its own exception types
-            first = next((x for x in str(err).splitlines() if x.strip()), type(err).__name__)
-            raise SpecexportError(f"{path}: ONNX Runtime (CUDA) could not load it ({first.strip()[:300]})") from None
+        self.session = _cuda_session(ort, path, device_id=device_id, optimization=optimization)
         self.model_path, self.io, self.device_id = path, io, device_id
         self.binding = self.session.io_binding()
-        self._kv_names = [(*io.past_names(i), *io.present_names(i)) for i in range(io.num_layers)]
-        self.min_tokens = max(1, min(int(min_tokens), max_tokens))
-        self.kv_shape = (1, io.num_kv_heads, capacity + self.min_tokens - 1, io.head_dim)
         new = ort.OrtValue.ortvalue_from_shape_and_type
-        self.k = [new(self.kv_shape, np.float32, "cuda", device_id) for _ in range(io.num_layers)]
-        self.v = [new(self.kv_shape, np.float32, "cuda", device_id) for _ in range(io.num_layers)]
-        self.logits = np.zeros((1, max_tokens, io.vocab_size), np.float32)
-        self.hidden = np.zeros((1, max_tokens, io.hidden_size), np.float32)
-        aux_width = len(io.aux_hidden_layers) * io.hidden_size
-        self.aux = np.zeros((1, max_tokens, aux_width), np.float32) if aux_width else None
-        self._mask = np.ones(max_tokens * (self.kv_shape[2] + max_tokens), dtype=bool)
-        self._causal = np.tril(np.ones((max_tokens, max_tokens), dtype=bool))
-        self._arange = np.arange(max_tokens, dtype=np.int64)
-        self.last_aux = None
-        for k, v, (pk, pv, nk, nv) in zip(self.k, self.v, self._kv_names):
-            self.binding.bind_ortvalue_input(pk, k)
-            self.binding.bind_ortvalue_input(pv, v)
-            self.binding.bind_ortvalue_output(nk, k)      # the same device memory: updated in place
-            self.binding.bind_ortvalue_output(nv, v)
 
-    def _init_base(self, **sizes) -> None:
-        super(OrtBackend, self).__init__(**sizes)          # Backend's, not the CPU backend's buffers
+        def device_caches(shape, layers):
+            return ([new(shape, np.float32, "cuda", device_id) for _ in range(layers)],
+                    [new(shape, np.float32, "cuda", device_id) for _ in range(layers)])
 
-    def _rows(self, tokens, depths, tree_mask, last_only):
-        from specexport.runtime.backends.base import StepOutput
+        self.buffers = b = ModelBuffers.allocate(io, capacity=capacity, max_tokens=max_tokens, min_tokens=min_tokens,
+                                                 caches=device_caches)
+        self.k, self.v, self.min_tokens, self.kv_shape = b.k, b.v, b.min_tokens, b.kv_shape
+        for i, (k, v) in enumerate(zip(b.k, b.v)):
+            for past, present, cache in zip(io.past_names(i), io.present_names(i), (k, v)):
+                self.binding.bind_ortvalue_input(past, cache)
+                self.binding.bind_ortvalue_output(present, cache)      # the same device memory: updated in place
 
-        T, b = len(tokens), self.binding
-        tokens, positions, mask, rows = self._small_inputs(tokens, depths, tree_mask, last_only)
+    last_aux = property(lambda self: self.buffers.last_aux)      # [T, k*H] view: the last forward's aux rows
+    kv_bytes = property(lambda self: self.buffers.kv_bytes)
+
+    def _forward(self, tokens, depths, tree_mask, last_only) -> StepOutput:
+        return self.buffers.run(self._rows, tokens, depths, tree_mask, last_only)
+
+    def _rows(self, tokens, depths, tree_mask, last_only) -> StepOutput:
+        T, binding, buf = len(tokens), self.binding, self.buffers
+        tokens, positions, mask, rows = buf.inputs(tokens, depths, tree_mask, last_only, length=self.length)
         R = rows.shape[1]
         # binding a name again replaces it; the KV OrtValues were bound once, in __init__
-        b.bind_cpu_input("input_ids", tokens)
-        b.bind_cpu_input("position_ids", positions)
-        b.bind_cpu_input("attention_mask", mask)
-        b.bind_cpu_input("logits_rows", rows)
-        b.bind_output("logits", "cpu", 0, np.float32, (1, R, self.io.vocab_size), self.logits.ctypes.data)
-        b.bind_output("hidden_states", "cpu", 0, np.float32, (1, T, self.io.hidden_size), self.hidden.ctypes.data)
-        if self.aux is not None:
-            b.bind_output("aux_hidden_states", "cpu", 0, np.float32, (1, T, self.aux.shape[-1]), self.aux.ctypes.data)
-            self.last_aux = self.aux[0, :T]
-        self.session.run_with_iobinding(b)
-        return StepOutput(self.logits[0, :R], self.hidden[0, :T], self.last_aux)
+        binding.bind_cpu_input(INPUT_IDS, tokens)
+        binding.bind_cpu_input(POSITION_IDS, positions)
+        binding.bind_cpu_input(ATTENTION_MASK, mask)
+        binding.bind_cpu_input(LOGITS_ROWS, rows)
+        binding.bind_output(LOGITS, "cpu", 0, np.float32, (1, R, self.io.vocab_size), buf.logits.ctypes.data)
+        binding.bind_output(HIDDEN_STATES, "cpu", 0, np.float32, (1, T, self.io.hidden_size), buf.hidden.ctypes.data)
+        if buf.aux is not None:
+            binding.bind_output(AUX_HIDDEN_STATES, "cpu", 0, np.float32, (1, T, buf.aux.shape[-1]),
+                                buf.aux.ctypes.data)
+        self.session.run_with_iobinding(binding)
+        return buf.output(R, T)
 
     def _move_rows(self, keep: np.ndarray) -> None:
         dest, src = self.length + np.arange(len(keep)), self.length + keep
-        for buf in (*self.k, *self.v):
+        for buf in (*self.buffers.k, *self.buffers.v):
             host = buf.numpy()                        # device -> host copy of the whole buffer
             host[0, :, dest] = host[0, :, src]
             buf.update_inplace(np.ascontiguousarray(host))
 
-    @property
-    def kv_bytes(self) -> int:
-        return 2 * len(self.k) * int(np.prod(self.kv_shape)) * 4
+
+def _cuda_session(ort, path: Path, *, device_id: int, optimization: str):
+    """An ORT session of `path` on CUDAExecutionProvider (CPU for what it lacks), with one-line errors."""
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[optimization])
+    try:
+        return ort.InferenceSession(str(path), opts, providers=[
+            ("CUDAExecutionProvider", {"device_id": device_id}), "CPUExecutionProvider"])
+    except Exception as err:       # onnxruntime raises its own exception types
+        first = next((x for x in str(err).splitlines() if x.strip()), type(err).__name__)
+        raise SpecexportError(f"{path}: ONNX Runtime (CUDA) could not load it ({first.strip()[:300]})") from None

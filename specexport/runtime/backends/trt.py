@@ -6,16 +6,16 @@ get_aliased_input_tensor, IExecutionContext.set_optimization_profile_async / set
 set_tensor_address / execute_async_v3). The machines this was written on have no GPU: it has run only
 against a fake `tensorrt` module whose engine is the engine graph in ONNX Runtime (tests/test_trt_engine.py).
 
-Buffers (allocated once on the device, never resized; B = 1; C = the engine's KV capacity):
-    kv        [2L, 1, Hkv, C, D] float32  one tensor; layer i's K is kv[2i], its V kv[2i + 1], each bound as
-                                          both past_key.i and present_key.i: the same device address, as
-                                          TensorRT's KV-cache-update layer requires (it writes rows
-                                          length..length+T-1 in place; TensorRT reports an API error otherwise)
-    ids, pos  [max_tokens] int64          device inputs, filled from pinned host staging each forward
-    rows      [max_tokens] int64
-    mask      [max_tokens * C] bool       each forward's [1, T, length + T] mask, flat
-    logits    [max_tokens * V] float32    device outputs; host copies in pinned memory:
-    hidden    [max_tokens * H] float32        logits [1, max_tokens, V], hidden [1, max_tokens, H], aux
+Buffers (allocated once, never resized; B = 1; C = the engine's KV capacity): buffers.ModelBuffers, with
+    k[i], v[i]  views of kv   [2L, 1, Hkv, C, D] float32 on the device, one tensor: layer i's K is kv[2i], its
+                              V kv[2i + 1], each bound as both past_key.i and present_key.i: the same device
+                              address, as TensorRT's KV-cache-update layer requires (it writes rows
+                              length..length+T-1 in place; TensorRT reports an API error otherwise)
+    logits, hidden, aux, mask host buffers in pinned memory (the staging of the device copies below)
+and the device side of each call, this backend's own:
+    ids, pos, rows            [max_tokens] int64 device inputs, filled from pinned host staging each forward
+    mask                      [max_tokens * C] bool each forward's [1, T, length + T] mask, flat
+    logits, hidden, aux       [max_tokens * V | H | k*H] float32 device outputs, copied to the host buffers
 Addresses are bound once (and again after a profile switch); a forward sets the four small inputs'
 shapes, copies them host -> device, enqueues the engine, copies logits / hidden (/ aux) device -> host
 and synchronises the stream once: the one host synchronisation per forward.
@@ -40,9 +40,10 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.errors import SpecexportError
-from specexport.io_spec import ModelIO
-from specexport.runtime.backends.base import StepOutput
-from specexport.runtime.backends.ort import OrtBackend
+from specexport.io_spec import (ATTENTION_MASK, AUX_HIDDEN_STATES, HIDDEN_STATES, INPUT_IDS, LOGITS, LOGITS_ROWS,
+                                POSITION_IDS, ModelIO)
+from specexport.runtime.backends.base import Backend, StepOutput
+from specexport.runtime.backends.buffers import ModelBuffers
 
 ENGINE_FILE = "model.plan"          # trt/engine.py writes it beside the engine graph
 
@@ -57,9 +58,9 @@ def open_trt_backend(model_dir, *, io: ModelIO, capacity: int, max_tokens: int, 
     return TrtBackend(model_dir, io=io, capacity=capacity, max_tokens=max_tokens, **options)
 
 
-class TrtBackend(OrtBackend):
-    """OrtBackend's padding (`min_tokens`, _padded) and input building (_small_inputs) over TensorRT
-    buffers; _rows and _move_rows are TensorRT's. UNVERIFIED."""
+class TrtBackend(Backend):
+    """An engine and its buffers (buffers.ModelBuffers: the padding to `min_tokens` and the small inputs
+    are theirs); _rows and _move_rows are TensorRT's. UNVERIFIED."""
 
     def __init__(self, model_dir, *, io: ModelIO, capacity: int, max_tokens: int, engine: str = ENGINE_FILE,
                  attention: str = "native", min_tokens: int = 1, device: str = "cuda", **ignored):
@@ -67,7 +68,7 @@ class TrtBackend(OrtBackend):
 
         trt = require_tensorrt("backend tensorrt")
         torch = _torch()
-        self._init_base(capacity=capacity, max_tokens=max_tokens, vocab_size=io.vocab_size)
+        super().__init__(capacity=capacity, max_tokens=max_tokens, vocab_size=io.vocab_size)
         self.io, self.trt, self.torch = io, trt, torch
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
@@ -87,27 +88,23 @@ class TrtBackend(OrtBackend):
         if self.engine is None:
             raise SpecexportError(f"{path}: TensorRT {trt.__version__} could not load it (an engine runs only with "
                                   "the TensorRT version and GPU it was built with: rebuild it here)")
-        self._check_engine(io)
+        C = self._check_engine(io)
         self.context = self.engine.create_execution_context()
         self.min_tokens = max(1, min(int(min_tokens), max_tokens))
-        C = self.kv_shape[2]
         if capacity + self.min_tokens - 1 > C:
             raise SpecexportError(f"{path}: the engine's KV caches hold {C} rows; this runtime needs max_seq_len "
                                   f"{capacity} + {self.min_tokens - 1} padding rows (rebuild the engine)")
-        self._allocate(io, max_tokens)
-        self._causal = np.tril(np.ones((max_tokens, max_tokens), dtype=bool))
-        self._arange = np.arange(max_tokens, dtype=np.int64)
-        self.last_aux = None
+        self._allocate(io, rows=C)
         self._profile = None                       # the context's active profile (bound on first use)
         self._select_profile(self._profiles[0][2])
 
-    # -- setup ------------------------------------------------------------------------------------
-    def _init_base(self, **sizes) -> None:
-        super(OrtBackend, self).__init__(**sizes)          # Backend's, not the ONNX Runtime session's
+    last_aux = property(lambda self: self.buffers.last_aux)      # [T, k*H] view: the last forward's aux rows
+    kv_bytes = property(lambda self: self.buffers.kv_bytes)
 
-    def _check_engine(self, io: ModelIO) -> None:
+    # -- setup ------------------------------------------------------------------------------------
+    def _check_engine(self, io: ModelIO) -> int:
         """The engine's IO is the tensor table's, its caches are float32 with a static capacity and aliased
-        (in place), and its profiles cover 1..max_tokens tokens. UNVERIFIED."""
+        (in place), and its profiles cover 1..max_tokens tokens; returns the caches' rows. UNVERIFIED."""
         trt, engine = self.trt, self.engine
         names = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
         expected = set(io.input_names) | set(io.output_names)
@@ -115,11 +112,11 @@ class TrtBackend(OrtBackend):
             raise SpecexportError(f"{self.model_path}: the engine's tensors do not match the manifest's IO table "
                                   f"(missing {sorted(expected - names)}, unexpected {sorted(names - expected)}): "
                                   "rebuild it")
-        shape = tuple(engine.get_tensor_shape(io.past_names(0)[0]))
+        first = io.past_names(0)[0]
+        shape = tuple(engine.get_tensor_shape(first))
         if len(shape) != 4 or shape[2] < 1:
-            raise SpecexportError(f"{self.model_path}: past_key.0 is {shape}; expected [B, Hkv, C, D] with a static "
+            raise SpecexportError(f"{self.model_path}: {first} is {shape}; expected [B, Hkv, C, D] with a static "
                                   "capacity C (an engine from the in-place engine graph)")
-        self.kv_shape = (1, io.num_kv_heads, int(shape[2]), io.head_dim)
         for i in range(io.num_layers):
             for past, present in zip(io.past_names(i), io.present_names(i)):
                 if engine.get_aliased_input_tensor(present) != past:
@@ -130,55 +127,72 @@ class TrtBackend(OrtBackend):
                                           "backend keeps float32 caches")
         ranges = []                                # (max T, min T, profile index), smallest first
         for p in range(engine.num_optimization_profiles):
-            lo, _, hi = engine.get_tensor_profile_shape("input_ids", p)
+            lo, _, hi = engine.get_tensor_profile_shape(INPUT_IDS, p)
             ranges.append((int(hi[1]), int(lo[1]), p))
         self._profiles = sorted(ranges)
         if not ranges or max(r[0] for r in ranges) < self.max_tokens:
             raise SpecexportError(f"{self.model_path}: the engine's profiles take at most "
                                   f"{max((r[0] for r in ranges), default=0)} tokens a call; this runtime asks up to "
                                   f"{self.max_tokens}")
+        return int(shape[2])
 
-    def _allocate(self, io: ModelIO, max_tokens: int) -> None:
-        """The buffers of the module docstring, on self.device, and the stream the engine runs on. UNVERIFIED
-        on a GPU (pinned memory and the CUDA stream are not exercised by the CPU tests)."""
+    def _allocate(self, io: ModelIO, *, rows: int) -> None:
+        """The buffers of the module docstring on self.device (the host ones pinned), and the stream the
+        engine runs on. UNVERIFIED on a GPU (pinned memory and the CUDA stream are not exercised by the CPU
+        tests)."""
         torch, dev = self.torch, self.device
         pin = dev.type == "cuda"
-        L, C, V, H = io.num_layers, self.kv_shape[2], io.vocab_size, io.hidden_size
-        aux_width = len(io.aux_hidden_layers) * H
-        self.kv = torch.zeros((2 * L, *self.kv_shape), dtype=torch.float32, device=dev)      # [2L, 1, Hkv, C, D]
         self._stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        staging = {}                               # tensor name -> the pinned torch tensor of its host buffer
+
+        def device_caches(shape, layers):
+            self.kv = torch.zeros((2 * layers, *shape), dtype=torch.float32, device=dev)     # [2L, 1, Hkv, C, D]
+            return list(self.kv[0::2]), list(self.kv[1::2])
+
+        def pinned(name, shape, dtype):
+            staging[name] = torch.empty(int(np.prod(shape)), dtype=getattr(torch, np.dtype(dtype).name),
+                                        pin_memory=pin)
+            return staging[name].numpy().reshape(shape)
+
+        self.buffers = b = ModelBuffers.allocate(io, capacity=self.capacity, max_tokens=self.max_tokens,
+                                                 min_tokens=self.min_tokens, rows=rows, caches=device_caches,
+                                                 host=pinned)
+        self.kv_shape = b.kv_shape
 
         def pair(n: int, dtype):
             """(device buffer [n], pinned host staging [n] as torch, the staging as numpy)."""
             host = torch.empty(n, dtype=dtype, pin_memory=pin)
             return torch.empty(n, dtype=dtype, device=dev), host, host.numpy()
 
-        self._ids, self._ids_h, self._ids_np = pair(max_tokens, torch.int64)
-        self._pos, self._pos_h, self._pos_np = pair(max_tokens, torch.int64)
-        self._rows_d, self._rows_h, self._rows_np = pair(max_tokens, torch.int64)
-        self._mask_d, self._mask_h, self._mask = pair(max_tokens * C, torch.bool)     # _mask: _small_inputs fills it
-        self._logits_d, self._logits_h, logits = pair(max_tokens * V, torch.float32)
-        self._hidden_d, self._hidden_h, hidden = pair(max_tokens * H, torch.float32)
-        self.logits = logits.reshape(1, max_tokens, V)                                # [1, Tmax, V] pinned host
-        self.hidden = hidden.reshape(1, max_tokens, H)                                # [1, Tmax, H]
-        self.aux = None
-        if aux_width:
-            self._aux_d, self._aux_h, aux = pair(max_tokens * aux_width, torch.float32)
-            self.aux = aux.reshape(1, max_tokens, aux_width)                          # [1, Tmax, k*H]
+        def on_device(name):
+            """(a device buffer for the tensor `name`, the pinned staging of its host buffer)."""
+            host = staging[name]
+            return torch.empty(host.numel(), dtype=host.dtype, device=dev), host
+
+        T = self.max_tokens
+        self._ids, self._ids_h, self._ids_np = pair(T, torch.int64)
+        self._pos, self._pos_h, self._pos_np = pair(T, torch.int64)
+        self._rows_d, self._rows_h, self._rows_np = pair(T, torch.int64)
+        self._mask_d, self._mask_h = on_device(ATTENTION_MASK)                 # b.mask: ModelBuffers.inputs fills it
+        self._logits_d, self._logits_h = on_device(LOGITS)
+        self._hidden_d, self._hidden_h = on_device(HIDDEN_STATES)
+        if b.aux is not None:
+            self._aux_d, self._aux_h = on_device(AUX_HIDDEN_STATES)
 
     def _bind(self) -> None:
         """Every tensor's address (a profile switch invalidates the context's bindings) and the caches'
-        static shapes. The caches: one device address for past and present (in place). UNVERIFIED."""
+        static shapes, for each name of the tensor table. The caches: one device address for past and
+        present (in place). UNVERIFIED."""
         io, ctx = self.io, self.context
-        addresses = {"input_ids": self._ids, "position_ids": self._pos, "attention_mask": self._mask_d,
-                     "logits_rows": self._rows_d, "logits": self._logits_d, "hidden_states": self._hidden_d}
-        if self.aux is not None:
-            addresses["aux_hidden_states"] = self._aux_d
+        addresses = {INPUT_IDS: self._ids, POSITION_IDS: self._pos, ATTENTION_MASK: self._mask_d,
+                     LOGITS_ROWS: self._rows_d, LOGITS: self._logits_d, HIDDEN_STATES: self._hidden_d}
+        if self.buffers.aux is not None:
+            addresses[AUX_HIDDEN_STATES] = self._aux_d
         for i in range(io.num_layers):
             for j, (past, present) in enumerate(zip(io.past_names(i), io.present_names(i))):
                 addresses[past] = addresses[present] = self.kv[2 * i + j]
-        for name, tensor in addresses.items():
-            if not ctx.set_tensor_address(name, tensor.data_ptr()):
+        for name in (*io.input_names, *io.output_names):
+            if not ctx.set_tensor_address(name, addresses[name].data_ptr()):
                 raise SpecexportError(f"backend tensorrt: TensorRT refused the address of {name}")
         for past in io.past_input_names:
             if not ctx.set_input_shape(past, self.kv_shape):
@@ -199,22 +213,29 @@ class TrtBackend(OrtBackend):
         return self.torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     # -- the Backend work -------------------------------------------------------------------------
+    def _forward(self, tokens, depths, tree_mask, last_only) -> StepOutput:
+        return self.buffers.run(self._rows, tokens, depths, tree_mask, last_only)
+
+    def _small_inputs(self, tokens, depths, tree_mask, last_only):
+        """ModelBuffers.inputs after this backend's committed rows (the mask is a view of pinned staging)."""
+        return self.buffers.inputs(tokens, depths, tree_mask, last_only, length=self.length)
+
     def _rows(self, tokens, depths, tree_mask, last_only) -> StepOutput:
         """One engine call on T rows: small inputs host -> device, shapes, enqueue, outputs device -> host,
         one synchronisation. UNVERIFIED."""
         T = len(tokens)
         self._select_profile(next(p for hi, lo, p in self._profiles if lo <= T <= hi))
-        tokens, positions, mask, rows = self._small_inputs(tokens, depths, tree_mask, last_only)   # mask: pinned
+        tokens, positions, mask, rows = self._small_inputs(tokens, depths, tree_mask, last_only)
         R, S = rows.shape[1], mask.shape[2]                                                         # S = length + T
         self._ids_np[:T], self._pos_np[:T], self._rows_np[:R] = tokens[0], positions[0], rows[0]
-        ctx, V, H = self.context, self.io.vocab_size, self.io.hidden_size
+        ctx, V, H, aux = self.context, self.io.vocab_size, self.io.hidden_size, self.buffers.aux
         with self._on_stream():
             self._ids[:T].copy_(self._ids_h[:T], non_blocking=True)
             self._pos[:T].copy_(self._pos_h[:T], non_blocking=True)
             self._rows_d[:R].copy_(self._rows_h[:R], non_blocking=True)
             self._mask_d[:T * S].copy_(self._mask_h[:T * S], non_blocking=True)
-            for name, shape in (("input_ids", (1, T)), ("position_ids", (1, T)), ("attention_mask", (1, T, S)),
-                                ("logits_rows", (1, R))):
+            for name, shape in ((INPUT_IDS, (1, T)), (POSITION_IDS, (1, T)), (ATTENTION_MASK, (1, T, S)),
+                                (LOGITS_ROWS, (1, R))):
                 if not ctx.set_input_shape(name, shape):
                     raise SpecexportError(f"backend tensorrt: the engine refused {name} of shape {shape} (outside "
                                           f"its profile {self._profile})")
@@ -223,13 +244,12 @@ class TrtBackend(OrtBackend):
                                       f"({self.length} committed; its log says why)")
             self._logits_h[:R * V].copy_(self._logits_d[:R * V], non_blocking=True)
             self._hidden_h[:T * H].copy_(self._hidden_d[:T * H], non_blocking=True)
-            if self.aux is not None:
-                width = self.aux.shape[-1]
+            if aux is not None:
+                width = aux.shape[-1]
                 self._aux_h[:T * width].copy_(self._aux_d[:T * width], non_blocking=True)
-                self.last_aux = self.aux[0, :T]
         if self._stream is not None:
             self._stream.synchronize()                       # the one host synchronisation of a forward
-        return StepOutput(self.logits[0, :R], self.hidden[0, :T], self.last_aux)
+        return self.buffers.output(R, T)
 
     def _move_rows(self, keep: np.ndarray) -> None:
         """KV rows length + keep[k] -> length + k in every cache at once, on the device (module docstring).
@@ -239,10 +259,6 @@ class TrtBackend(OrtBackend):
             src = torch.as_tensor(self.length + np.asarray(keep, np.int64), device=self.device)
             dest = torch.arange(self.length, self.length + len(keep), device=self.device)
             self.kv[:, :, :, dest] = self.kv[:, :, :, src]     # gather to a temporary, then scatter: overlap-safe
-
-    @property
-    def kv_bytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
 
     def close(self) -> None:
         self.context = self.engine = None
