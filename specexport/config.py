@@ -283,6 +283,9 @@ def _model_options(raw: dict, role: str, path: Path, precisions, schemes, base: 
         aux = tuple(sorted(set(aux)))
     if raw.get("precisions") is not None:
         precisions = _precisions(raw["precisions"], f"{role}.precisions")
+    if "gguf" in precisions and gguf is None:
+        raise SpecexportError(f"{role}.precisions: gguf is made from a GGUF file's own blocks, and {role}.path is not a "
+                              f".gguf file; give {role} a precisions: list without gguf")
     schemes = quantization_settings(raw.get("quantization"), f"{role}.quantization", schemes)
     return ModelConfig(role=role, path=path, aux_hidden_layers=aux, precisions=precisions,
                        quantization=schemes, vocab=_vocab(raw.get("vocab"), role, base, path), gguf=gguf)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from specexport.errors import SpecexportError, shown
 
-PRECISIONS = ("fp32", "int8", "int4", "fp16", "fp8", "int8_sq")
+PRECISIONS = ("fp32", "int8", "int4", "fp16", "fp8", "int8_sq", "gguf")   # gguf: a GGUF file's own blocks
 QUANTIZED = PRECISIONS[1:]               # checked against fp32 by a quality gate (quant/quality.py)
 GPU_PRECISIONS = ("fp16", "fp8", "int8_sq")   # on ONNX Runtime CPU an accuracy path only: no speed claims
 
@@ -13,7 +13,10 @@ GPU_PRECISIONS = ("fp16", "fp8", "int8_sq")   # on ONNX Runtime CPU an accuracy 
 # whose argmax agrees (min_top1) and the mean KL(p_fp32 || p_quant) of the next-token distribution (max_kl).
 DEFAULT_QUALITY_GATES = {"int8": {"min_top1": 0.90, "max_kl": 0.05}, "int4": {"min_top1": 0.80, "max_kl": 0.20},
                          "fp16": {"min_top1": 0.98, "max_kl": 0.005}, "fp8": {"min_top1": 0.90, "max_kl": 0.05},
-                         "int8_sq": {"min_top1": 0.90, "max_kl": 0.05}}
+                         "int8_sq": {"min_top1": 0.90, "max_kl": 0.05},
+                         # gguf is gated by parity with the file's dequantized weights (accuracy_level 0);
+                         # this gate bounds what accuracy_level 4's int8 activations change
+                         "gguf": {"min_top1": 0.80, "max_kl": 0.20}}
 GATE_KEYS = ("min_top1", "max_kl")
 # How each quantized precision can be made (quant/quantize.py does it): the model.yaml's
 # `quantization: {int8: {scheme: ..., option: value}}` is checked against this table.
@@ -30,9 +33,12 @@ SCHEMES = {
                             "smooth_alpha": (0.0, ALPHAS), "keep": ("none", ("none", "mlp_down"))}),
     "smoothquant": (("int8_sq",), {"smooth_alpha": (0.5, ALPHAS), "calibrate": ("max", ("max", "entropy")),
                                    "lm_head": ("fp32", ("fp32", "quantized")), "keep": ("none", ("none", "mlp_down"))}),
+    # the GGUF file's blocks as they are (quant/gguf_blocks.py); accuracy_level 4 multiplies in int8 with
+    # activations quantized per block (as llama.cpp does), 0 in fp32 (exactly the file's weights)
+    "gguf": (("gguf",), {"accuracy_level": (4, (0, 4))}),
 }
 DEFAULT_SCHEMES = {"int8": "matmulnbits", "int4": "matmulnbits", "fp16": "cast", "fp8": "modelopt",
-                   "int8_sq": "smoothquant"}
+                   "int8_sq": "smoothquant", "gguf": "gguf"}
 
 
 def default_scheme(precision: str) -> dict:

@@ -61,7 +61,9 @@ LAYER_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self
                "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 
 
-def write_gguf(path, model, tok, *, pre: str, arch: str = "llama", tokens: list[str] | None = None):
+def write_gguf(path, model, tok, *, pre: str, arch: str = "llama", tokens: list[str] | None = None, quantize=None):
+    """quantize(name, array) -> (raw block bytes, GGMLQuantizationType) or None: a tensor written quantized
+    (tests/test_gguf_exact.py); None writes it as float32."""
     c = model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(c.num_hidden_layers)
@@ -99,7 +101,11 @@ def write_gguf(path, model, tok, *, pre: str, arch: str = "llama", tokens: list[
         else:
             name = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                     "lm_head.weight": "output.weight"}[name]
-        w.add_tensor(name, arr)
+        quantized = quantize(name, arr) if quantize is not None else None
+        if quantized is not None:
+            w.add_tensor(name, quantized[0], raw_dtype=quantized[1])
+        else:
+            w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -262,7 +262,7 @@ def test_per_model_precisions_and_clear_runtime_errors(rebuild, quant_fields, ca
     (lambda f: f.update(quality_gates={"int8": {"min_top": 0.9}}),
      r"quality_gates\.int8\.min_top: unknown key; allowed: min_top1, max_kl", "quality_gates.int8.min_top"),
     (lambda f: f.update(quality_gates={"fp32": {"min_top1": 0.9}}),
-     r"quality_gates\.fp32: unknown key; allowed: int8, int4, fp16, fp8, int8_sq \(fp32 is gated against PyTorch", "quality_gates.fp32"),
+     r"quality_gates\.fp32: unknown key; allowed: int8, int4, fp16, fp8, int8_sq, gguf \(fp32 is gated against PyTorch", "quality_gates.fp32"),
     (lambda f: f.update(quality_gates={"int4": {"min_top1": 2}}),
      r"quality_gates\.int4\.min_top1: expected a number in 0\.\.1", "quality_gates.int4.min_top1"),
     (lambda f: f.update(quality_gates={"int4": {"max_kl": -1}}), r"quality_gates\.int4\.max_kl: expected a number >= 0",

@@ -110,3 +110,12 @@ def eval_sequences(ctx: BuildContext, mp, fp32_session):
             "description": f"sequences sampled from the {mp.role} fp32 graph (no eval_text; seed {SAMPLE_SEED}, "
                            f"temperature {SAMPLE_TEMPERATURE})", "label": "sampled sequences"}
     return samples["sequences"], text
+
+
+def peak_rss() -> dict:
+    """The build's peak resident memory so far, bytes: this process's and its finished child processes'
+    largest (the export child of a large checkpoint: build/stages/export.py). Linux reports KiB."""
+    import resource
+
+    return {"process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}

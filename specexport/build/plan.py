@@ -69,6 +69,7 @@ class Plan:
         from specexport.build.outdir import tokenizer_digest
         from specexport.build.stages.eagle import EagleStage
         from specexport.build.stages.export import ExportStage
+        from specexport.build.stages.gguf import GgufStage
         from specexport.build.stages.medusa import MedusaStage
         from specexport.build.stages.quantize import QuantizeStage
         from specexport.build.stages.tokenizer import TokenizerStage
@@ -84,6 +85,8 @@ class Plan:
                 if precision == "fp32":
                     stages.append(ExportStage(name, self.stage_fingerprint(mp, precision),
                                               needs=(f"{mp.role}/vocab",) if measured else ()))
+                elif precision == "gguf":
+                    stages.append(GgufStage(name, self.stage_fingerprint(mp, precision), needs=(f"{mp.role}/fp32",)))
                 else:
                     stages.append(QuantizeStage(name, self.stage_fingerprint(mp, precision),
                                                 needs=(f"{mp.role}/fp32",)))

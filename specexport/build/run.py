@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from specexport import __version__
-from specexport.build.context import BuildContext, Reporter, StageResult
+from specexport.build.context import BuildContext, Reporter, StageResult, peak_rss
 from specexport.build.outdir import StageFolders, adopt_previous, check_output, remove_unreferenced
 from specexport.build.plan import Plan, tool_versions
 from specexport.errors import SpecexportError
@@ -82,6 +82,7 @@ def _run_stage(stage, ctx: BuildContext, only: str | None) -> StageResult:
     entry = stage.run(ctx)
     if stage.precision is not None:
         entry["stage_fingerprint"] = stage.fingerprint
+        entry["peak_rss_bytes"] = peak_rss()           # the build's peak so far: which stage raised it
     return StageResult(stage, entry, rebuilt=True)
 
 
@@ -110,6 +111,7 @@ def _manifest(ctx: BuildContext) -> dict:
         "special_tokens": plan.special_tokens,
         "models": {mp.role: _model_record(ctx.model(mp.role), cfg) for mp in plan.models},
         "versions": {**tool_versions(), "python": platform.python_version(), "specexport": __version__},
+        "build_peak_rss_bytes": peak_rss(),              # GGUF conversion and every stage run, children apart
     }
     for result in ctx.results.values():
         result.stage.place(manifest, result.entry)

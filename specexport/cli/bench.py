@@ -35,10 +35,15 @@ def _csv(value, cast=str):
 @click.option("--peers/--no-peers", default=True, show_default=True,
               help="Also time peers on the same checkpoints and prompt tokens: transformers greedy and "
                    "assisted generation, onnxruntime-genai greedy and n-gram (each where installed).")
+@click.option("--llama-cpp", "llama_cpp", default=None, type=click.Path(file_okay=False),
+              help="Folder with llama.cpp's llama-server (benchmarks/build_llama_cpp.py builds it; default: PATH): "
+                   "its vanilla and its own speculative decoding on the build's GGUF files, as peers.")
+@click.option("--llama-cpp-n-max", default=5, show_default=True, type=int,
+              help="llama.cpp's speculative row: --spec-draft-n-max.")
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="Report folder (default: OUTPUT_DIR/bench).")
 @click.option("-v", "--verbose", is_flag=True)
 def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_trees, eagle_trees, prompts_file, chat,
-          max_new_tokens, temperature, rounds, threads, peers, out, verbose):
+          max_new_tokens, temperature, rounds, threads, peers, llama_cpp, llama_cpp_n_max, out, verbose):
     """Measure tokens/s, TTFT, TPOT, acceptance and speedup; write report.json, report.md and plots."""
     from specexport.errors import SpecexportError
     from specexport.report.bench import BenchConfig, run_bench
@@ -68,7 +73,8 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
                       eagle_trees=_csv(eagle_trees) or ("auto",),
                       methods=_csv(methods) or ("vanilla",), gammas=gamma_list, max_new_tokens=max_new_tokens,
                       temperature=temperature, chat=chat,
-                      rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers)
+                      rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers,
+                      llama_cpp=Path(llama_cpp) if llama_cpp else None, llama_cpp_n_max=llama_cpp_n_max)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
     from specexport.report.render import render_markdown
 

@@ -83,7 +83,12 @@ def _print_plan(plan) -> None:
 def _print_summary(manifest: dict, output) -> None:
     from rich.console import Console
 
-    Console().print(checks_table(manifest, title=f"built {manifest['name']} -> {output}", build_columns=True))
+    console = Console()
+    console.print(checks_table(manifest, title=f"built {manifest['name']} -> {output}", build_columns=True))
+    rss = manifest.get("build_peak_rss_bytes")
+    if rss:
+        console.print(f"peak memory (RSS): {rss['process'] / 2**30:.2f} GiB in the build process, "
+                      f"{rss['children'] / 2**30:.2f} GiB in export child processes")
 
 
 def checks_table(manifest: dict, *, title: str | None = None, build_columns: bool = False):

@@ -59,6 +59,8 @@ class BenchConfig:
     threads: int | None = None                      # the target's intra-op threads; None: the fastest for vanilla
     peers: bool = True
     plots: bool = True
+    llama_cpp: Path | None = None                   # llama.cpp's binaries (None: llama-server on PATH)
+    llama_cpp_n_max: int = 5                        # its speculative row's --spec-draft-n-max
 
 
 def _check_request(cfg: BenchConfig, manifest: dict) -> tuple[list[str], bool]:

@@ -114,9 +114,11 @@ def _peer_lines(report: dict) -> list[str]:
                      f"{best['tokens_per_s'] / p['tokens_per_s']:.2f}x")
             if vanilla:
                 ratio += f", specexport {prec} vanilla {vanilla['tokens_per_s'] / p['tokens_per_s']:.2f}x"
-        same = p["same_tokens_as_fp32_vanilla"]
-        lines.append(f"- {p['peer']} ({p['precision']}): {_f(p['tokens_per_s'], '.1f')} tok/s{ratio}; whole output "
-                     f"equal to our fp32 vanilla output in {_f(same, '.0%')} of {p['runs']} runs")
+        key = next((k for k in p if k.startswith("same_tokens_as_")), "same_tokens_as_fp32_vanilla")
+        same, against = p.get(key), key.removeprefix("same_tokens_as_").removesuffix("_vanilla")
+        spec = f"; acceptance {p['acceptance_rate']:.2f} of {p['drafted']} drafted" if "drafted" in p else ""
+        lines.append(f"- {p['peer']} ({p['precision']}): {_f(p['tokens_per_s'], '.1f')} tok/s{ratio}{spec}; whole output "
+                     f"equal to our {against} vanilla output in {_f(same, '.0%')} of {p['runs']} runs")
     return lines
 
 

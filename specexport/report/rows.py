@@ -74,20 +74,36 @@ def _open_peers(manifest, precisions, cfg, log):
             peers.append(PeerProcess(spec))
         except RuntimeError as err:
             skipped.append({"peer": f"{spec.family} {spec.precision}", "skipped": str(err)})
-    log(f"peers: {', '.join(n for p in peers for n in p.names) or 'none'} (each family in its own process)")
+    from specexport.report.llama_cpp import open_llama_cpp
+
+    more, more_skipped = open_llama_cpp(manifest, cfg.llama_cpp, threads=cfg.threads, n_max=cfg.llama_cpp_n_max)
+    peers, skipped = peers + more, skipped + more_skipped
+    log(f"peers: {', '.join(n for p in peers for n in p.names) or 'none'} (each in its own process)")
     return peers, skipped
 
 
-def _peer_row(peer, name: str, runs, reference: list, manifest: dict) -> dict:
-    """A peer's decode-time tokens/s, and how often its whole output equals our fp32 vanilla output."""
+def _peer_row(peer, name: str, runs, references: dict, manifest: dict) -> dict:
+    """A peer's decode-time tokens/s, and how often its whole output equals our vanilla output on the same
+    weights (fp32; llama.cpp: the gguf precision, where built)."""
     eos = set(manifest["special_tokens"]["eos_token_ids"] or [])
-    same = [_same_output(g.tokens, reference[i], eos) for i, g in runs]
+    precision = getattr(peer, "reference_precision", "fp32")
+    reference = references.get(precision) or []
+    same = [_same_output(g.tokens, reference[i] if reference else None, eos) for i, g in runs]
     gens = [g for _, g in runs]
     tokens = sum(max(len(g.tokens) - 1, 0) for g in gens)
     seconds = sum(g.total_s - g.ttft_s for g in gens)
     return {"peer": name, "precision": peer.spec.precision, "tokens_per_s": tokens / seconds if seconds > 0 else None,
             "ttft_ms": statistics.median(g.ttft_s * 1e3 for g in gens) if gens else None,
-            "same_tokens_as_fp32_vanilla": sum(same) / len(same) if same else None, "runs": len(gens)}
+            f"same_tokens_as_{precision}_vanilla": sum(same) / len(same) if same and reference else None,
+            "runs": len(gens), **_speculation(peer, name)}
+
+
+def _speculation(peer, name: str) -> dict:
+    """What a speculative peer reports of its own drafting (llama.cpp: drafted and accepted tokens)."""
+    totals = getattr(peer, "draft_totals", {}).get(name)
+    if not totals or not totals[0]:
+        return {}
+    return {"drafted": totals[0], "accepted": totals[1], "acceptance_rate": totals[1] / totals[0]}
 
 
 def _same_output(got: list[int], ref: list[int] | None, eos: set) -> bool:

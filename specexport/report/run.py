@@ -61,11 +61,13 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
     log(f"bench: warm-up, {len(configs)} configurations")
     for c in configs:
         _run(pipes, c, prompt_ids[cfg.prompts[0]], cfg.max_new_tokens, cfg.temperature)
-    reference = _reference_outputs(cfg, pipes, prompt_ids) if cfg.peers and cfg.temperature == 0 else []
+    peers, peer_skips = _open_peers(manifest, list(pipes), cfg, log)
+    built = manifest["models"]["target"]["precisions"]
+    reference = {p: _reference_outputs(cfg, pipes, prompt_ids, precision=p)      # what peers' outputs must equal
+                 for p in sorted({getattr(peer, "reference_precision", "fp32") for peer in peers}) if p in built}
     for pipe in pipes.values():                     # time every forward from here on
         for b in pipe.opened:
             b.timings = {}
-    peers, peer_skips = _open_peers(manifest, list(pipes), cfg, log)
     runs, peer_runs = _interleave(cfg, configs, pipes, peers, prompt_ids, log)
     costs = _step_costs(configs, pipes)
     for pipe in pipes.values():                     # the isolated timing below is not part of the runs

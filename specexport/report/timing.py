@@ -32,16 +32,17 @@ def _run(pipes, c: Config, prompt_ids, max_new_tokens: int, temperature: float =
                          draft_stop=c.draft_stop, tree=c.tree, temperature=temperature, seed=seed).stats
 
 
-def _reference_outputs(cfg, pipes, prompt_ids: dict) -> list[list[int]]:
-    """Our fp32 vanilla output per prompt: what every peer row's "same tokens" is checked against."""
+def _reference_outputs(cfg, pipes, prompt_ids: dict, *, precision: str = "fp32") -> list[list[int]]:
+    """Our vanilla output per prompt on the target of `precision`: what a peer row's "same tokens" is checked
+    against (fp32 for peers on the checkpoints, gguf for llama.cpp on the GGUF file)."""
     import specexport
 
-    pipe = pipes.get("fp32") or specexport.load(cfg.output_dir, precision="fp32")
+    pipe = pipes.get(precision) or specexport.load(cfg.output_dir, precision=precision)
     try:
         return [pipe.generate(prompt_ids=prompt_ids[p], max_new_tokens=cfg.max_new_tokens, method="vanilla").token_ids
                 for p in cfg.prompts]
     finally:
-        if pipe is not pipes.get("fp32"):
+        if pipe is not pipes.get(precision):
             pipe.close()
 
 

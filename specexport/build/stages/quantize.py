@@ -50,9 +50,9 @@ class QuantizeStage(ModelStage):
             check_graph_io(partial / on_cpu, mp.io)
             quantized = runtime_session(partial / on_cpu, optimization=optimization)
             with ctx.reporter.stage(f"check {mp.role} {precision} against fp32 on {text['label']}"):
-                checks = _measure(ctx, mp, reference, quantized, sequences, source, partial / on_cpu)
+                checks = measure_against(ctx, mp, reference, quantized, sequences, source, partial / on_cpu)
             del reference, quantized
-            min_tokens = _gate(ctx, mp, precision, scheme, checks, text)
+            min_tokens = gate_quality(ctx, mp, precision, scheme, checks, text)
             extras = _gpu_extras(ctx, mp, precision, partial, on_cpu, source, min_tokens)
             names += extras.pop("files")
             ctx.folders.publish(partial, final)
@@ -77,7 +77,7 @@ class QuantizeStage(ModelStage):
                 "build_seconds": round(time.perf_counter() - start, 2)}
 
 
-def _measure(ctx, mp, reference, quantized, sequences, source, candidate):
+def measure_against(ctx, mp, reference, quantized, sequences, source, candidate):
     """(quality against fp32, row dependence of one- and two-token passes, logits error on the parity case)."""
     from specexport.export.validate import compare, onnx_logits, parity_case
     from specexport.quant.quality import measure_quality, row_dependence
@@ -92,7 +92,7 @@ def _measure(ctx, mp, reference, quantized, sequences, source, candidate):
     return quality, rows, parity
 
 
-def _gate(ctx, mp, precision: str, scheme: dict, checks, text: dict) -> int:
+def gate_quality(ctx, mp, precision: str, scheme: dict, checks, text: dict) -> int:
     """Raise ParityError when the quality gate or (a target's) row independence fails; the smallest call
     the runtime makes on this graph (min_tokens)."""
     from specexport.quant.quality import ROW_TOLERANCE, min_tokens_for

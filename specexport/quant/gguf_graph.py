@@ -1,0 +1,301 @@
+"""The `gguf` precision: the fp32 graph with every weight the GGUF file quantized replaced by the file's own
+blocks (quant/gguf_blocks.py), nothing dequantized and quantized again.
+
+    MatMul(A, W)        ->  MatMulNBits(A, codes, scale)                                   symmetric types
+                            MatMulNBits(A, codes, scale) + BlockSums(A) @ C^T               affine types
+    Gather(E, ids)      ->  GatherBlockQuantized(codes, ids, scale) [+ C[ids] per block]    the embedding
+
+    BlockSums(A) = ReduceSum(Reshape(A, [B, T, K / block, block]), last axis)      [B, T, K / block]
+    scale, C     = the blocks' fp32 scales and constants, multiplied out from their compact parts
+                   (fp16 d, dmin; int8/uint8 sub-block scales and mins) when ONNX Runtime loads the
+                   graph: the file keeps the compact parts, the kernels get constants
+
+Which graph weight is which GGUF tensor is found by content: the fp32 graph was exported from the
+checkpoint the GGUF file was converted to (export/gguf.py: transformers dequantizes with the gguf
+package), so each MatMul weight (transposed) and the embedding equal one file tensor, dequantized (and,
+for llama, its q/k rows unpermuted as transformers does), bit for bit. A weight without an equal file
+tensor stays fp32 and is named in the report; a file tensor of a type without an exact mapping is named
+too (its weights stay the fp32 graph's, the file's own values dequantized).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specexport._optional import require
+from specexport.quant.gguf_blocks import SUPPORTED, BlockCodes, decode
+
+
+@dataclass
+class GgufReport:
+    replaced: dict = field(default_factory=dict)      # graph initializer -> (GGUF tensor, block type)
+    kept_fp32: list = field(default_factory=list)     # graph weights no GGUF tensor matched
+    unsupported: dict = field(default_factory=dict)   # GGUF tensor -> type without an exact mapping
+
+    def types(self) -> dict:
+        """Block type -> how many graph weights it replaced."""
+        out: dict = {}
+        for _, t in self.replaced.values():
+            out[t] = out.get(t, 0) + 1
+        return out
+
+
+def gguf_tensors(gguf_path: Path, hf_config: dict):
+    """Yield (name, type, BlockCodes) per quantized 2-D tensor of the file, rows in the HF checkpoint's
+    order (llama's q/k rows unpermuted with transformers' own processor), and (name, type, None) for a
+    quantized type without an exact mapping."""
+    gguf = require("gguf")
+    reader = gguf.GGUFReader(str(gguf_path))
+    arch = _field(reader, "general.architecture")
+    processor = _row_processor(arch, hf_config)
+    for t in reader.tensors:
+        qtype = t.tensor_type.name
+        if qtype in ("F32", "F16", "BF16") or len(t.shape) != 2:
+            continue
+        if qtype not in SUPPORTED:
+            yield t.name, qtype, None
+            continue
+        K, N = (int(x) for x in t.shape)               # ggml order: ne0 = K (the row length)
+        codes = decode(qtype, t.data, (N, K))
+        rows = processor(t.name, N)
+        if rows is not None:
+            codes = _take_rows(codes, rows)
+        yield t.name, qtype, codes
+
+
+def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, accuracy_level: int = 4) -> GgufReport:
+    """Write `dest` (+ dest.data): the fp32 graph with the file's blocks in place of its weights."""
+    onnx = require("onnx")
+    from onnx import numpy_helper
+
+    model = onnx.load(str(fp32_graph))
+    inits = {i.name: i for i in model.graph.initializer}
+    by_hash: dict = {}                                  # content digest -> [(initializer, node, kind)]
+    for init, node, kind in _weight_users(model, inits):
+        arr = numpy_helper.to_array(inits[init])
+        by_hash.setdefault(_digest(arr.T if kind == "matmul" else arr), []).append((init, node, kind))
+    report, builder = GgufReport(), _Builder(model, accuracy_level)
+    for tname, qtype, codes in gguf_tensors(gguf_path, hf_config):
+        if codes is None:
+            report.unsupported[tname] = qtype
+            continue
+        for init, node, kind in by_hash.pop(_digest(codes.dequantize()), []):
+            builder.replace(node, "gather" if kind == "gather" else "matmul", codes, prefix=tname)
+            report.replaced[init] = (tname, qtype)
+    report.kept_fp32 = sorted({init for users in by_hash.values() for init, _, _ in users})
+    builder.finish(report.replaced)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(dest), save_as_external_data=True, location=dest.name + ".data", size_threshold=1024)
+    for f in (dest, dest.with_name(dest.name + ".data")):
+        f.chmod(0o644)                    # onnx writes the data file 0600; the build's files are readable alike
+    return report
+
+
+# -- matching ----------------------------------------------------------------------------------------
+
+def _weight_users(model, inits) -> list:
+    """(initializer, node, kind) for each 2-D float initializer used as a MatMul's B [K, N] ("matmul"),
+    through a Transpose as B (a tied lm_head: "matmul_t", the initializer is [N, K]), or as an embedding
+    Gather's data [V, H] ("gather")."""
+    transposed = {n.output[0]: n.input[0] for n in model.graph.node if n.op_type == "Transpose"
+                  and n.input[0] in inits and len(inits[n.input[0]].dims) == 2}
+    out = []
+    for node in model.graph.node:
+        if node.op_type == "MatMul" and node.input[1] in inits and len(inits[node.input[1]].dims) == 2:
+            out.append((node.input[1], node, "matmul"))
+        elif node.op_type == "MatMul" and node.input[1] in transposed:
+            out.append((transposed[node.input[1]], node, "matmul_t"))
+        elif node.op_type == "Gather" and node.input[0] in inits and len(inits[node.input[0]].dims) == 2:
+            out.append((node.input[0], node, "gather"))
+    return out
+
+
+def _digest(arr: np.ndarray) -> str:
+    a = np.ascontiguousarray(arr, dtype=np.float32)
+    return f"{a.shape}:" + hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()
+
+
+def _field(reader, key):
+    f = reader.fields.get(key)
+    return None if f is None else f.contents()
+
+
+def _row_processor(arch: str, hf_config: dict):
+    """name, N -> the row order transformers gives this tensor when it loads the file (None: unchanged)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    cls = TENSOR_PROCESSORS.get(arch)
+    if cls is None:
+        return lambda name, n: None
+    proc = cls(config=hf_config)
+
+    def rows(name, n):
+        order = proc.process(np.arange(n).reshape(n, 1), name).weights[:, 0]
+        return None if np.array_equal(order, np.arange(n)) else order
+
+    return rows
+
+
+def _take_rows(c: BlockCodes, rows: np.ndarray) -> BlockCodes:
+    """The same blocks with the output rows (N) reordered: blocks run along K, so rows move whole."""
+    def take(x):
+        return None if x is None else x[rows]
+
+    return BlockCodes(c.bits, c.block, c.codes[rows], c.d[rows], sc=take(c.sc), c_d=take(c.c_d), c_m=take(c.c_m),
+                      c_shift=c.c_shift, c_sign=c.c_sign)
+
+
+# -- graph building ----------------------------------------------------------------------------------
+
+class _Builder:
+    """Adds the block-quantized nodes and their compact initializers; removes what they replace."""
+
+    def __init__(self, model, accuracy_level: int):
+        self.model, self.level = model, accuracy_level
+        self.nodes: dict[int, list] = {}           # index of the replaced node -> its replacement nodes
+        self.head: list = []                       # constant sub-graphs (scales, C): first in the graph
+        self.inits: list = []
+        self.shared: dict = {}                     # GGUF tensor -> (codes, scale, c) value names
+        self.removed: set[int] = set()
+
+    def _const(self, name, arr):
+        from onnx import numpy_helper
+
+        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        return name
+
+    def _node(self, at, op, ins, outs, domain="", **attrs):
+        from onnx import helper
+
+        made = helper.make_node(op, ins, outs, name=outs[0], domain=domain, **attrs)
+        (self.head if at is None else self.nodes.setdefault(at, [])).append(made)
+        return outs[0]
+
+    def _parts(self, c: BlockCodes, prefix: str):
+        """(codes [N, nb, blob], scale [N, nb], C [N, nb] or None) value names, made once per GGUF tensor."""
+        if prefix in self.shared:
+            return self.shared[prefix]
+        N, K = c.codes.shape
+        nb = K // c.block
+        codes = self._unpacked(c, prefix) if c.info_bits else self._const(f"{prefix}.codes", c.packed_codes())
+        scale = self._per_block(f"{prefix}.scale", c.d, c.sc, N, nb)       # d [N, S] (x sub-block scales)
+        const = None
+        if c.affine:
+            const = self._constant(c, prefix, scale, N, nb)
+        self.shared[prefix] = (codes, scale, const)
+        return self.shared[prefix]
+
+    def _unpacked(self, c: BlockCodes, prefix: str) -> str:
+        """[N, nb, block] uint8 codes of a 5/6-bit type from its packed low nibbles and high bits:
+        code = (low | high << 4) + offset (folded into a constant when ONNX Runtime loads the graph)."""
+        N, K = c.codes.shape
+        low, high, h = c.split_codes()
+
+        def unpack(name, packed, width, per):
+            arr = self._const(f"{prefix}.{name}", packed[..., None])                   # [N, K / per, 1]
+            shifts = self._const(f"{prefix}.{name}.shifts", (np.arange(per) * width).astype(np.uint8))
+            mask = self._const(f"{prefix}.{name}.mask", np.array([2 ** width - 1], np.uint8))
+            moved = self._node(None, "BitShift", [arr, shifts], [f"{prefix}.{name}.moved"], direction="RIGHT")
+            bits = self._node(None, "BitwiseAnd", [moved, mask], [f"{prefix}.{name}.bits"])   # [N, K / per, per]
+            return self._node(None, "Reshape", [bits, self._const(f"{prefix}.{name}.nk", np.array([N, K], np.int64))],
+                              [f"{prefix}.{name}.flat"])
+
+        lo, hi = unpack("lo", low, 4, 2), unpack("hi", high, h, 8 // h)
+        four = self._const(f"{prefix}.four", np.array([4], np.uint8))
+        hi4 = self._node(None, "BitShift", [hi, four], [f"{prefix}.hi4"], direction="LEFT")
+        q = self._node(None, "BitwiseOr", [lo, hi4], [f"{prefix}.q"])
+        code = self._node(None, "Add", [q, self._const(f"{prefix}.offset", np.array([c.offset], np.uint8))],
+                          [f"{prefix}.code"])
+        shape = self._const(f"{prefix}.blocks", np.array([N, K // c.block, c.block], np.int64))
+        return self._node(None, "Reshape", [code, shape], [f"{prefix}.codes"])
+
+    def _per_block(self, name: str, per_super, per_sub, N: int, nb: int) -> str:
+        """[N, nb] float32: fp16 values per super-block [N, S], times integer ones per block [N, nb] if
+        given (a K-quant's d * sc_j, dmin * m_j); exact in fp32."""
+        d = self._node(None, "Cast", [self._const(f"{name}.super", per_super)], [f"{name}.super32"], to=1)
+        if per_sub is None:
+            return d
+        per = nb // per_super.shape[1]
+        d3 = self._node(None, "Unsqueeze", [d, self._const(f"{name}.ax2", np.array([2], np.int64))], [f"{name}.d3"])
+        sub = self._node(None, "Cast", [self._const(f"{name}.sub", per_sub)], [f"{name}.sub32"], to=1)
+        sub3 = self._node(None, "Reshape", [sub, self._const(f"{name}.shape3", np.array([N, nb // per, per], np.int64))],
+                          [f"{name}.sub3"])
+        prod = self._node(None, "Mul", [sub3, d3], [f"{name}.prod3"])
+        return self._node(None, "Reshape", [prod, self._const(f"{name}.shape2", np.array([N, nb], np.int64))],
+                          [f"{name}.blocks"])
+
+    def _constant(self, c: BlockCodes, prefix, scale, N, nb):
+        """C = c_shift * scale + c_sign * c_d (* c_m): [N, nb] float32 (quant/gguf_blocks.py)."""
+        m = self._per_block(f"{prefix}.min", c.c_d, c.c_m, N, nb)
+        m = self._node(None, "Mul", [m, self._const(f"{prefix}.csign", np.float32(c.c_sign))], [f"{prefix}.csigned"])
+        if c.c_shift:
+            shifted = self._node(None, "Mul", [scale, self._const(f"{prefix}.cshift", np.float32(c.c_shift))],
+                                 [f"{prefix}.cshifted"])
+            m = self._node(None, "Add", [shifted, m], [f"{prefix}.C"])
+        return m
+
+    def replace(self, node, kind: str, c: BlockCodes, *, prefix: str) -> None:
+        at = list(self.model.graph.node).index(node)
+        codes, scale, const = self._parts(c, prefix)
+        N, K = c.codes.shape
+        nb = K // c.block
+        out = node.output[0]
+        if kind == "matmul":
+            y = self._node(at, "MatMulNBits", [node.input[0], codes, scale], [f"{out}.nbits" if const else out],
+                           domain="com.microsoft", K=K, N=N, bits=c.bits, block_size=c.block,
+                           accuracy_level=self.level)
+            if const:
+                sums = self._block_sums(at, node.input[0], nb, c.block, out)
+                ct = self._node(at, "Transpose", [const], [f"{out}.Ct"], perm=[1, 0])
+                corr = self._node(at, "MatMul", [sums, ct], [f"{out}.corr"])
+                self._node(at, "Add", [y, corr], [out])
+        else:
+            data = self._node(at, "Reshape", [codes, self._const(f"{out}.dshape", np.array([N, nb * c.block * c.bits // 8], np.int64))],
+                              [f"{out}.data"])
+            y = self._node(at, "GatherBlockQuantized", [data, node.input[1], scale], [f"{out}.gbq" if const else out],
+                           domain="com.microsoft", gather_axis=0, quantize_axis=1, block_size=c.block, bits=c.bits)
+            if const:
+                rows = self._node(at, "Gather", [const, node.input[1]], [f"{out}.crows"])          # [B, T, nb]
+                per = self._node(at, "Unsqueeze", [rows, self._const(f"{out}.ax", np.array([-1], np.int64))], [f"{out}.c4"])
+                ones = self._const(f"{out}.ones", np.ones((1, 1, 1, c.block), np.float32))
+                full = self._node(at, "Mul", [per, ones], [f"{out}.cfull"])                     # [B, T, nb, block]
+                shape = self._node(at, "Shape", [y], [f"{out}.yshape"])
+                flat = self._node(at, "Reshape", [full, shape], [f"{out}.cflat"])
+                self._node(at, "Add", [y, flat], [out])
+        self.removed.add(at)
+
+    def _block_sums(self, at, a: str, nb: int, block: int, out: str) -> str:
+        """[B, T, K] -> [B, T, K / block]: each block's sum of the activations."""
+        shape = self._const(f"{out}.bshape", np.array([0, 0, nb, block], np.int64))
+        blocks = self._node(at, "Reshape", [a, shape], [f"{out}.ablocks"])
+        axes = self._const(f"{out}.baxes", np.array([-1], np.int64))
+        return self._node(at, "ReduceSum", [blocks, axes], [f"{out}.asums"], keepdims=0)
+
+    def finish(self, replaced: dict) -> None:
+        """Put the new nodes where the old ones stood (topological order kept), drop the replaced
+        initializers and the nodes left without a consumer (a tied lm_head's Transpose), declare the
+        com.microsoft domain."""
+        from onnx import helper
+
+        graph = self.model.graph
+        nodes = list(self.head)
+        for i, node in enumerate(graph.node):
+            nodes += self.nodes.get(i, []) if i in self.removed else [node]
+        outputs = {o.name for o in graph.output}
+        while True:                                   # unused nodes, until none is left
+            used = {x for n in nodes for x in n.input} | outputs
+            live = [n for n in nodes if any(o in used for o in n.output)]
+            if len(live) == len(nodes):
+                break
+            nodes = live
+        del graph.node[:]
+        graph.node.extend(nodes)
+        used = {x for n in nodes for x in n.input}
+        keep = [t for t in graph.initializer if t.name not in replaced and t.name in used]
+        del graph.initializer[:]
+        graph.initializer.extend(keep + [t for t in self.inits if t.name in used])
+        if not any(o.domain == "com.microsoft" for o in self.model.opset_import):
+            self.model.opset_import.append(helper.make_opsetid("com.microsoft", 1))

@@ -1,0 +1,146 @@
+"""llama.cpp as a peer of `specexport bench`: its server on the same GGUF files and the same prompt tokens.
+
+    llama-server -m TARGET.gguf                                   row "llama.cpp"
+    llama-server -m TARGET.gguf -md DRAFT.gguf --spec-type draft-simple --spec-draft-n-max N
+                                                                  row "llama.cpp speculative (n-max N)"
+
+One server process per row, started once and asked once per prompt and round, interleaved with our
+rows like the other peers (report/peers.py). A request sends the prompt as token ids, greedy
+(top_k 1, no other samplers), no prompt cache, and asks for the generated token ids back; decode time
+is the server's own `timings.predicted_ms` (prefill is `prompt_ms`), so its tokens/s is decode-time
+tokens/s as ours is. The binaries come from `--llama-cpp DIR` or PATH (benchmarks/build_llama_cpp.py
+builds them from the llama-cpp-python sdist); without them, or without a GGUF file in the build, the
+peer is skipped and the report says why.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from specexport.report.peers import Generation
+
+SERVER = "llama-server"
+
+
+def find_server(bin_dir: Path | None) -> Path | None:
+    """llama-server in `bin_dir`, else on PATH, else None."""
+    if bin_dir is not None:
+        path = Path(bin_dir) / SERVER
+        return path if path.is_file() else None
+    found = shutil.which(SERVER)
+    return Path(found) if found else None
+
+
+class LlamaServerPeer:
+    """One llama-server process; the PeerProcess interface (names, run, close, peak_rss_bytes)."""
+
+    def __init__(self, server: Path, target: Path, *, name: str, draft: Path | None = None, n_max: int = 5,
+                 threads: int | None = None, ctx: int = 4096, start_timeout_s: float = 300):
+        from specexport.report.peers import PeerSpec
+
+        self.names = [name]
+        self.reference_precision = "gguf"
+        self.spec = PeerSpec("llama.cpp", "gguf (the GGUF file" + (" + the draft's" if draft else "") + ")",
+                             ((name, str(target)),))
+        self.peak_rss_bytes = None
+        self.draft_totals: dict = {}              # name -> [drafted, accepted] over its runs
+        self.port = _free_port()
+        cmd = [str(server), "-m", str(target), "--host", "127.0.0.1", "--port", str(self.port), "-c", str(ctx),
+               "-np", "1", "--no-webui", "--temp", "0"]
+        if threads:
+            cmd += ["-t", str(threads), "-tb", str(threads)]
+        if draft is not None:
+            cmd += ["-md", str(draft), "--spec-type", "draft-simple", "--spec-draft-n-max", str(n_max)]
+            if threads:
+                cmd += ["-td", str(threads)]
+        self._log = open(Path("/tmp") / f"llama-server-{self.port}.log", "wb")
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self._wait_ready(start_timeout_s)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({self._proc.returncode}) before it was ready; its log: "
+                                   f"{self._log.name}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.5)
+        self.close()
+        raise RuntimeError(f"llama-server was not ready within {timeout_s:.0f} s")
+
+    def run(self, name: str, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        body = {"prompt": [int(t) for t in prompt_ids], "n_predict": max_new_tokens, "temperature": 0.0,
+                "top_k": 1, "samplers": ["top_k"], "cache_prompt": False, "return_tokens": True, "stream": False}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        t = out.get("timings", {})
+        prefill_s, decode_s = t.get("prompt_ms", 0.0) / 1e3, t.get("predicted_ms", 0.0) / 1e3
+        if "draft_n" in t:                       # a speculative server's own count
+            totals = self.draft_totals.setdefault(name, [0, 0])
+            totals[0] += int(t.get("draft_n") or 0)
+            totals[1] += int(t.get("draft_n_accepted") or 0)
+        return Generation(list(out.get("tokens") or []), prefill_s, prefill_s + decode_s)
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self.peak_rss_bytes = _peak_rss(self._proc.pid)
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _peak_rss(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def open_llama_cpp(manifest: dict, bin_dir: Path | None, *, threads: int | None, n_max: int = 5):
+    """(peers, skipped records) for llama.cpp on the build's GGUF files."""
+    server = find_server(bin_dir)
+    if server is None:
+        where = f"in {bin_dir}" if bin_dir is not None else "on PATH"
+        return [], [{"peer": "llama.cpp", "skipped": f"no {SERVER} {where} (python benchmarks/build_llama_cpp.py "
+                                                     f"builds one; pass --llama-cpp DIR)"}]
+    models = manifest["models"]
+    target = models["target"].get("gguf")
+    if target is None:
+        return [], [{"peer": "llama.cpp", "skipped": "the target is not a GGUF file (llama.cpp runs GGUF files)"}]
+    peers, skipped = [], []
+    rows = [("llama.cpp", None)]
+    draft = models.get("draft", {}).get("gguf")
+    if draft is not None:
+        rows.append((f"llama.cpp speculative (draft, n-max {n_max})", draft))
+    for name, d in rows:
+        try:
+            peers.append(LlamaServerPeer(server, Path(target), name=name, draft=Path(d) if d else None, n_max=n_max,
+                                         threads=threads))
+        except (RuntimeError, OSError) as err:
+            skipped.append({"peer": name, "skipped": str(err)})
+    return peers, skipped

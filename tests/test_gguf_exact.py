@@ -1,0 +1,123 @@
+"""The `gguf` precision: a GGUF file's own blocks in the graph (quant/gguf_blocks.py, quant/gguf_graph.py).
+
+Every block type's codes and scales against the gguf package's dequantization (the reference), bit for
+bit; then a tiny Llama written as a GGUF file whose tensors use all eight types (K-quants as random
+valid blocks: the file is the model), built with precisions [fp32, gguf]: the parity gate, every weight
+from the file, the graph's size against the file's, and greedy decoding equal to the fp32 graph's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+
+from specexport.quant.gguf_blocks import SUPPORTED, decode  # noqa: E402
+
+# GGUF tensor -> block type, every supported type at least once, affine and symmetric, 4 and 8 bits
+TYPES = {"token_embd": "Q4_K", "output": "Q6_K",
+         "blk.0.attn_q": "Q4_K", "blk.0.attn_k": "Q5_K", "blk.0.attn_v": "Q6_K", "blk.0.attn_output": "Q8_0",
+         "blk.0.ffn_gate": "Q4_0", "blk.0.ffn_up": "Q4_1", "blk.0.ffn_down": "Q5_1",
+         "blk.1.attn_q": "Q5_0", "blk.1.attn_k": "Q4_1", "blk.1.attn_v": "Q8_0", "blk.1.attn_output": "Q4_K",
+         "blk.1.ffn_gate": "Q5_K", "blk.1.ffn_up": "Q6_K", "blk.1.ffn_down": "Q4_0"}
+
+
+def random_blocks(rng, qtype: str, n: int, k: int, scale: float = 0.02) -> np.ndarray:
+    """[n, row bytes] valid blocks of `qtype`: random codes and sub-scales, finite fp16 super-scales."""
+    qt = gguf.GGMLQuantizationType[qtype]
+    bs, ts = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
+    fields = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
+              "Q5_K": [0, 2], "Q6_K": [ts - 2]}[qtype]
+    for at in fields:                     # d (and m / dmin): small, positive, finite
+        raw[..., at:at + 2] = (rng.random((n, k // bs)) * scale + scale / 10).astype(np.float16)[..., None].view(np.uint8)
+    if qtype == "Q4_K" or qtype == "Q5_K":       # 6-bit sub-scales and mins kept small: weights of sane size
+        raw[..., 4:16] &= np.uint8(0x1F)
+    if qtype == "Q6_K":
+        raw[..., 192:208] = rng.integers(-8, 8, size=(n, k // bs, 16)).astype(np.int8).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_codes_and_scales_equal_the_gguf_packages_dequantization(qtype):
+    from gguf.quants import dequantize
+
+    rng = np.random.default_rng(0)
+    for n, k in ((3, 256), (5, 512)):
+        raw = random_blocks(rng, qtype, n, k)
+        codes = decode(qtype, raw, (n, k))
+        np.testing.assert_array_equal(codes.dequantize(), dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k))
+        assert codes.codes.dtype == np.uint8 and codes.codes.max() < 2 ** codes.bits
+        assert codes.packed_codes().shape == (n, k // codes.block, codes.block * codes.bits // 8)
+
+
+def test_an_unsupported_block_type_is_named():
+    with pytest.raises(ValueError, match="GGUF block type IQ2_XS has no exact mapping"):
+        decode("IQ2_XS", np.zeros((1, 66), np.uint8), (1, 256))
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path_factory, monkeypatch):
+    """GGUF conversions of this module go to a cache of its own, not the user's ~/.cache/specexport."""
+    monkeypatch.setenv("SPECEXPORT_CACHE", str(tmp_path_factory.getbasetemp() / "gguf-exact-cache"))
+
+
+@pytest.fixture(scope="module")
+def quantized_gguf(tmp_path_factory):
+    """A tiny Llama (hidden 256: K-quant rows) as a GGUF file with the TYPES above; (path, folder)."""
+    import test_gguf as tg
+
+    tok = tg._tokenizer(split_digits=False)
+    model = tg._model(tok, tied=False)
+    import transformers
+
+    cfg = transformers.LlamaConfig(**{**model.config.to_dict(), "hidden_size": 256, "intermediate_size": 512,
+                                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64})
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    rng = np.random.default_rng(1)
+    path = tmp_path_factory.mktemp("gguf-exact") / "tiny-mixed.gguf"
+    tg.write_gguf(path, model, tok, pre="gpt-2", quantize=lambda name, arr: _quantize(rng, name, arr))
+    return path
+
+
+def _quantize(rng, name: str, arr: np.ndarray):
+    """(raw blocks, type) for the tensors in TYPES, else None (written as float32)."""
+    qtype = TYPES.get(name.removesuffix(".weight"))
+    if qtype is None:
+        return None
+    n, k = arr.shape
+    return random_blocks(rng, qtype, n, k), gguf.GGMLQuantizationType[qtype]
+
+
+@pytest.mark.parametrize("level", [0, 4])
+def test_gguf_precision_builds_from_the_files_blocks(quantized_gguf, tmp_path, write_yaml, run_build, level):
+    import specexport
+    from specexport.manifest import read_manifest
+
+    out = tmp_path / "out"
+    yaml = write_yaml(tmp_path / "m.yaml", name="g", target={"path": quantized_gguf}, max_seq_len=96,
+                      precisions=["fp32", "gguf"], quantization={"gguf": {"accuracy_level": level}},
+                      quality_gates={"gguf": {"min_top1": 0.0, "max_kl": 100.0}}, output=out)
+    assert run_build(yaml, "--no-bench") == 0
+    entry = read_manifest(out)["models"]["target"]["precisions"]["gguf"]
+    assert set(entry["quantization"]["block_types"]) == set(SUPPORTED)
+    assert entry["quantization"]["unmapped_tensors"] == {}
+    assert entry["parity_max_rel_error"] <= 1e-4
+    weights = entry["files"][f"{entry['dir']}/model.onnx.data"]["size"]      # the graph proto aside (90 KB here)
+    file_weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(quantized_gguf)).tensors)
+    assert weights <= 1.05 * file_weights, (weights, file_weights)          # 5/6-bit codes kept packed
+    with specexport.load(out, precision="fp32") as ref, specexport.load(out, precision="gguf") as got:
+        for prompt in ([1, 40, 41, 42], [1, 7, 300, 5, 9]):
+            want = ref.generate(prompt_ids=prompt, max_new_tokens=40, method="vanilla").token_ids
+            plain = got.generate(prompt_ids=prompt, max_new_tokens=40, method="vanilla").token_ids
+            spec = got.generate(prompt_ids=prompt, max_new_tokens=40, method="lookup", gamma=4).token_ids
+            assert spec == plain                        # speculation on the gguf graph: its own vanilla output
+            if level == 0:
+                assert plain == want                    # the file's weights in fp32: the fp32 graph's output
+
+
+def test_gguf_precision_needs_a_gguf_model(tiny_checkpoints, tmp_path, write_yaml, run_build, capsys):
+    yaml = write_yaml(tmp_path / "m.yaml", name="g", target={"path": tiny_checkpoints["llama"]}, max_seq_len=64,
+                      precisions=["fp32", "gguf"], output=tmp_path / "out")
+    assert run_build(yaml) == 1
+    assert "target.precisions: gguf is made from a GGUF file's own blocks" in capsys.readouterr().err
