@@ -7,7 +7,7 @@ llama-cpp-python sdist on PyPI, whose vendor/llama.cpp holds the sources, and ca
 About 10 minutes on 2 cores, once: the binaries land in $SPECEXPORT_CACHE/llama.cpp-<version>/bin (default
 ~/.cache/specexport), a folder marked as specexport's (specexport.owned); a later run finds them there.
 Built with -DGGML_NATIVE=ON for this machine's CPU (its AVX-512 / VNNI where present), as a llama.cpp user
-on this machine would build it.
+on this machine would build it, but without AMX (NO_AMX below: it crashes here).
 """
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ from pathlib import Path
 VERSION = "0.3.36"           # llama-cpp-python; its vendor/llama.cpp is the llama.cpp that runs
 TARGETS = ("llama-server", "llama-completion", "llama-speculative-simple", "llama-bench")
 BY = "benchmarks/build_llama_cpp.py"
+# -march=native turns on ggml's AMX kernels where the CPU has AMX; on these machines (Xeon with AMX, under
+# a hypervisor) its first matmul segfaults in ggml_backend_amx_mul_mat, so AMX is left out: AVX-512 and
+# VNNI stay (what llama.cpp's own CPU paths use here)
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 
 
 def cache_dir() -> Path:
@@ -54,6 +58,7 @@ def build(jobs: int) -> Path:
             (next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp").rename(src)
     build_dir = folder / "build"
     run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+         f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}",
          "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF"])
     run(["cmake", "--build", str(build_dir), f"-j{jobs}", "--target", *TARGETS])
     (folder / "bin").mkdir(exist_ok=True)

@@ -25,6 +25,8 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
+
 from specexport._optional import require
 from specexport.config import GGUF_MAGIC as MAGIC, gguf_cache_root, is_gguf  # noqa: F401  (is_gguf: this module's API too)
 from specexport.errors import MissingDependency, SpecexportError
@@ -108,24 +110,21 @@ def _require(name: str, path: Path):
 def _convert(path: Path, out: Path) -> dict:
     """Write the plain checkpoint and the checked tokenizer into `out`; returns what the checks found."""
     meta = _read_metadata(path)
-    torch, transformers = require("torch"), require("transformers")
+    transformers = require("transformers")
     _require("accelerate", path)                   # transformers' from_pretrained(gguf_file=) insists on it
     try:
         tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        parameters = _write_weights(path, config, out)
     except (ValueError, KeyError, TypeError, NotImplementedError, RuntimeError, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SpecexportError(f"{path}: transformers {transformers.__version__} cannot read this GGUF "
                               f"(architecture {meta['architecture']!r}): {first}") from err
-    # A GGUF-loaded model is marked quantized and refuses save_pretrained: copy it into a plain one.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    plain = transformers.AutoModelForCausalLM.from_config(model.config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.generation_config = model.generation_config
-    del model
-    plain.save_pretrained(out)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = "float32"
+    config.save_pretrained(out)
+    transformers.GenerationConfig.from_model_config(config).save_pretrained(out)
     fixes = []
     if meta["chat_template"] and tok.chat_template != meta["chat_template"]:
         tok.chat_template = meta["chat_template"]
@@ -134,8 +133,55 @@ def _convert(path: Path, out: Path) -> dict:
     fixes += _fix_tokenizer_files(out, meta)
     checked = _check_tokenizer(transformers.AutoTokenizer.from_pretrained(out), meta, path)  # as users load it
     return {"architecture": meta["architecture"], "tokenizer.ggml.pre": meta["pre"],
-            "transformers": transformers.__version__, "parameters": sum(p.numel() for p in plain.parameters()),
-            "fixed": fixes, "checked": checked}
+            "transformers": transformers.__version__, "parameters": parameters, "fixed": fixes, "checked": checked,
+            "weights": "streamed tensor by tensor (gguf.quants.dequantize; transformers' name map and q/k row order)"}
+
+
+SHARD_BYTES = 512 * 2**20
+
+
+def _write_weights(path: Path, config, out: Path) -> int:
+    """The file's tensors dequantized to float32, named and ordered as transformers loads them, written in
+    safetensors shards of at most SHARD_BYTES: one tensor and one shard in memory at a time, where loading
+    the whole model through transformers held about three fp32 copies (the 1.5B: 7 GB each). One file,
+    model.safetensors, when it fits in one shard, as transformers writes it. Returns the parameter count."""
+
+    torch, transformers, gguf = require("torch"), require("transformers"), _require("gguf", path)
+    from safetensors.numpy import save_file
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    with torch.device("meta"):                     # the HF parameter names and shapes, no weights
+        skeleton = transformers.AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(skeleton).__name__]
+    shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+    processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(skeleton, processor)
+    tensors = [(t, names[t.name]) for t in gguf.GGUFReader(str(path)).tensors if names.get(t.name) in shapes]
+    shard_of, sizes = [], [0]                      # planned first: the files' names say how many there are
+    for _, hf in tensors:
+        nbytes = 4 * int(np.prod(shapes[hf]))
+        if sizes[-1] and sizes[-1] + nbytes > SHARD_BYTES:
+            sizes.append(0)
+        sizes[-1] += nbytes
+        shard_of.append(len(sizes) - 1)
+    files = (["model.safetensors"] if len(sizes) == 1 else
+             [f"model-{i + 1:05d}-of-{len(sizes):05d}.safetensors" for i in range(len(sizes))])
+    shard, index, count = {}, {}, 0
+    for n, (t, hf) in enumerate(tensors):
+        w = gguf.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shapes[hf])
+        shard[hf] = np.ascontiguousarray(processor.process(w, t.name).weights, dtype=np.float32)
+        count += shard[hf].size
+        if n + 1 == len(tensors) or shard_of[n + 1] != shard_of[n]:
+            save_file(shard, str(out / files[shard_of[n]]), metadata={"format": "pt"})
+            index.update({k: files[shard_of[n]] for k in shard})
+            shard = {}
+    missing = [k for k in shapes if k not in index and not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"tensors the model needs were not found in the file: {', '.join(missing[:4])}")
+    if len(files) > 1:
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 4 * count},
+                                                                      "weight_map": index}, indent=1))
+    return count
 
 
 def _read_metadata(path: Path) -> dict:
