@@ -121,3 +121,21 @@ def test_gguf_precision_needs_a_gguf_model(tiny_checkpoints, tmp_path, write_yam
                       precisions=["fp32", "gguf"], output=tmp_path / "out")
     assert run_build(yaml) == 1
     assert "target.precisions: gguf is made from a GGUF file's own blocks" in capsys.readouterr().err
+
+
+def test_a_reduced_vocabulary_gguf_draft_keeps_the_files_rows(quantized_gguf, tmp_path, write_yaml, run_build):
+    """draft: {vocab: N} on a GGUF draft: its lm_head is N rows of the file's output tensor, as blocks."""
+    import specexport
+    from specexport.manifest import read_manifest
+
+    out = tmp_path / "out"
+    yaml = write_yaml(tmp_path / "m.yaml", name="v", target={"path": quantized_gguf},
+                      draft={"path": quantized_gguf, "vocab": 64}, max_seq_len=96, precisions=["fp32", "gguf"],
+                      quality_gates={"gguf": {"min_top1": 0.0, "max_kl": 100.0}}, output=out)
+    assert run_build(yaml, "--no-bench") == 0
+    draft = read_manifest(out)["models"]["draft"]["precisions"]["gguf"]
+    assert draft["quantization"]["unmapped_tensors"] == {} and draft["parity_max_rel_error"] <= 1e-4
+    with specexport.load(out, precision="gguf") as pipe:
+        plain = pipe.generate(prompt_ids=[1, 40, 41], max_new_tokens=30, method="vanilla").token_ids
+        spec = pipe.generate(prompt_ids=[1, 40, 41], max_new_tokens=30, method="draft", gamma=3).token_ids
+        assert spec == plain

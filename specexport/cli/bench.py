@@ -35,6 +35,9 @@ def _csv(value, cast=str):
 @click.option("--peers/--no-peers", default=True, show_default=True,
               help="Also time peers on the same checkpoints and prompt tokens: transformers greedy and "
                    "assisted generation, onnxruntime-genai greedy and n-gram (each where installed).")
+@click.option("--peer", "peer_families", multiple=True,
+              help="Time only these peer families (repeatable): transformers, onnxruntime-genai, llama.cpp "
+                   "(default: every one that can run here).")
 @click.option("--llama-cpp", "llama_cpp", default=None, type=click.Path(file_okay=False),
               help="Folder with llama.cpp's llama-server (benchmarks/build_llama_cpp.py builds it; default: PATH): "
                    "its vanilla and its own speculative decoding on the build's GGUF files, as peers.")
@@ -43,7 +46,7 @@ def _csv(value, cast=str):
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="Report folder (default: OUTPUT_DIR/bench).")
 @click.option("-v", "--verbose", is_flag=True)
 def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_trees, eagle_trees, prompts_file, chat,
-          max_new_tokens, temperature, rounds, threads, peers, llama_cpp, llama_cpp_n_max, out, verbose):
+          max_new_tokens, temperature, rounds, threads, peers, peer_families, llama_cpp, llama_cpp_n_max, out, verbose):
     """Measure tokens/s, TTFT, TPOT, acceptance and speedup; write report.json, report.md and plots."""
     from specexport.errors import SpecexportError
     from specexport.report.bench import BenchConfig, run_bench
@@ -74,8 +77,19 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
                       methods=_csv(methods) or ("vanilla",), gammas=gamma_list, max_new_tokens=max_new_tokens,
                       temperature=temperature, chat=chat,
                       rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers,
-                      llama_cpp=Path(llama_cpp) if llama_cpp else None, llama_cpp_n_max=llama_cpp_n_max)
+                      llama_cpp=Path(llama_cpp) if llama_cpp else None, llama_cpp_n_max=llama_cpp_n_max,
+                      peer_families=_peer_families(peer_families))
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
     from specexport.report.render import render_markdown
 
     click.echo(render_markdown(report))
+
+
+def _peer_families(names) -> tuple[str, ...] | None:
+    from specexport.errors import SpecexportError
+    from specexport.report.rows import PEER_FAMILIES
+
+    unknown = [n for n in names if n not in PEER_FAMILIES]
+    if unknown:
+        raise SpecexportError(f"--peer: {unknown[0]!r} is not a peer family; families: {', '.join(PEER_FAMILIES)}")
+    return tuple(names) or None

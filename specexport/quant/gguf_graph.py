@@ -66,27 +66,40 @@ def gguf_tensors(gguf_path: Path, hf_config: dict):
         yield t.name, qtype, codes
 
 
-def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, accuracy_level: int = 4) -> GgufReport:
-    """Write `dest` (+ dest.data): the fp32 graph with the file's blocks in place of its weights."""
+def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, accuracy_level: int = 4,
+            vocab_ids=None) -> GgufReport:
+    """Write `dest` (+ dest.data): the fp32 graph with the file's blocks in place of its weights.
+    vocab_ids: a reduced-vocabulary draft's output rows (its lm_head holds only those rows of the file's
+    output tensor, or of the embedding when tied): those rows' blocks are matched too."""
     onnx = require("onnx")
-    from onnx import numpy_helper
+    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-    model = onnx.load(str(fp32_graph))
+    model = onnx.load(str(fp32_graph), load_external_data=False)     # weights read one at a time below
     inits = {i.name: i for i in model.graph.initializer}
     by_hash: dict = {}                                  # content digest -> [(initializer, node, kind)]
     for init, node, kind in _weight_users(model, inits):
-        arr = numpy_helper.to_array(inits[init])
+        arr = _read(inits[init], fp32_graph.parent)
         by_hash.setdefault(_digest(arr.T if kind == "matmul" else arr), []).append((init, node, kind))
+        del arr
     report, builder = GgufReport(), _Builder(model, accuracy_level)
     for tname, qtype, codes in gguf_tensors(gguf_path, hf_config):
         if codes is None:
             report.unsupported[tname] = qtype
             continue
-        for init, node, kind in by_hash.pop(_digest(codes.dequantize()), []):
-            builder.replace(node, "gather" if kind == "gather" else "matmul", codes, prefix=tname)
-            report.replaced[init] = (tname, qtype)
+        variants = [(tname, codes)]
+        if vocab_ids is not None and tname in ("output.weight", "token_embd.weight"):
+            variants.append((f"{tname}.vocab", _take_rows(codes, np.asarray(vocab_ids, np.int64))))
+        for name, c in variants:
+            for init, node, kind in by_hash.pop(_digest(c.dequantize()), []):
+                builder.replace(node, "gather" if kind == "gather" else "matmul", c, prefix=name)
+                report.replaced[init] = (name, qtype)
     report.kept_fp32 = sorted({init for users in by_hash.values() for init, _, _ in users})
     builder.finish(report.replaced)
+    for t in model.graph.initializer:                   # what stays of the fp32 graph: norms, biases, ...
+        if uses_external_data(t):
+            load_external_data_for_tensor(t, str(fp32_graph.parent))
+            del t.external_data[:]
+            t.data_location = onnx.TensorProto.DEFAULT
     dest.parent.mkdir(parents=True, exist_ok=True)
     onnx.save(model, str(dest), save_as_external_data=True, location=dest.name + ".data", size_threshold=1024)
     for f in (dest, dest.with_name(dest.name + ".data")):
@@ -111,6 +124,22 @@ def _weight_users(model, inits) -> list:
         elif node.op_type == "Gather" and node.input[0] in inits and len(inits[node.input[0]].dims) == 2:
             out.append((node.input[0], node, "gather"))
     return out
+
+
+def _read(tensor, folder: Path) -> np.ndarray:
+    """One initializer's values, read from the graph's external data file by offset (the fp32 graph's
+    weights are never all in memory: the 1.5B's are 7 GB)."""
+    from onnx import numpy_helper
+    from onnx.external_data_helper import uses_external_data
+
+    if not uses_external_data(tensor):
+        return numpy_helper.to_array(tensor)
+    info = {e.key: e.value for e in tensor.external_data}
+    count = int(np.prod(tensor.dims))
+    with open(folder / info["location"], "rb") as f:
+        f.seek(int(info.get("offset", 0)))
+        raw = f.read(int(info.get("length", 4 * count)))
+    return np.frombuffer(raw, dtype=np.float32, count=count).reshape(tuple(tensor.dims))
 
 
 def _digest(arr: np.ndarray) -> str:

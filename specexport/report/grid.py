@@ -59,6 +59,7 @@ class BenchConfig:
     threads: int | None = None                      # the target's intra-op threads; None: the fastest for vanilla
     peers: bool = True
     plots: bool = True
+    peer_families: tuple[str, ...] | None = None    # None: every family that can run here
     llama_cpp: Path | None = None                   # llama.cpp's binaries (None: llama-server on PATH)
     llama_cpp_n_max: int = 5                        # its speculative row's --spec-draft-n-max
 

@@ -143,18 +143,24 @@ def _peak_rss_bytes() -> int:
 
 
 # -- opening the peers that can run here (in the bench's process: no heavy imports) ----------------
-def peer_specs(manifest: dict, precisions, *, work_dir: Path, log=print) -> tuple[list[PeerSpec], list[dict]]:
-    """The peer families that can run here, and a {"peer", "skipped"} record for each one that cannot."""
+def peer_specs(manifest: dict, precisions, *, work_dir: Path, log=print,
+               families=("transformers", "onnxruntime-genai")) -> tuple[list[PeerSpec], list[dict]]:
+    """The peer families (of `families`) that can run here, and a {"peer", "skipped"} record for each one
+    that cannot."""
     specs, skipped = [], []
     sources = {role: Path(m["source"]) for role, m in manifest["models"].items()}
     missing = [p for p in ("torch", "transformers") if importlib.util.find_spec(p) is None]
-    if missing:
+    if "transformers" not in families:
+        pass
+    elif missing:
         skipped.append({"peer": "transformers", "skipped": f"not installed: {', '.join(missing)}"})
     elif not all(p.is_dir() for p in sources.values()):
         skipped.append({"peer": "transformers", "skipped": f"checkpoints not found: {sorted(map(str, sources.values()))}"})
     else:
         specs.append(PeerSpec("transformers", "fp32 (PyTorch)", tuple((r, str(p)) for r, p in sources.items())))
-    if importlib.util.find_spec("onnxruntime_genai") is None:
+    if "onnxruntime-genai" not in families:
+        pass
+    elif importlib.util.find_spec("onnxruntime_genai") is None:
         skipped.append({"peer": "onnxruntime-genai", "skipped": "not installed (pip install onnxruntime-genai)"})
     elif missing:
         skipped.append({"peer": "onnxruntime-genai", "skipped": f"its model builder needs {', '.join(missing)}"})

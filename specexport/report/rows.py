@@ -59,6 +59,9 @@ def _row(c: Config, runs, costs) -> dict:
 
 
 # -- peers and memory ----------------------------------------------------------------------------------
+PEER_FAMILIES = ("transformers", "onnxruntime-genai", "llama.cpp")
+
+
 def _open_peers(manifest, precisions, cfg, log):
     if not cfg.peers:
         return [], [{"peer": "all", "skipped": "peers not requested"}]
@@ -66,18 +69,20 @@ def _open_peers(manifest, precisions, cfg, log):
         return [], [{"peer": "all", "skipped": "peers run greedy; this bench samples"}]
     from specexport.report.peers import PeerProcess, peer_specs
 
+    wanted = set(cfg.peer_families or PEER_FAMILIES)
     specs, skipped = peer_specs(manifest, precisions, work_dir=Path(cfg.out or cfg.output_dir / "bench") / "peers",
-                                log=log)
+                                log=log, families=tuple(wanted - {"llama.cpp"}))
     peers = []
     for spec in specs:
         try:
             peers.append(PeerProcess(spec))
         except RuntimeError as err:
             skipped.append({"peer": f"{spec.family} {spec.precision}", "skipped": str(err)})
-    from specexport.report.llama_cpp import open_llama_cpp
+    if "llama.cpp" in wanted:
+        from specexport.report.llama_cpp import open_llama_cpp
 
-    more, more_skipped = open_llama_cpp(manifest, cfg.llama_cpp, threads=cfg.threads, n_max=cfg.llama_cpp_n_max)
-    peers, skipped = peers + more, skipped + more_skipped
+        more, more_skipped = open_llama_cpp(manifest, cfg.llama_cpp, threads=cfg.threads, n_max=cfg.llama_cpp_n_max)
+        peers, skipped = peers + more, skipped + more_skipped
     log(f"peers: {', '.join(n for p in peers for n in p.names) or 'none'} (each in its own process)")
     return peers, skipped
 

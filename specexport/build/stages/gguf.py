@@ -37,7 +37,7 @@ class GgufStage(ModelStage):
             with ctx.reporter.stage(f"{self.role} gguf: the weights from {mp.config.gguf.name}'s own blocks"):
                 hf_config = json.loads((mp.config.path / "config.json").read_text())
                 report = rewrite(source, mp.config.gguf, partial / "model.onnx", hf_config=hf_config,
-                                 accuracy_level=level)
+                                 accuracy_level=level, vocab_ids=mp.vocab_ids)
             if report.kept_fp32:
                 raise ParityError(f"{self.role} gguf: {len(report.kept_fp32)} weight(s) of the graph equal no tensor of "
                                   f"{mp.config.gguf.name} ({', '.join(report.kept_fp32[:3])}): the file and the graph "
