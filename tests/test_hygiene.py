@@ -32,3 +32,14 @@ def test_every_extra_the_code_names_exists():
 def test_runtime_imports_stay_light(module):
     code = f"import sys, {module}; bad = {HEAVY!r} & set(sys.modules); assert not bad, bad"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_output_that_is_not_a_terminal_is_not_wrapped(monkeypatch):
+    """A piped build log keeps each progress line whole (rich wraps at 80 columns otherwise)."""
+    from specexport._console import WIDE, console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    c = console(stderr=True)
+    assert c.width == WIDE and c.soft_wrap
+    monkeypatch.setenv("COLUMNS", "100")
+    assert console().width == 100

@@ -398,3 +398,15 @@ def test_smoothquant_rewrite_is_exact_in_fp32(built_quant, tmp_path):
     assert np.abs(after - before).max() <= 1e-4 * np.abs(before).max()
     weights = [n.input[1] for nodes in smooth.weight_matmuls(model).values() for n in nodes]
     assert len(weights) == 7 * layers + 1 and all("_smooth" in w for w in weights)      # every MatMul rescaled
+
+
+def test_near_ties_count_as_agreement_and_are_reported_apart(monkeypatch):
+    """An exact conversion of a model with tied logits is not a disagreement; a real flip is."""
+    from specexport.quant import quality
+
+    ref = np.array([[2.0, 2.0, 0.0], [1.0, 3.0, 0.0], [5.0, 1.0, 0.0]], np.float32)       # row 0: a tie
+    got = np.array([[1.0, 2.0, 0.0], [1.0, 3.0, 0.0], [1.0, 5.0, 0.0]], np.float32)       # row 2 flips
+    monkeypatch.setattr(quality, "prefill_logits", lambda session, io, ids: ref if session == "ref" else got)
+    report = quality.measure_quality("ref", "got", None, [np.zeros(3, np.int64)])
+    assert report.top1_agreement == pytest.approx(2 / 3) and report.ties == 1
+    assert "(1 of them near-ties)" in report.describe()

@@ -22,9 +22,9 @@ class Reporter:
     def __init__(self, *, quiet: bool = False):
         self.quiet = quiet
         if not quiet:
-            from rich.console import Console
+            from specexport._console import console as make_console
 
-            self.console = Console(stderr=True)
+            self.console = make_console(stderr=True)
 
     @contextmanager
     def stage(self, label: str):

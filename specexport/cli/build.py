@@ -22,10 +22,10 @@ def build(config, dry_run, force, only, bench, verbose):
     from specexport.config import load_config
     from specexport.build.plan import plan_build
 
-    from rich.console import Console
+    from specexport._console import console as make_console
 
     cfg = load_config(config)
-    plan = plan_build(cfg, console=Console(stderr=True))
+    plan = plan_build(cfg, console=make_console(stderr=True))
     _print_plan(plan)
     if dry_run:
         return
@@ -38,7 +38,7 @@ def build(config, dry_run, force, only, bench, verbose):
 
 
 def _print_quick_bench(cfg) -> None:
-    from rich.console import Console
+    from specexport._console import console as make_console
     from rich.table import Table
 
     from specexport.report.bench import quick_bench, short_table
@@ -48,7 +48,7 @@ def _print_quick_bench(cfg) -> None:
     try:
         report = quick_bench(cfg.output, max_verify_tokens=cfg.max_verify_tokens, log=lambda m: None)
     except SpecexportError as err:          # the build itself succeeded; say why there is no report
-        Console(stderr=True).print(f"[yellow]latency report skipped:[/] {err}")
+        make_console(stderr=True).print(f"[yellow]latency report skipped:[/] {err}")
         return
     table = Table(title="latency (greedy, 3 short prompts x 32 tokens; `specexport bench` for the full report)")
     for col in ("target", "draft", "method", "γ", "tok/s", "acceptance", "speedup"):
@@ -57,16 +57,16 @@ def _print_quick_bench(cfg) -> None:
         table.add_row(t, d, m, str(g), "accuracy only" if tps is None else f"{tps:.1f}",
                       "-" if acc is None else f"{acc:.2f}",
                       "-" if spd is None else f"{spd:.2f}x")
-    Console().print(table)
+    make_console().print(table)
     for p, c in report["gamma_auto"].items():
         verdict = f"γ = {c['gamma']}" if c["gamma"] else "vanilla (speculation predicted to lose)"
-        Console().print(f"--gamma auto for {p}: {verdict}, predicted {c['predicted_speedup']:.2f}x")
+        make_console().print(f"--gamma auto for {p}: {verdict}, predicted {c['predicted_speedup']:.2f}x")
 
 
 def _print_plan(plan) -> None:
-    from rich.console import Console
+    from specexport._console import console as make_console
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     cfg = plan.config
     console.print(f"[bold]plan[/] {cfg.name} -> {cfg.output}  (max_seq_len {cfg.max_seq_len}, "
                   f"verify up to {cfg.max_verify_tokens} tokens)")
@@ -81,9 +81,9 @@ def _print_plan(plan) -> None:
 
 
 def _print_summary(manifest: dict, output) -> None:
-    from rich.console import Console
+    from specexport._console import console as make_console
 
-    console = Console()
+    console = make_console()
     console.print(checks_table(manifest, title=f"built {manifest['name']} -> {output}", build_columns=True))
     rss = manifest.get("build_peak_rss_bytes")
     if rss:

@@ -55,11 +55,11 @@ def self_distillation_options(command):
 def distill_draft(target, out, layers, hidden_size, intermediate_size, draft_vocab, prompts, corpus, num_prompts,
                   prompt_tokens, new_tokens, steps, batch_size, lr, seed, checkpoint_every, device, force, verbose):
     """Self-distill a small draft from TARGET (a HF checkpoint folder) into --out."""
-    from rich.console import Console
+    from specexport._console import console as make_console
 
     from specexport.distill.train import DistillConfig, distill_draft as run
 
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     cfg = DistillConfig(target=checkpoint_folder(target, console), out=Path(out).resolve(), layers=layers,
                         hidden_size=hidden_size, intermediate_size=intermediate_size,
                         prompts=tuple(Path(p) for p in prompts), corpus=Path(corpus) if corpus else None,

@@ -48,13 +48,13 @@ EAGLE_ONLY = ("draft_vocab", "ttt_steps", "eval_depth", "chat_template", "interm
 @click.pass_context
 def train_heads(ctx, target, out, kind, dtype, prompts, corpus, device, verbose, **options):
     """Self-distill Medusa or EAGLE heads for TARGET (a HF checkpoint folder or a GGUF file) into --out."""
-    from rich.console import Console
+    from specexport._console import console as make_console
 
     from specexport.cli.distill import checkpoint_folder
     from specexport.distill.heads import EAGLE_KINDS, HeadsTrainConfig, train_heads as run
 
     _refuse_other_kinds_options(ctx, kind)
-    console = Console(stderr=True)
+    console = make_console(stderr=True)
     cfg = HeadsTrainConfig(target=checkpoint_folder(target, console), out=Path(out).resolve(), kind=kind, dtype=dtype,
                            prompts=tuple(Path(p) for p in prompts), corpus=Path(corpus) if corpus else None,
                            device=device, **options)

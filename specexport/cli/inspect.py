@@ -15,14 +15,14 @@ def inspect(output_dir, as_json, verify, verbose):
     """Describe the build in OUTPUT_DIR."""
     import json
 
-    from rich.console import Console
+    from specexport._console import console as make_console
     from rich.table import Table
 
     from specexport.cli.build import checks_table
     from specexport.manifest import read_manifest
 
     m = read_manifest(output_dir)
-    console = Console()
+    console = make_console()
     if verify:
         _verify(output_dir, m)
         return

@@ -70,6 +70,18 @@ def speedup_interval(spec, vanilla, *, seed: int = 0, resamples: int = BOOTSTRAP
     return [float(np.percentile(ratio, 2.5)), float(np.percentile(ratio, 97.5))]
 
 
+def throughput_interval(tokens, seconds, *, seed: int = 0, resamples: int = BOOTSTRAP_RESAMPLES) -> list[float] | None:
+    """95% bootstrap interval of Σ tokens / Σ seconds over runs (a peer's runs, resampled with replacement)."""
+    tokens, seconds = np.asarray(tokens, float), np.asarray(seconds, float)
+    if len(tokens) < 2:
+        return None
+    idx = np.random.default_rng(seed).integers(0, len(tokens), size=(resamples, len(tokens)))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rate = tokens[idx].sum(1) / seconds[idx].sum(1)
+    rate = rate[np.isfinite(rate)]
+    return [float(np.percentile(rate, 2.5)), float(np.percentile(rate, 97.5))] if len(rate) else None
+
+
 def ideal_speedup(runs, *, c_vanilla1: float, c_target: dict, c_draft: dict) -> float | None:
     tokens = sum(max(s.delivered - 1, 0) for s in runs)
     cost = sum(ideal_cost(s, c_target, c_draft) for s in runs)

@@ -11,7 +11,7 @@ from specexport import owned
 from specexport.errors import SpecexportError
 
 BY = "specexport bench"
-REPORT_FILES = ("report.md", "report.json", "speedup_vs_gamma.png")
+REPORT_FILES = ("report.md", "report.json", "speedup_vs_gamma.png", "tokens_per_s.png")
 
 
 def claim_report_folder(out: Path) -> Path:

@@ -1,7 +1,6 @@
 """A bench report as markdown (report.md) and as a plot of speedup against γ."""
 from __future__ import annotations
 
-from pathlib import Path
 
 
 def _f(v, fmt: str, unit: str = "") -> str:
@@ -120,42 +119,3 @@ def _peer_lines(report: dict) -> list[str]:
         lines.append(f"- {p['peer']} ({p['precision']}): {_f(p['tokens_per_s'], '.1f')} tok/s{ratio}{spec}; whole output "
                      f"equal to our {against} vanilla output in {_f(same, '.0%')} of {p['runs']} runs")
     return lines
-
-
-def plot_speedups(report: dict, out: Path, log) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plots (pip install 'specexport[bench]')")
-        return []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    lines = [(key, "draft", *key.split("/")) for key in report["gamma_auto"]]
-    lines += [(f"{tp} lookup", "lookup", tp, None) for tp in dict.fromkeys(
-        r["precision"] for r in report["rows"] if r["method"] == "lookup")]
-    for label, method, tp, dp in lines:
-        rows = [r for r in report["rows"] if r["method"] == method and r["precision"] == tp
-                and r["draft_precision"] == dp and not r["draft_stop"] and not r.get("tree") and r["speedup_vs_vanilla"]]
-        if not rows:
-            continue
-        lo = [r["speedup_vs_vanilla"] - (r["speedup_ci95"] or [r["speedup_vs_vanilla"]] * 2)[0] for r in rows]
-        hi = [(r["speedup_ci95"] or [r["speedup_vs_vanilla"]] * 2)[1] - r["speedup_vs_vanilla"] for r in rows]
-        ax.errorbar([r["gamma"] for r in rows], [r["speedup_vs_vanilla"] for r in rows], yerr=[lo, hi], fmt="o-",
-                    capsize=3, label=f"{label} measured (95% CI)")
-        if method == "draft":
-            pred = report["gamma_auto"][label]["predicted_by_gamma"]
-            ax.plot([int(k) for k in pred], list(pred.values()), "x--", label=f"{label} predicted")
-    if not ax.get_legend_handles_labels()[0]:
-        plt.close(fig)
-        return []
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("γ (draft tokens per round)")
-    ax.set_ylabel("speedup vs vanilla (decode time)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(out) / "speedup_vs_gamma.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return [str(path)]

@@ -95,9 +95,10 @@ def _peer_row(peer, name: str, runs, references: dict, manifest: dict) -> dict:
     reference = references.get(precision) or []
     same = [_same_output(g.tokens, reference[i] if reference else None, eos) for i, g in runs]
     gens = [g for _, g in runs]
-    tokens = sum(max(len(g.tokens) - 1, 0) for g in gens)
-    seconds = sum(g.total_s - g.ttft_s for g in gens)
+    per_run = [(max(len(g.tokens) - 1, 0), g.total_s - g.ttft_s) for g in gens]
+    tokens, seconds = sum(n for n, _ in per_run), sum(s for _, s in per_run)
     return {"peer": name, "precision": peer.spec.precision, "tokens_per_s": tokens / seconds if seconds > 0 else None,
+            "tokens_per_s_ci95": acc.throughput_interval([n for n, _ in per_run], [s for _, s in per_run]),
             "ttft_ms": statistics.median(g.ttft_s * 1e3 for g in gens) if gens else None,
             f"same_tokens_as_{precision}_vanilla": sum(same) / len(same) if same and reference else None,
             "runs": len(gens), **_speculation(peer, name)}

@@ -159,9 +159,10 @@ def _store_choices(cfg, manifest, report: dict, choice: dict, rows, log) -> None
 
 
 def _write_report(report: dict, out_dir: Path, plots: bool, log) -> None:
-    from specexport.report.render import plot_speedups, render_markdown
+    from specexport.report.plots import plot_report
+    from specexport.report.render import render_markdown
 
-    report["plots"] = plot_speedups(report, out_dir, log) if plots else []
+    report["plots"] = plot_report(report, out_dir, log) if plots else []
     write_text_atomic(out_dir / "report.md", render_markdown(report))
     write_json_atomic(out_dir / "report.json", report)
     record_report_files(out_dir, REPORT_FILES)

@@ -65,7 +65,7 @@ class GgufStage(ModelStage):
                                  "tool": "quant/gguf_graph.py (MatMulNBits, GatherBlockQuantized)"},
                 "gguf_file_bytes": mp.config.gguf.stat().st_size,
                 "row_dependence": rows, "min_tokens": min_tokens if mp.role == "target" else 1,
-                "top1_agreement": quality.top1_agreement, "mean_kl": quality.mean_kl,
+                "top1_agreement": quality.top1_agreement, "top1_ties": quality.ties, "mean_kl": quality.mean_kl,
                 "quality_gate": dict(cfg.quality_gates[self.precision]),
                 "quality_text": {**{k: v for k, v in text.items() if k != "label"}, "sequences": quality.sequences,
                                  "positions": quality.positions},

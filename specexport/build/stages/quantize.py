@@ -67,7 +67,7 @@ class QuantizeStage(ModelStage):
                 **extras,
                 "row_dependence": rows,
                 "min_tokens": min_tokens if mp.role == "target" else 1,   # the runtime pads smaller target calls
-                "top1_agreement": quality.top1_agreement, "mean_kl": quality.mean_kl,
+                "top1_agreement": quality.top1_agreement, "top1_ties": quality.ties, "mean_kl": quality.mean_kl,
                 "quality_gate": dict(ctx.config.quality_gates[precision]),
                 "quality_text": {**{k: v for k, v in text.items() if k != "label"}, "sequences": quality.sequences,
                                  "positions": quality.positions},
