@@ -1,10 +1,30 @@
 """specexport serve OUTPUT_DIR: an OpenAI-compatible HTTP server on a build (the [serve] extra)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
 
+from specexport.serve import API_KEY_ENV    # light: the server's own packages load when it runs
+
+
+class ByteSize(click.ParamType):
+    """A size in bytes: 4194304, 4MiB, 4M (= MiB), 512KiB, 1GiB."""
+    name = "size"
+    UNITS = {"": 1, "b": 1, "k": 2 ** 10, "kb": 10 ** 3, "kib": 2 ** 10, "m": 2 ** 20, "mb": 10 ** 6, "mib": 2 ** 20,
+             "g": 2 ** 30, "gb": 10 ** 9, "gib": 2 ** 30}
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in self.UNITS:
+            self.fail(f"{value!r}: expected a size such as 4194304, 4MiB or 512KiB", param, ctx)
+        size = int(float(m.group(1)) * self.UNITS[m.group(2).lower()])
+        if size < 1:
+            self.fail(f"{value!r}: expected at least 1 byte", param, ctx)
+        return size
 
 
 @click.command()
@@ -22,15 +42,33 @@ import click
 @click.option("--spin/--no-spin", default=True, show_default=True,
               help="Let ONNX Runtime's idle threads spin between forwards (benchmarks/serve_bench.py on the demo, "
                    "2 cores: the server's overhead per request was 28 ms with spinning, 97 ms without).")
+@click.option("--api-key", envvar=API_KEY_ENV, default=None, show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' on every route but /health (401 otherwise). Prefer the "
+                   f"environment variable {API_KEY_ENV}: a flag shows in the process list. Without a key, "
+                   "binding to anything but loopback prints a warning.")
+@click.option("--max-body-bytes", default="4MiB", show_default=True, type=ByteSize(),
+              help="The largest request body accepted (413 beyond it); 4194304, 4MiB, 512KiB.")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Requests that may wait behind the one decoding; more get a 429 with Retry-After.")
+@click.option("--request-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0),
+              help="Seconds a request may take from arrival to its last token, queue included (504 after "
+                   "it; a stream gets an error event); 0: no deadline.")
+@click.option("--shutdown-grace", default=20.0, show_default=True, type=click.FloatRange(min=0),
+              help="On SIGTERM or Ctrl-C: stop accepting, let queued and running requests finish for this many "
+                   "seconds, then stop them (503) and exit 0.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
-def serve(output_dir, host, port, method, precision, draft_precision, threads, name, spin, log_level, verbose):
-    """Serve the build in OUTPUT_DIR: /v1/models, /v1/completions, /v1/chat/completions, /health."""
+def serve(output_dir, host, port, method, precision, draft_precision, threads, name, spin, api_key, max_body_bytes,
+          max_queue, request_timeout, shutdown_grace, log_level, verbose):
+    """Serve the build in OUTPUT_DIR: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
     from specexport.serve import serve as run
+    from specexport.serve.guard import Limits
 
-    run(output_dir, host=host, port=port, method=method, name=name, log_level=log_level, precision=precision,
-        draft_precision=draft_precision, threads=threads, spin=spin)
+    limits = Limits(max_body_bytes=max_body_bytes, max_queue=max_queue, request_timeout_s=request_timeout or None,
+                    shutdown_grace_s=shutdown_grace)
+    run(output_dir, host=host, port=port, method=method, name=name, log_level=log_level, api_key=api_key or None,
+        limits=limits, precision=precision, draft_precision=draft_precision, threads=threads, spin=spin)
 
 
 @click.command("export-triton")

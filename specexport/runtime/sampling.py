@@ -12,6 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 
+MIN_TEMPERATURE = 1e-5       # below it a temperature samples like greedy decoding (as vLLM treats it)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0          # 0 = greedy
@@ -28,7 +31,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one below MIN_TEMPERATURE: logits / T would overflow to inf (5e-324 gave NaN
+        probabilities and a crash), and the distribution is the argmax's to float precision anyway."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

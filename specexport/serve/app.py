@@ -1,13 +1,15 @@
 """The HTTP app: OpenAI's /v1/models, /v1/completions and /v1/chat/completions (plain and streamed as
-server-sent events), and /health, on one loaded Pipeline.
+server-sent events), /health and /metrics (Prometheus), on one loaded Pipeline.
 
-    app = create_app(specexport.load("engines/demo"), method="auto")
-    uvicorn.run(app, host="127.0.0.1", port=8000)              # what `specexport serve` does
+    app = create_app(specexport.load("engines/demo"), method="auto", api_key="sk-...", limits=Limits())
+    uvicorn.run(app, host="127.0.0.1", port=8000)          # `specexport serve` adds the graceful shutdown
 
 Every response carries `usage` and, as an extension, `specexport`: the method that decoded it, tokens
 per target pass, acceptance rate, target passes, TTFT and decode tokens/s. Errors use OpenAI's shape,
-{"error": {"message", "type", "param", "code"}}, with 400 for a bad request (422 is not used), 404
-for an unknown model name, 500 for a bug (logged; the server stays up).
+{"error": {"message", "type", "param", "code"}}: 400 for a bad request (422 is not used), 401 for a
+missing or wrong API key, 404 for an unknown model name or path, 413 for a body over the limit, 429
+(with Retry-After) when the queue is full, 503 while shutting down, 504 past the request deadline,
+500 for a bug (logged; the server stays up).
 """
 from __future__ import annotations
 
@@ -21,7 +23,9 @@ import uuid
 from specexport._optional import require
 from specexport.errors import SpecexportError
 from specexport.chat import load_chat_template
-from specexport.serve.protocol import ChatRequest, CompletionRequest, RequestError, error_body
+from specexport.serve.guard import Guard, Limits
+from specexport.serve.metrics import CONTENT_TYPE, Metrics
+from specexport.serve.protocol import ChatRequest, CompletionRequest, ErrorResponse, RequestError, error_body
 from specexport.serve.worker import Event, ModelWorker
 
 fastapi = require("fastapi")          # the [serve] extra; a missing one names it
@@ -29,12 +33,32 @@ Request = fastapi.Request               # module level: FastAPI resolves the han
 
 POLL_S = 0.25          # how often a waiting non-streamed request checks that its client is still there
 
+_ERROR = {"model": ErrorResponse}
+ERRORS = {400: {**_ERROR, "description": "A bad request (also malformed JSON, and what the runtime cannot do)"},
+          401: {**_ERROR, "description": "No API key, or a wrong one (when the server has a key)"},
+          404: {**_ERROR, "description": "An unknown model name"},
+          413: {**_ERROR, "description": "The request body is larger than --max-body-bytes"},
+          429: {**_ERROR, "description": "The queue is full (--max-queue); see Retry-After"},
+          500: {**_ERROR, "description": "A bug (logged)"},
+          503: {**_ERROR, "description": "The server is shutting down"},
+          504: {**_ERROR, "description": "The request passed its deadline (--request-timeout)"}}
+AUTH_ERRORS = {k: ERRORS[k] for k in (401, 500)}
+COMPLETION_RESPONSES = {200: {"description": "The completion (JSON), or with `stream: true` its chunks as "
+                                             "server-sent events", "content": {"text/event-stream": {}}}, **ERRORS}
 
-def create_app(pipe, *, method: str = "auto", name: str | None = None):
+
+def create_app(pipe, *, method: str = "auto", name: str | None = None, api_key: str | None = None,
+               limits: Limits | None = None):
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
 
-    worker = ModelWorker(pipe, method=method)
+    limits = limits or Limits()
+    metrics = Metrics()
+    worker = ModelWorker(pipe, method=method, max_queue=limits.max_queue, request_timeout_s=limits.request_timeout_s,
+                         metrics=metrics)
+    metrics.queue_depth.set_function(lambda: worker.waiting)
+    metrics.running.set_function(lambda: worker.running)
     name = name or pipe.manifest.get("name") or pipe.dir.name
     chat_template = load_chat_template(pipe.dir / pipe.manifest["tokenizer"]["dir"])
 
@@ -44,13 +68,22 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None):
         worker.close()
 
     app = fastapi.FastAPI(title="specexport", lifespan=lifespan)
-    app.state.worker, app.state.model_name = worker, name
+    app.state.worker, app.state.model_name, app.state.metrics, app.state.limits = worker, name, metrics, limits
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, err):
         first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid request"}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        if first.get("type") == "json_invalid":     # the guard catches these first; kept for safety
+            return JSONResponse(error_body("the request body is not valid JSON", code="invalid_json"), status_code=400)
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body" and not _union_tag(p))
         message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        loc = tuple(first.get("loc", ()))
+        tag_at = next((i for i, p in enumerate(loc) if _union_tag(p)), None)
+        if tag_at is not None:                      # a Union field: name the forms it accepts
+            forms = list(dict.fromkeys(str(e["loc"][tag_at]) for e in err.errors()
+                                       if tuple(e.get("loc", ()))[:tag_at] == loc[:tag_at] and len(e["loc"]) > tag_at))
+            message = f"expected one of: {', '.join(forms)}"
         if not where and ":" in message and message.split(":")[0].isidentifier():
             where = message.split(":")[0]           # a whole-body check names its field first
         return JSONResponse(error_body(f"{where}: {message}" if where and not message.startswith(where) else message,
@@ -58,32 +91,46 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None):
 
     @app.exception_handler(RequestError)
     async def _refused(request, err: RequestError):
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers or None)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, err: HTTPException):       # unknown paths and methods, in OpenAI's shape
+        what = {404: f"no such path: {request.url.path}",
+                405: f"method {request.method} is not allowed on {request.url.path}"}.get(err.status_code, err.detail)
+        return JSONResponse(error_body(str(what), code={404: "not_found", 405: "method_not_allowed"}.get(err.status_code)),
+                            status_code=err.status_code, headers=getattr(err, "headers", None))
 
     @app.exception_handler(Exception)
     async def _bug(request, err):
         return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}", kind="server_error"),
                             status_code=500)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "Shutting down"}})
     async def health():
-        return {"status": "ok", "model": name, "pending": worker.pending}
+        body = {"status": "draining" if worker.draining else "ok", "model": name, "pending": worker.pending}
+        return JSONResponse(body, status_code=503 if worker.draining else 200)
 
-    @app.get("/v1/models")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=AUTH_ERRORS)
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", responses=AUTH_ERRORS)
     async def models():
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": int(pipe.dir.stat().st_mtime), "owned_by": "specexport",
             "specexport": {"methods": ["auto", *pipe.methods], "default_method": worker.default_method,
                            "precision": pipe.precision, "max_seq_len": pipe.capacity}}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
+        arrived = time.monotonic()
         _check_model(body.model, name)
         ids = _prompt_ids(pipe, body.prompt, param="prompt")
-        return await _respond(body, request, ids, max_new=body.max_tokens, chat=False)
+        return await _respond(body, request, ids, max_new=body.max_tokens, chat=False, arrived=arrived)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat_completions(body: ChatRequest, request: Request):
+        arrived = time.monotonic()
         _check_model(body.model, name)
         if chat_template is None:
             raise RequestError(f"messages: the model {name!r} has no chat template (its tokenizer defines none); "
@@ -92,13 +139,13 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None):
         ids = pipe.tokenizer.encode(text, add_special_tokens=False).ids
         _check_length(pipe, ids, param="messages")
         max_new = body.max_completion_tokens or body.max_tokens or pipe.capacity - len(ids)
-        return await _respond(body, request, ids, max_new=max_new, chat=True)
+        return await _respond(body, request, ids, max_new=max_new, chat=True, arrived=arrived)
 
-    async def _respond(body, request, ids: list[int], *, max_new: int, chat: bool):
+    async def _respond(body, request, ids: list[int], *, max_new: int, chat: bool, arrived: float):
         if body.method not in (None, "auto", "vanilla", *pipe.methods):
             raise RequestError(f"method: {body.method!r} is not available; available: "
                                f"{', '.join(('auto', 'vanilla', *pipe.methods))}", param="method")
-        job = worker.submit(ids, body.stream_kwargs(max_new), stream=body.stream)
+        job = worker.submit(ids, body.stream_kwargs(max_new), stream=body.stream, arrived=arrived)
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                 "model": name}
         try:
@@ -110,7 +157,7 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None):
             raise
         if first.kind == "error":
             job.cancel()
-            raise RequestError(first.text, status=first.status,
+            raise RequestError(first.text, status=first.status, code=first.code,
                                kind="invalid_request_error" if first.status == 400 else "server_error")
         if not body.stream:
             event = first
@@ -122,7 +169,7 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None):
             finally:
                 job.cancel()
             if event.kind == "error":
-                raise RequestError(event.text, status=event.status, kind="server_error")
+                raise RequestError(event.text, status=event.status, kind="server_error", code=event.code)
             if event.kind != "done":                # cancelled: only when its client went away
                 return Response(status_code=499)
             return _full_response(meta, event, len(ids), chat)
@@ -136,13 +183,20 @@ class ClientGone(Exception):
     """The client disconnected while its request waited or decoded."""
 
 
-async def _next_event(job, request) -> Event:
-    """The job's next event; cancels the job (and raises ClientGone) if the client disconnects meanwhile."""
+async def _next_event(job, request=None) -> Event:
+    """The job's next event; cancels the job and raises ClientGone if the client disconnects meanwhile
+    (checked when `request` is given), or the RequestError (504, 503) of its deadline or the shutdown."""
     while True:
+        left = job.time_left()
+        if left is not None and left <= 0:
+            err = job.expired() or RequestError("the request passed its deadline", status=504, kind="server_error",
+                                                code="timeout")
+            job.cancel("timeout" if err.status == 504 else "shutdown")
+            raise err
         try:
-            return await asyncio.wait_for(job.events.get(), POLL_S)
+            return await asyncio.wait_for(job.events.get(), POLL_S if left is None else min(POLL_S, left + 0.001))
         except asyncio.TimeoutError:
-            if await request.is_disconnected():
+            if request is not None and await request.is_disconnected():
                 job.cancel()
                 raise ClientGone from None
 
@@ -173,7 +227,10 @@ async def _sse(job, first: Event, meta: dict, prompt_tokens: int, chat: bool, in
                 event = None
             yield chunk(piece(text))
             if event is None:
-                event = await job.events.get()
+                try:
+                    event = await _next_event(job)
+                except RequestError as err:         # the deadline or the shutdown, mid-stream
+                    event = Event("error", text=str(err), status=err.status, code=err.code)
         if event.kind == "done":
             end = piece("")
             end["finish_reason"] = event.output.finish_reason
@@ -184,7 +241,7 @@ async def _sse(job, first: Event, meta: dict, prompt_tokens: int, chat: bool, in
             if include_usage:
                 yield chunk({}, usage=usage)
         elif event.kind == "error":
-            yield f"data: {json.dumps(error_body(event.text, kind='server_error'))}\n\n"
+            yield f"data: {json.dumps(error_body(event.text, kind='server_error', code=event.code))}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         job.cancel()                # the client went away mid-stream (or we are done): free the model
@@ -215,6 +272,12 @@ def _stats(event: Event) -> dict:
             "ttft_s": number(s.ttft_s), "tokens_per_second": number(s.tokens_per_second)}
 
 
+def _union_tag(part) -> bool:
+    """pydantic's name for a member of a Union in an error's location ('str', 'list[int]', ...), not a field."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none", "list", "dict")
+                                      or "[" in part or part.startswith("function-"))
+
+
 def _check_model(requested: str | None, name: str) -> None:
     if requested not in (None, name):
         raise RequestError(f"model: {requested!r} is not served here; this server serves {name!r}", param="model",
@@ -232,6 +295,8 @@ def _prompt_ids(pipe, prompt, *, param: str) -> list[int]:
         try:
             ids = pipe.encode(text)
         except SpecexportError as err:
+            if isinstance(text, str):           # too long: refused as such (code context_length_exceeded)
+                _check_length(pipe, pipe.tokenizer.encode(text).ids, param=param)
             raise RequestError(str(err), param=param) from None
     _check_length(pipe, ids, param=param)
     return ids

@@ -11,15 +11,20 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from specexport.errors import SpecexportError
+from specexport.runtime.methods import METHODS
+from specexport.runtime.sampling import MIN_TEMPERATURE      # below it: greedy, as vLLM does
+
+MethodName = Literal[("auto", *METHODS)]                    # in the OpenAPI schema as an enum
 
 
 class RequestError(SpecexportError):
     """A request the server refuses: answered with `status` and OpenAI's error body."""
 
     def __init__(self, message: str, *, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None):
+                 kind: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.param, self.status, self.kind, self.code = param, status, kind, code
+        self.headers = headers or {}            # e.g. Retry-After with a 429
 
     def body(self) -> dict:
         return error_body(str(self), param=self.param, kind=self.kind, code=self.code)
@@ -27,6 +32,18 @@ class RequestError(SpecexportError):
 
 def error_body(message: str, *, param=None, kind: str = "invalid_request_error", code=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape (documented in the OpenAPI schema for every error status)."""
+    error: ErrorDetail
 
 
 class _Sampling(BaseModel):
@@ -37,13 +54,13 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1)                  # extension
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=2 ** 64 - 1)
     stop: Union[str, list[str], None] = None
     n: int = 1
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
-    method: str | None = None                              # extension: vanilla | draft | lookup | medusa | eagle | auto
+    method: MethodName | None = None                       # extension: auto or one of the runtime's METHODS
     gamma: int | None = Field(None, ge=1)                  # extension: chain length (draft, lookup)
     tree: Union[str, list[list[int]], dict[str, int], None] = None   # extension: a named tree, rank paths, or
                                                                      # EAGLE's {top_k, depth, total_tokens}
@@ -78,7 +95,8 @@ class _Sampling(BaseModel):
 
     def stream_kwargs(self, max_new_tokens: int) -> dict:
         """Pipeline.stream keyword arguments (method is resolved by the worker)."""
-        out = {"max_new_tokens": max_new_tokens, "temperature": self.temperature, "seed": self.seed,
+        temperature = self.temperature if self.temperature >= MIN_TEMPERATURE else 0.0
+        out = {"max_new_tokens": max_new_tokens, "temperature": temperature, "seed": self.seed,
                "top_k": self.top_k, "top_p": None if self.top_p == 1.0 else self.top_p, "stop": self.stop_list,
                "method": self.method}
         if self.gamma is not None:
