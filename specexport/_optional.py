@@ -24,6 +24,7 @@ _EXTRA = {
     "fastapi": "serve",
     "uvicorn": "serve",
     "jinja2": "serve",
+    "prometheus_client": "serve",
 }
 
 

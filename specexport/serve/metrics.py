@@ -26,13 +26,9 @@ from __future__ import annotations
 
 import math
 
-from specexport.errors import MissingDependency
+from specexport._optional import require
 
-try:
-    import prometheus_client as prom
-except ImportError as _err:                   # the [serve] extra
-    raise MissingDependency(f"'prometheus_client' is needed for the server's /metrics ({_err}): "
-                            f"pip install 'specexport[serve]'") from _err
+prom = require("prometheus_client")           # the [serve] extra, named in the error where it is missing
 
 CONTENT_TYPE = prom.CONTENT_TYPE_LATEST
 
