@@ -8,7 +8,8 @@ Relative paths resolve against the YAML file's folder.
     draft: {path: models/draft}       # optional; same tokenizer and vocabulary as the target
     max_seq_len: 1024                 # capacity of the static KV buffers (prompt + generated)
     precisions: [fp32, int8, int4]    # fp32 is always built: the reference and the source of the others;
-                                      #   for GPUs: fp16, fp8, int8_sq (Q/DQ graphs, calibrate/)
+                                      #   for GPUs: fp16, fp8, int8_sq (Q/DQ graphs, quant/); gguf: a GGUF
+                                      #   model path's own quantized blocks (quant/gguf_graph.py)
     backends: [onnxruntime]
     output: engines/demo              # optional
     max_verify_tokens: 16             # optional: most tokens one verification pass takes (tree size)
