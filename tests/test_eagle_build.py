@@ -205,6 +205,23 @@ def test_eagle_greedy_equals_vanilla_on_exported_targets(eagle_builds, name, tre
             assert deep > 0, deep   # paths of depth 2 and more were committed
 
 
+@pytest.mark.parametrize("name", ["e1", "e3"])
+def test_seeded_sampled_eagle_emits_vanillas_text(eagle_builds, name):
+    """runtime/sampling.Coins: EAGLE's tree verified with the q-free rule emits vanilla's text for the
+    same seed at temperature 0.7 (tests/test_seeded_sampling.py)."""
+    import specexport
+
+    with specexport.load(eagle_builds[name]) as pipe:
+        rng, accepted = np.random.default_rng(7), 0
+        for seed in range(6):
+            prompt = rng.integers(3, pipe.target.vocab_size, size=8).tolist()
+            kw = dict(prompt_ids=prompt, max_new_tokens=50, temperature=0.7, seed=seed)
+            out = pipe.generate(method="eagle", tree="dynamic", **kw)
+            assert out.token_ids == pipe.generate(method="vanilla", **kw).token_ids, seed
+            accepted += out.stats.accepted
+        assert accepted > 0
+
+
 def test_sampled_eagle_matches_the_exported_targets_exact_distribution(eagle_builds):
     """Tokens 1 and 2 after a fixed prompt at temperature 1, top-k 4: the second comes from an EAGLE
     round's verdict. Exact: p(t1) p(t2 | t1) from the target graph."""

@@ -140,7 +140,7 @@ def test_decode_budget_3_and_acceptance_rate(gamma):
 # ------------------------------------------------------------------------------------------------
 # Teeth: a planted verifier bug and target-cache off-by-ones must fail the same test
 # ------------------------------------------------------------------------------------------------
-def accept_chain_recovered_from_p(proposal, draft_probs, target_probs, uniforms):
+def accept_chain_recovered_from_p(proposal, draft_probs, target_probs, uniforms, draws):
     """accept_chain with one planted bug: after a rejection the recovered token comes from p, not
     from the residual max(p - q, 0)."""
     gamma = len(proposal)
@@ -148,9 +148,9 @@ def accept_chain_recovered_from_p(proposal, draft_probs, target_probs, uniforms)
         x, p, q = proposal[i], target_probs[i], draft_probs[i]
         if uniforms[i] * q[x] < p[x]:
             continue
-        token = sample(p, uniforms[gamma])                                     # BUG
+        token = sample(p, draws[i])                                            # BUG
         return Verdict(np.arange(i + 1), np.append(proposal[:i], token).astype(np.int64))
-    return Verdict(np.arange(gamma + 1), np.append(proposal, sample(target_probs[gamma], uniforms[gamma])))
+    return Verdict(np.arange(gamma + 1), np.append(proposal, sample(target_probs[gamma], draws[gamma])))
 
 
 class KeepsRejectedRow(TabularBackend):

@@ -255,6 +255,23 @@ def test_medusa_greedy_equals_vanilla_on_exported_models(medusa_builds, name, tr
         assert accepted > 0
 
 
+def test_seeded_sampled_medusa_emits_vanillas_text(medusa_builds):
+    """runtime/sampling.Coins: the q-free rule draws each emitted token with its position's coin, so
+    Medusa's sampled text equals vanilla's for the same seed (tests/test_seeded_sampling.py). These
+    random heads are rarely right unless the target is sharp: temperature 0.1."""
+    import specexport
+
+    with specexport.load(medusa_builds["m1"]) as pipe:
+        rng, accepted = np.random.default_rng(4), 0
+        for seed in range(10):
+            prompt = rng.integers(3, pipe.target.vocab_size, size=int(rng.integers(2, 20))).tolist()
+            kw = dict(prompt_ids=prompt, max_new_tokens=100, temperature=0.1, seed=seed)
+            out = pipe.generate(method="medusa", **kw)
+            assert out.token_ids == pipe.generate(method="vanilla", **kw).token_ids, seed
+            accepted += out.stats.accepted
+        assert accepted > 0
+
+
 def test_sampled_medusa_matches_the_exported_targets_exact_distribution(medusa_builds):
     """Tokens 1 and 2 after a fixed prompt, at temperature 1 with top-k 4 (16 cells): the second comes
     from the Medusa round's verdict. Exact: p(t1) p(t2 | t1) from the target graph itself."""

@@ -104,7 +104,7 @@ def test_multi_draft_worked_example():
     assert rejected.path.tolist() == [0] and rejected.tokens.tolist() == [1]     # the residual [0, .5]
 
 
-def accept_without_residual_update(tree, node_tokens, target_probs, draft_probs, uniforms, *, replacement):
+def accept_without_residual_update(tree, node_tokens, target_probs, draft_probs, uniforms, *, replacement, draws=None):
     """Planted bug: after a rejected sibling, p is not replaced by the residual."""
     node, path, u = 0, [0], 0
     while True:
@@ -120,7 +120,7 @@ def accept_without_residual_update(tree, node_tokens, target_probs, draft_probs,
                 break
         if nxt is None:
             residual = np.maximum(p - q, 0) if q is not None else p
-            y = sample(residual if residual.sum() > 0 else p, uniforms[u])
+            y = sample(residual if residual.sum() > 0 else p, uniforms[u] if draws is None else draws[len(path) - 1])
             path = np.asarray(path, dtype=np.int64)
             return Verdict(path, np.append(node_tokens[path[1:]], y).astype(np.int64))
         node = nxt

@@ -41,7 +41,24 @@ def test_continuations_worked_examples():
     ctx = np.array([4, 1, 2, 9, 1, 4, 1])
     assert [c.tolist() for c in continuations(ctx, depth=2, ngram_max=2, branches=2)] == [[2, 9]]
     assert continuations(np.array([1, 2, 3]), depth=3, ngram_max=2) == []
-    assert [c.tolist() for c in continuations(np.array([7, 7]), depth=4, ngram_max=3)] == [[7]]
+    # an occurrence overlapping the end continues periodically: the text is looping
+    assert [c.tolist() for c in continuations(np.array([7, 7]), depth=4, ngram_max=3)] == [[7, 7, 7, 7]]
+    assert [c.tolist() for c in continuations(np.array([1, 2, 3, 1, 2]), depth=4, ngram_max=2)] == [[3, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("ngram_max", [1, 3])
+def test_lookup_on_a_loop_proposes_full_chains(k, ngram_max):
+    """A text looping with period k (the repeated-token output a user saw: 1.55 tokens a pass)
+    gets γ tokens a round, each the loop's next token, whatever the period and the n-gram size."""
+    loop = np.arange(10, 10 + k)
+    gamma = 6
+    for length in range(k + 1, 4 * k + 2):
+        seq = np.resize(loop, length)
+        proposal = PromptLookup(gamma, ngram_max=ngram_max).propose(
+            np.append(seq, np.zeros(gamma + 1, np.int64)), length, Limits(gamma, 16), None, None, None)
+        expected = np.resize(np.roll(loop, -(length % k)), gamma)
+        assert proposal.tokens[1:].tolist() == expected.tolist(), (k, length)
 
 
 def test_trie_worked_example_and_node_budget():

@@ -63,13 +63,15 @@ def accept_greedy(tree: Tree, node_tokens: np.ndarray, target_argmax: np.ndarray
 
 
 def accept_chain(proposal: np.ndarray, draft_probs: np.ndarray, target_probs: np.ndarray,
-                 uniforms: np.ndarray) -> Verdict:
+                 uniforms: np.ndarray, draws: np.ndarray | None = None) -> Verdict:
     """Lossless rejection sampling over a chain.
 
     proposal      [γ]       x_1..x_γ, x_i drawn from draft_probs[i-1]
     draft_probs   [γ, V]    q_i, the warped draft distribution each x_i was drawn from
     target_probs  [γ+1, V]  p_0..p_γ, warped target distributions at the root and each proposal
     uniforms      [γ+1]     coins in [0, 1): one per acceptance test, the last for the final draw
+    draws         [γ+1]     (optional) the final draw's coin by the position it lands at: draws[i] when
+                            proposal i is rejected, draws[γ] for the bonus (the loop's Coins.DRAW)
 
     Example: γ = 1, p_0 = [0.5, 0.5], q_1 = [1, 0], x_1 = 0: accept iff u_0 < 0.5; on rejection the
     residual is [0, 0.5] -> token 1.
@@ -82,9 +84,9 @@ def accept_chain(proposal: np.ndarray, draft_probs: np.ndarray, target_probs: np
         residual = np.maximum(p - q, 0.0)
         # p == q (up to rounding) leaves no residual mass: rejection then had probability ~0 and p is
         # the right distribution (gpt-fast divided by zero here).
-        token = sample(residual if residual.sum() > 0 else p, uniforms[gamma])
+        token = sample(residual if residual.sum() > 0 else p, uniforms[gamma] if draws is None else draws[i])
         return Verdict(np.arange(i + 1), np.append(proposal[:i], token).astype(np.int64))
-    bonus = sample(target_probs[gamma], uniforms[gamma])
+    bonus = sample(target_probs[gamma], uniforms[gamma] if draws is None else draws[gamma])
     return Verdict(np.arange(gamma + 1), np.append(proposal, bonus).astype(np.int64))
 
 
@@ -112,7 +114,7 @@ def accept_tree(tree: Tree, node_tokens: np.ndarray, target_probs: np.ndarray, u
 
 
 def accept_tree_sampled(tree: Tree, node_tokens: np.ndarray, target_probs: np.ndarray, draft_probs: np.ndarray,
-                        uniforms: np.ndarray, *, replacement: bool) -> Verdict:
+                        uniforms: np.ndarray, *, replacement: bool, draws: np.ndarray | None = None) -> Verdict:
     """Lossless verification of a tree whose children were sampled from the draft.
 
     node_tokens   [T]      token of each node (node 0 = root, ignored)
@@ -123,6 +125,8 @@ def accept_tree_sampled(tree: Tree, node_tokens: np.ndarray, target_probs: np.nd
     uniforms      [>= T + depth + 1]  coins: one per child tried, one per final draw
     replacement   the children of a node were drawn i.i.d. from q (True), or one after another from
                   q with the earlier ones removed (False)
+    draws         [>= depth + 1] (optional) the final draw's coin by depth (the position it lands at);
+                  None: the next coin of `uniforms`
 
     Example (with replacement): p = [0.5, 0.5], q = [1, 0], two children both token 0: the first is
     accepted with probability 0.5; if rejected the residual max(p - q, 0) = [0, 0.5] makes the second
@@ -149,7 +153,7 @@ def accept_tree_sampled(tree: Tree, node_tokens: np.ndarray, target_probs: np.nd
                 if q.sum() > 0:
                     q /= q.sum()
         if nxt is None:
-            y = sample(p, uniforms[u])
+            y = sample(p, uniforms[u] if draws is None else draws[len(path) - 1])
             path = np.asarray(path, dtype=np.int64)
             return Verdict(path, np.append(node_tokens[path[1:]], y).astype(np.int64))
         node = nxt

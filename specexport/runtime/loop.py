@@ -31,7 +31,7 @@ from specexport.errors import SpecexportError
 from specexport.runtime.accept import accept_chain, accept_greedy, accept_tree, accept_tree_sampled
 from specexport.runtime.backends.base import Backend, prefill  # noqa: F401  (prefill: loop.prefill for callers)
 from specexport.runtime.proposers.base import Limits
-from specexport.runtime.sampling import SamplingParams, sample, warp
+from specexport.runtime.sampling import Coins, SamplingParams, sample, warp
 
 
 @dataclass
@@ -98,11 +98,15 @@ class DecodeStats:
 
 
 def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int, params: SamplingParams,
-           rng: np.random.Generator, stats: DecodeStats, prefill_chunk: int = 64, clock=time.perf_counter):
+           rng: np.random.Generator, stats: DecodeStats, prefill_chunk: int = 64, clock=time.perf_counter,
+           coins: Coins | None = None):
     """Yield chunks of emitted tokens ([k] int64 arrays).
 
     proposer: a Proposer (runtime/proposers; a draft model runs as DraftChain(draft, gamma)); None is
-    vanilla decoding. clock: seconds, for the stats (the bench injects one in its tests)."""
+    vanilla decoding. rng: the proposers' own randomness (a draft model's samples). coins: the
+    verification's, keyed by position (sampling.Coins; default: seeded from rng), so a deterministic
+    proposer emits vanilla's text for the same coins. clock: seconds, for the stats (the bench
+    injects one in its tests)."""
     start = clock()
     capacity = min(target.capacity, proposer.capacity or target.capacity) if proposer else target.capacity
     if not 1 <= len(prompt) < capacity:
@@ -117,13 +121,14 @@ def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int
     stats.gamma, stats.prompt_tokens = depth, n
     stats.proposed_at, stats.accepted_at = np.zeros(depth, np.int64), np.zeros(depth, np.int64)
     target.reset()
+    coins = Coins.from_rng(rng) if coins is None else coins
     features = _feature_sink(proposer) if depth and proposer.wants_features else None
     logits = prefill(target, prompt, prefill_chunk, features=features)
     stats.prefill_s = clock() - start
     if depth:
         proposer.begin(prompt, prefill_chunk)
         stats.draft_prefill_s = clock() - start - stats.prefill_s
-    seq[n] = _choose(logits, params, rng)
+    seq[n] = _choose(logits, params, coins, n)
     n += 1
     stats.emitted = stats.delivered = 1
     stats.ttft_s = stats.total_s = clock() - start
@@ -138,13 +143,13 @@ def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int
         if proposal is None or proposal.tree.size < 2:
             out = target.forward(seq[n - 1:n])
             target.commit(1)
-            new = np.array([_choose(out.logits[0], params, rng)])
+            new = np.array([_choose(out.logits[0], params, coins, n)])
             if features is not None:
                 features(out, slice(0, 1), target.length - 1)
             stats.count_forward("target", 1)
             stats.rounds.append((0, 0))
         else:
-            new = _verify(target, proposer, proposal, seq, n, params, rng, stats, features)
+            new = _verify(target, proposer, proposal, seq, n, params, coins, stats, features)
         stats.target_passes += 1
         seq[n:n + len(new)] = new
         n += len(new)
@@ -154,22 +159,27 @@ def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int
         yield new
 
 
-def _verify(target, proposer, proposal, seq, n, params, rng, stats, features) -> np.ndarray:
-    """One target pass over the proposed tree, the verdict, the commit of the accepted path."""
+def _verify(target, proposer, proposal, seq, n, params, coins, stats, features) -> np.ndarray:
+    """One target pass over the proposed tree, the verdict, the commit of the accepted path. A token
+    emitted at depth d lands at position n + d and is drawn with that position's coin (draws[d]);
+    acceptance tests take TEST coins keyed by this round's first position (never reused: n grows)."""
     tree, tokens = proposal.tree, proposal.tokens
     T = tree.size
     chain = proposal.is_chain
     out = target.forward(tokens, depths=None if chain else tree.depths, tree_mask=None if chain else tree.mask)
     stats.count_forward("target", T)
+    draws = coins.at(np.arange(n, n + T), Coins.DRAW)
     if params.greedy:
         verdict = accept_greedy(tree, tokens, out.logits[:T].argmax(-1))
-    elif proposal.q is not None and chain:      # a chain sampled from the draft: the chain rejection rule
-        verdict = accept_chain(tokens[1:], proposal.q, warp(out.logits[:T], params), rng.random(T))
-    elif proposal.q is not None:                # a tree of sampled children: the multi-draft rule
-        verdict = accept_tree_sampled(tree, tokens, warp(out.logits[:T], params), proposal.q, rng.random(2 * T),
-                                      replacement=proposal.replacement)
+    elif proposal.q is not None:                # sampled from the draft: a rejection rule, its tests' coins
+        tests = coins.at(n * _TESTS_PER_ROUND + np.arange(2 * T), Coins.TEST)
+        if chain:                               # the chain rejection rule
+            verdict = accept_chain(tokens[1:], proposal.q, warp(out.logits[:T], params), tests[:T], draws)
+        else:                                   # a tree of sampled children: the multi-draft rule
+            verdict = accept_tree_sampled(tree, tokens, warp(out.logits[:T], params), proposal.q, tests,
+                                          replacement=proposal.replacement, draws=draws)
     else:                                       # children chosen deterministically: the q-free rule
-        verdict = accept_tree(tree, tokens, warp(out.logits[:T], params), rng.random(T))
+        verdict = accept_tree(tree, tokens, warp(out.logits[:T], params), draws)
     k = verdict.n_accepted
     if features is not None:                    # before the commit moves rows (hidden is per forward row)
         features(out, verdict.path, target.length)
@@ -198,7 +208,11 @@ def _feature_sink(proposer):
     return sink
 
 
-def _choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+_TESTS_PER_ROUND = 1 << 16      # TEST coin counters: round start n * this + the test's index (< 2T)
+
+
+def _choose(logits: np.ndarray, params: SamplingParams, coins: Coins, position: int) -> int:
+    """The token at `position` from the target's logits: vanilla decoding's draw (and a plain step's)."""
     if params.greedy:
         return int(np.argmax(logits))
-    return sample(warp(logits, params), rng.random())
+    return sample(warp(logits, params), coins.one(position, Coins.DRAW))

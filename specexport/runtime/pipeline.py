@@ -21,7 +21,7 @@ from specexport.runtime.backends import open_eagle, open_medusa, open_model, req
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.methods import METHODS, proposer_for
-from specexport.runtime.sampling import SamplingParams
+from specexport.runtime.sampling import Coins, SamplingParams
 
 PREFILL_CHUNK = 64
 @dataclass
@@ -163,7 +163,8 @@ class Pipeline:
         stats, detok = DecodeStats(), IncrementalDetokenizer(self.tokenizer, ids.tolist())
         out_ids, text, reason = [], "", "length"
         rounds = decode(self.target, proposer, ids, max_new_tokens=max_new_tokens, params=params,
-                        rng=np.random.default_rng(seed), stats=stats, prefill_chunk=PREFILL_CHUNK, clock=self.clock)
+                        rng=np.random.default_rng(seed), stats=stats, prefill_chunk=PREFILL_CHUNK, clock=self.clock,
+                        coins=None if seed is None else Coins(seed))
         try:
             for chunk in rounds:
                 chunk = chunk.tolist()

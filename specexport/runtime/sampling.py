@@ -71,6 +71,59 @@ def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
     return out / out.sum(-1, keepdims=True)
 
 
+class Coins:
+    """Uniforms in [0, 1) keyed by (seed, stream, counter): a counter-based generator, so a draw's coin
+    depends on where it is used, not on how many draws came before.
+
+    The loop draws every emitted token with the coin of its position (stream DRAW, counter = the
+    token's index in prompt + output). Vanilla decoding does the same, so under the q-free tree rule
+    (which draws y ~ p at each level, p being exactly the distribution vanilla samples from at that
+    position) every deterministic proposer (lookup, suffix, Medusa, EAGLE, top-ranked draft trees)
+    emits the vanilla text for the same seed. Acceptance tests of the rejection rules use stream TEST,
+    keyed by the round's first position and the test's index, so no coin is ever used twice.
+
+    SplitMix64 (Steele et al. 2014: a Weyl counter through a 64-bit mixer; passes BigCrush) computed in
+    numpy uint64 for a whole round at once, rather than numpy's Philox: that needs a Generator per
+    counter (~20 µs each) to address positions directly.
+
+    Example: Coins(0).at([5, 6]) and then Coins(0).at([6]) give the same coin for 6.
+    """
+    DRAW, TEST = 0, 1
+    _GAMMA = np.uint64(0x9E3779B97F4A7C15)
+
+    def __init__(self, seed: int):
+        key = _mix(np.array([int(seed) % 2**64], dtype=np.uint64))[0]
+        self._keys = {}
+        self._key = key
+
+    @classmethod
+    def from_rng(cls, rng: np.random.Generator) -> "Coins":
+        """Coins seeded by one draw of `rng` (callers that hold a Generator, e.g. tests)."""
+        return cls(int(rng.integers(0, 2**63)))
+
+    def at(self, counters, stream: int = 0) -> np.ndarray:
+        """[k] float64 coins for these counters (non-negative integers) in `stream`."""
+        key = self._keys.get(stream)
+        if key is None:
+            key = self._keys[stream] = _mix(np.array([self._key ^ np.uint64(stream * 0x2545F4914F6CDD1D % 2**64)],
+                                                     dtype=np.uint64))[0]
+        c = np.asarray(counters, dtype=np.uint64).reshape(-1)
+        with np.errstate(over="ignore"):
+            x = _mix(key + (c + np.uint64(1)) * self._GAMMA)
+        return (x >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
+
+    def one(self, counter: int, stream: int = 0) -> float:
+        return float(self.at([counter], stream)[0])
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
 def sample(probs: np.ndarray, u: float) -> int:
     """Inverse-CDF draw from probs [V] with a uniform u in [0, 1). Zero-probability tokens never come out.
 

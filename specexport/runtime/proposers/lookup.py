@@ -4,7 +4,8 @@ n-gram, llama.cpp's `--spec-type ngram`). Runs on any build, the target alone.
 
 The last n tokens (n from ngram_max down to ngram_min: the longest that matches wins) are searched for
 in the prompt and the output so far, the most recent occurrence first; what followed it, up to
-`num_tokens` tokens, is the proposal. With branches > 1 the continuations of several occurrences are
+`num_tokens` tokens, is the proposal. An occurrence that overlaps the end (the text is looping) is
+continued periodically, so a loop of any length proposes `num_tokens` tokens a round. With branches > 1 the continuations of several occurrences are
 merged into a tree (a trie: equal prefixes share nodes, so siblings never repeat a token), verified in
 one pass with the q-free rule.
 
@@ -57,7 +58,7 @@ def continuations(context: np.ndarray, *, depth: int, ngram_max: int, ngram_min:
         key = context[N - n:]
         windows = np.lib.stride_tricks.sliding_window_view(context[:N - 1], n)     # [N - n, n] starts 0..N-1-n
         for start in np.flatnonzero((windows == key).all(axis=1))[::-1]:            # most recent first
-            cont = context[start + n:start + n + depth]
+            cont = _continue(context, start + n, depth)
             if len(cont) and not any(len(f) >= len(cont) and np.array_equal(f[:len(cont)], cont) for f in found):
                 found.append(cont)
                 if len(found) == branches:
@@ -65,6 +66,19 @@ def continuations(context: np.ndarray, *, depth: int, ngram_max: int, ngram_min:
         if found:
             return found
     return found
+
+
+def _continue(context: np.ndarray, at: int, depth: int) -> np.ndarray:
+    """What followed an occurrence, from `at`, `depth` tokens: context[at:at + depth], continued past
+    the end by copying what the continuation itself just produced. The occurrence found at distance p
+    = N - at before the end says the text repeats with period p, so the proposal repeats it too (with
+    only the text that exists, a loop of k tokens would propose k - n tokens a round, not γ).
+
+    Example: context [1, 2, 3, 1, 2], the last 2 tokens occurred at 0, at = 2, depth 4 -> p = 3:
+    [3, 1, 2, 3] (context alone gives only [3, 1, 2]).
+    """
+    period = len(context) - at
+    return context[at + np.arange(depth) % period]
 
 
 def trie(root: int, conts: list[np.ndarray], *, max_nodes: int) -> tuple[np.ndarray, np.ndarray]:
