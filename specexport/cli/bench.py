@@ -14,7 +14,8 @@ def _csv(value, cast=str):
 @click.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.option("--precisions", default=None, help="Comma list (default: every precision built for the target).")
-@click.option("--methods", default="vanilla,draft", show_default=True)
+@click.option("--methods", default="vanilla,draft", show_default=True,
+              help="Comma list of vanilla, draft, lookup, suffix, medusa, eagle.")
 @click.option("--gammas", default="2,3,4,5,6", show_default=True)
 @click.option("--draft-stops", default="", help="Comma list of draft_stop values: adaptive-γ rows at the largest γ.")
 @click.option("--trees", default="", help="Comma list of draft trees (small, wide, deep): a draft-tree row each.")
@@ -25,6 +26,10 @@ def _csv(value, cast=str):
                    "deep): a row each when --methods has eagle.")
 @click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False),
               help="JSON-lines file of prompt strings (default: a few built-in code prompts).")
+@click.option("--workload", "workload_file", default=None, type=click.Path(dir_okay=False),
+              help="JSON-lines file of requests replayed in order each round (strings, or {\"turns\": [...]} "
+                   "conversations), suffix rows through one cache per round; instead of --prompts. "
+                   "benchmarks/workloads/ has four.")
 @click.option("--chat", is_flag=True, help="Send each prompt as a user message in the build's chat template.")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--temperature", default=0.0, show_default=True, type=float,
@@ -45,13 +50,22 @@ def _csv(value, cast=str):
               help="llama.cpp's speculative row: --spec-draft-n-max.")
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="Report folder (default: OUTPUT_DIR/bench).")
 @click.option("-v", "--verbose", is_flag=True)
-def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_trees, eagle_trees, prompts_file, chat,
+def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_trees, eagle_trees, prompts_file,
+          workload_file, chat,
           max_new_tokens, temperature, rounds, threads, peers, peer_families, llama_cpp, llama_cpp_n_max, out, verbose):
     """Measure tokens/s, TTFT, TPOT, acceptance and speedup; write report.json, report.md and plots."""
     from specexport.errors import SpecexportError
     from specexport.report.bench import BenchConfig, run_bench
 
-    if prompts_file:
+    workload = None
+    if workload_file:
+        from specexport.report.workload import read_workload
+
+        if prompts_file:
+            raise SpecexportError("--workload and --prompts: give one (a workload's requests are the prompts)")
+        workload = read_workload(Path(workload_file))
+        prompts = tuple(w if isinstance(w, str) else w[0] for w in workload)     # expanded once the model is open
+    elif prompts_file:
         from specexport.prompts import read_prompts
 
         prompts = read_prompts(Path(prompts_file))
@@ -78,7 +92,7 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
                       temperature=temperature, chat=chat,
                       rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers,
                       llama_cpp=Path(llama_cpp) if llama_cpp else None, llama_cpp_n_max=llama_cpp_n_max,
-                      peer_families=_peer_families(peer_families))
+                      peer_families=_peer_families(peer_families), workload=workload)
     report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
     from specexport.report.render import render_markdown
 

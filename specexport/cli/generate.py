@@ -10,7 +10,7 @@ import click
 @click.argument("prompt")
 @click.option("--method", default="draft", show_default=True,
               help="vanilla | draft (a draft model) | lookup (prompt lookup: copies from earlier text, target only) "
-                   "| medusa (the build's Medusa heads) | eagle (the build's EAGLE head) | auto (what `specexport "
+                   "| suffix (suffix decoding: trees of what followed the longest earlier match, target only) | medusa (the build's Medusa heads) | eagle (the build's EAGLE head) | auto (what `specexport "
                    "bench` measured fastest)")
 @click.option("--gamma", default="4", show_default=True,
               help="Draft tokens proposed per round, or 'auto' (the γ `specexport bench` measured best).")

@@ -33,8 +33,8 @@ class ByteSize(click.ParamType):
 @click.option("--port", default=8000, show_default=True, type=int)
 @click.option("--method", default="auto", show_default=True,
               help="The default speculative method: auto (what `specexport bench` measured fastest; vanilla "
-                   "when the build has no measurement) | vanilla | draft | lookup | medusa. A request may pick "
-                   "another with the extension field `method`.")
+                   "when the build has no measurement) | vanilla | draft | lookup | suffix | medusa | eagle. A "
+                   "request may pick another with the extension field `method`.")
 @click.option("--precision", default="fp32", show_default=True)
 @click.option("--draft-precision", default=None, help="The draft's precision (default: --precision).")
 @click.option("--threads", default=None, type=int, help="Target's ONNX Runtime intra-op threads (default: all cores).")
@@ -56,11 +56,16 @@ class ByteSize(click.ParamType):
 @click.option("--shutdown-grace", default=20.0, show_default=True, type=click.FloatRange(min=0),
               help="On SIGTERM or Ctrl-C: stop accepting, let queued and running requests finish for this many "
                    "seconds, then stop them (503) and exit 0.")
+@click.option("--suffix-cache", "suffix_cache", default=None, type=click.Path(dir_okay=False),
+              help="Keep the cache of earlier answers that --method suffix reads in this file: loaded at start "
+                   "(a damaged file: a warning and an empty cache), written atomically at shutdown.")
+@click.option("--suffix-cache-tokens", default=500_000, show_default=True, type=click.IntRange(min=0),
+              help="The suffix cache's bound in tokens (oldest answers evicted first; ~80 bytes a token).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
 def serve(output_dir, host, port, method, precision, draft_precision, threads, name, spin, api_key, max_body_bytes,
-          max_queue, request_timeout, shutdown_grace, log_level, verbose):
+          max_queue, request_timeout, shutdown_grace, suffix_cache, suffix_cache_tokens, log_level, verbose):
     """Serve the build in OUTPUT_DIR: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
     from specexport.serve import serve as run
     from specexport.serve.guard import Limits
@@ -68,7 +73,8 @@ def serve(output_dir, host, port, method, precision, draft_precision, threads, n
     limits = Limits(max_body_bytes=max_body_bytes, max_queue=max_queue, request_timeout_s=request_timeout or None,
                     shutdown_grace_s=shutdown_grace)
     run(output_dir, host=host, port=port, method=method, name=name, log_level=log_level, api_key=api_key or None,
-        limits=limits, precision=precision, draft_precision=draft_precision, threads=threads, spin=spin)
+        limits=limits, precision=precision, draft_precision=draft_precision, threads=threads, spin=spin,
+        suffix_cache=suffix_cache, suffix_cache_tokens=suffix_cache_tokens)
 
 
 @click.command("export-triton")

@@ -62,6 +62,8 @@ class BenchConfig:
     peer_families: tuple[str, ...] | None = None    # None: every family that can run here
     llama_cpp: Path | None = None                   # llama.cpp's binaries (None: llama-server on PATH)
     llama_cpp_n_max: int = 5                        # its speculative row's --spec-draft-n-max
+    workload: tuple | None = None                   # requests replayed in order (workload.py); prompts then come
+                                                    #   from it, and suffix rows share one cache per round
 
 
 def _check_request(cfg: BenchConfig, manifest: dict) -> tuple[list[str], bool]:
@@ -101,6 +103,8 @@ def _configs(precisions, manifest, cfg, has_draft):
             configs.append(Config(VANILLA, p, None, 0))
         if "lookup" in cfg.methods:                 # prompt lookup: the target alone, up to γ tokens per round
             configs += [Config("lookup", p, None, g) for g in cfg.gammas]
+        if "suffix" in cfg.methods:                 # suffix decoding: the target alone, a tree up to the verify width
+            configs.append(Config("suffix", p, None, manifest["max_verify_tokens"] - 1))
         if "medusa" in cfg.methods:
             for name in cfg.medusa_trees:
                 paths = auto["paths"] if name == "auto" and auto else MEDUSA_TREES.get(name)

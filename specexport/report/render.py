@@ -38,7 +38,7 @@ def render_markdown(report: dict) -> str:
     for r in report["rows"]:
         g = (f"≤{r['gamma']}, stop {r['draft_stop']:g}" if r["draft_stop"] else
              f"tree {r['tree']} (depth {r['gamma']})" if r.get("tree") else
-             f"≤{r['gamma']}" if r["method"] == "lookup" else (r["gamma"] or "-"))
+             f"≤{r['gamma']}" if r["method"] in ("lookup", "suffix") else (r["gamma"] or "-"))
         lines.append(f"| {r['precision']} | {r['draft_precision'] or '-'} | {r['method']} | {g} | "
                      f"{_f(r['tokens_per_s'], '.1f')} | {_f(r['ttft_ms'], '.2f')} | {_f(r['tpot_ms_p50'], '.3f')} | "
                      f"{_f(r['tpot_ms_p90'], '.3f')} | {_f(r['acceptance_rate'], '.3f')} | "
@@ -46,6 +46,19 @@ def render_markdown(report: dict) -> str:
                      f"{'accuracy only' if r.get('accuracy_only') else _speedup(r)} | "
                      f"{_f(r['ideal_speedup'], '.2f', 'x')} | {_f(r['efficiency'], '.2f')} | "
                      f"{_speedup(r, 'speedup_vs_fp32_vanilla', 'speedup_vs_fp32_ci95')} |")
+    suffix = [r for r in report["rows"] if r["method"] == "suffix" and r.get("suffix_hit_rate") is not None]
+    if suffix:
+        lines += ["", "## Suffix decoding", "",
+                  "Hit rate: rounds whose lookup found a match and proposed; from the cache: of those, the share "
+                  "whose tree came from earlier requests (only with --workload, which replays the requests in "
+                  "order through one cache per round); proposal: the mean time of a lookup and its tree.", "",
+                  "| target | hit rate | from the cache | proposal µs | proposal / target step |", "|" + "---|" * 5]
+        for r in suffix:
+            step = report.get("step_costs_ms", {}).get(f"{r['precision']}/-", {}).get("target", {}).get("1")
+            ratio = r["suffix_propose_us"] / 1e3 / step if step and r["suffix_propose_us"] else None
+            lines.append(f"| {r['precision']} | {_f(r['suffix_hit_rate'], '.2f')} | "
+                         f"{_f(r['suffix_from_shared'], '.2f')} | {_f(r['suffix_propose_us'], '.0f')} | "
+                         f"{_f(ratio, '.3f')} |")
     lines += ["", "## Where the time goes", "",
               "Draft: the draft's (or heads') cost of one call in target decode steps. Verify: a target pass's "
               "mean cost in decode steps over the passes the row made. The ideal with a free draft and with "

@@ -48,14 +48,27 @@ def _row(c: Config, runs, costs) -> dict:
         "precision": tp, "draft_precision": dp, "method": method, "gamma": g, "draft_stop": stop, "tree": c.tree,
         "tokens_per_s": tps, **acc.timing_figures(st),
         # conditional acceptance per position needs chains of a fixed length: not adaptive, lookup or tree rows
-        **acc.acceptance_figures(st, g, bool(stop) or method == "lookup" or c.tree is not None),
+        **acc.acceptance_figures(st, g, bool(stop) or method in ("lookup", "suffix") or c.tree is not None),
         "speedup_vs_vanilla": speedup, "speedup_ci95": interval, "ideal_speedup": ideal,
         "efficiency": speedup / ideal if speedup and ideal else None, **where,
         "speedup_vs_fp32_vanilla": tps / fp32_tps if tps and fp32_tps else None,
         "speedup_vs_fp32_ci95": acc.speedup_interval(st, fp32) if fp32_tps else None,
         "accuracy_only": accuracy_only(tp, dp),
+        **(_suffix_figures(st) if method == "suffix" else {}),
     }
     return {**row, **dict.fromkeys(SPEED_KEYS)} if row["accuracy_only"] else row
+
+
+def _suffix_figures(runs) -> dict:
+    """A suffix row's lookups over all its runs: the share that found a match and proposed, the share of
+    proposals taken from the shared cache, and the mean proposal time (µs, lookup and tree)."""
+    lookups = sum(st.proposer.get("lookups", 0) for st in runs)
+    hits = sum(st.proposer.get("hits", 0) for st in runs)
+    shared = sum(st.proposer.get("from_shared", 0) for st in runs)
+    us = sum((st.proposer.get("propose_us") or 0) * st.proposer.get("lookups", 0) for st in runs)
+    return {"suffix_hit_rate": hits / lookups if lookups else None,
+            "suffix_from_shared": shared / hits if hits else None,
+            "suffix_propose_us": us / lookups if lookups else None}
 
 
 # -- peers and memory ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from specexport.gamma import store_gamma_choices
@@ -18,6 +19,7 @@ from specexport.report.folder import REPORT_FILES, claim_report_folder, record_r
 from specexport.report.grid import BenchConfig, _check_request, _configs, accuracy_only
 from specexport.report.rows import _memory, _open_peers, _peer_row, _row
 from specexport.report.threads import ThreadSetting, fastest_for_vanilla
+from specexport.report.workload import expand_workload, suffix_caches
 from specexport.report.timing import _clocked, _encode, _isolated_costs, _ms, _reference_outputs, _run, _step_costs
 from specexport.runtime.methods import HEAD_METHODS
 
@@ -49,6 +51,9 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
             settings[tp] = ThreadSetting(cfg.threads, True)
     pipes = {tp: _clocked(open_pipeline(precision=tp, **settings[tp].options()), clock) for tp in precisions}
     try:
+        if cfg.workload is not None:                # its conversations' turns carry the target's own answers
+            cfg = replace(cfg, prompts=expand_workload(cfg.workload, pipes[precisions[0]], chat=cfg.chat,
+                                                       max_new_tokens=cfg.max_new_tokens, log=log))
         return _measure(cfg, manifest, configs, pipes, settings, probes, clock, log)
     finally:
         for pipe in pipes.values():
@@ -82,7 +87,8 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
         "command": " ".join(sys.argv),
         "output_dir": str(cfg.output_dir),
         "build_id": manifest["build_id"],
-        "settings": {"prompts": len(cfg.prompts), "rounds": cfg.rounds, "max_new_tokens": cfg.max_new_tokens,
+        "settings": {"prompts": len(cfg.prompts), "rounds": cfg.rounds, "workload": cfg.workload is not None,
+                     "max_new_tokens": cfg.max_new_tokens,
                      "greedy": cfg.temperature == 0, "temperature": cfg.temperature,
                      "bootstrap_resamples": acc.BOOTSTRAP_RESAMPLES,
                      "target_threads": {tp: s.label for tp, s in settings.items()},
@@ -122,12 +128,13 @@ def _interleave(cfg, configs, pipes, peers, prompt_ids: dict, log) -> tuple[dict
         "rounds, interleaved")
     try:
         for r in range(cfg.rounds):
+            caches = suffix_caches(configs, cfg)    # a workload: each round replays it through fresh caches
             for i, prompt in enumerate(cfg.prompts):
                 # rotate the order per cell: no configuration always runs first, right after the peers
                 shift = (r * len(cfg.prompts) + i) % len(configs)
                 for c in configs[shift:] + configs[:shift]:
                     runs[c].append(_run(pipes, c, prompt_ids[prompt], cfg.max_new_tokens, cfg.temperature,
-                                        seed=r * 1000 + i))
+                                        seed=r * 1000 + i, cache=caches.get(c)))
                 for peer in peers:
                     for name in peer.names:
                         peer_runs[name].append((i, peer.run(name, prompt_ids[prompt], cfg.max_new_tokens)))

@@ -23,13 +23,20 @@ def _encode(pipe, prompt: str, chat: bool) -> list[int]:
     return pipe.chat_ids(prompt) if chat else pipe.encode(prompt)
 
 
-def _run(pipes, c: Config, prompt_ids, max_new_tokens: int, temperature: float = 0.0, *, seed: int = 0):
-    """One generation; sampled (temperature > 0) with the same seed for every configuration of a cell."""
+def _run(pipes, c: Config, prompt_ids, max_new_tokens: int, temperature: float = 0.0, *, seed: int = 0,
+         cache=None):
+    """One generation; sampled (temperature > 0) with the same seed for every configuration of a cell.
+    cache: a suffix row's SuffixCache (a workload's: it reads and stores through it); without one a
+    suffix row uses the request's own text only, and no row ever stores into the pipeline's cache (the
+    prompts repeat every round: a shared cache would answer from the previous round)."""
     pipe = pipes[c.precision]
     if c.draft_precision is not None:
         pipe.use_draft_precision(c.draft_precision)
+    if cache is not None:
+        pipe.suffix_cache = cache
     return pipe.generate(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, method=c.method, gamma=max(c.gamma, 1),
-                         draft_stop=c.draft_stop, tree=c.tree, temperature=temperature, seed=seed).stats
+                         draft_stop=c.draft_stop, tree=c.tree, temperature=temperature, seed=seed,
+                         suffix_share=cache is not None).stats
 
 
 def _reference_outputs(cfg, pipes, prompt_ids: dict, *, precision: str = "fp32") -> list[list[int]]:
@@ -39,8 +46,8 @@ def _reference_outputs(cfg, pipes, prompt_ids: dict, *, precision: str = "fp32")
 
     pipe = pipes.get(precision) or specexport.load(cfg.output_dir, precision=precision)
     try:
-        return [pipe.generate(prompt_ids=prompt_ids[p], max_new_tokens=cfg.max_new_tokens, method="vanilla").token_ids
-                for p in cfg.prompts]
+        return [pipe.generate(prompt_ids=prompt_ids[p], max_new_tokens=cfg.max_new_tokens, method="vanilla",
+                              suffix_share=False).token_ids for p in cfg.prompts]
     finally:
         if pipe is not pipes.get(precision):
             pipe.close()

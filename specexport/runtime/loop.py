@@ -58,6 +58,7 @@ class DecodeStats:
     accepted_at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))   # [γ]
     rounds: list = field(default_factory=list)          # [(proposals, accepted)] per target pass
     forwards: dict = field(default_factory=dict)        # {(role, T): calls} at decode time
+    proposer: dict = field(default_factory=dict)        # what the proposer reports (suffix: lookups, hits, µs)
     prefill_s: float = 0.0                  # the target's prefill
     draft_prefill_s: float = 0.0            # the draft's prefill
     ttft_s: float = 0.0                     # both prefills + the first token

@@ -3,6 +3,8 @@
     vanilla   no proposer
     draft     a draft model proposes γ tokens (DraftChain), or a static token tree (DraftTree)
     lookup    prompt lookup: tokens copied from what followed an earlier occurrence (PromptLookup)
+    suffix    suffix decoding: a tree of what followed the longest earlier match, in this request and in
+              the pipeline's cache of earlier generations (SuffixProposer)
     medusa    the build's Medusa heads propose a static tree (MedusaTree)
     eagle     the build's EAGLE head drafts a token tree from the target's states (EagleTree)
     auto      the configuration `specexport bench` measured fastest (vanilla when every one lost)
@@ -15,9 +17,10 @@ from __future__ import annotations
 
 from specexport.errors import SpecexportError
 from specexport.gamma import lookup as lookup_gamma
-from specexport.runtime.proposers import DraftChain, DraftTree, DynamicTree, EagleTree, MedusaTree, PromptLookup
+from specexport.runtime.proposers import (DraftChain, DraftTree, DynamicTree, EagleTree, MedusaTree, PromptLookup,
+                                          SuffixProposer)
 
-METHODS = ("vanilla", "draft", "lookup", "medusa", "eagle")
+METHODS = ("vanilla", "draft", "lookup", "suffix", "medusa", "eagle")
 HEAD_METHODS = ("medusa", "eagle")        # proposers made of heads on the target's states (not a draft model)
 # Static draft trees (rank paths: the r-th most likely draft token at each depth). "wide" branches at
 # the first two levels, "deep" follows the top-1 path further; both 15 nodes, for max_verify_tokens 16.
@@ -44,11 +47,11 @@ MEDUSA_TREES = {
 
 
 def proposer_for(pipe, method: str, gamma, draft_stop: float, lookup_branches: int, tree=None,
-                  sampled_children: bool = False):
+                  sampled_children: bool = False, suffix_scope: str = "", suffix_share: bool = True):
     """The round's proposer (None for vanilla). gamma="auto" (draft only) takes the γ `specexport
     bench` stored for these precisions, and decodes vanilla when it predicted speculation would lose."""
     if method == "auto":
-        return _auto_method(pipe)
+        return _auto_method(pipe, suffix_scope, suffix_share)
     if method not in METHODS:
         raise SpecexportError(f"method: {method!r} is not supported; supported: {', '.join(METHODS)}, auto")
     if method == "vanilla":
@@ -61,6 +64,9 @@ def proposer_for(pipe, method: str, gamma, draft_stop: float, lookup_branches: i
         return _medusa_tree(pipe, ("auto" if _auto_medusa_tree(pipe) else "medium") if tree is None else tree)
     if method == "eagle":
         return _eagle_tree(pipe, "auto" if tree is None else tree)
+    if method == "suffix":                  # depth and nodes up to the verify width, cut by the match length
+        return SuffixProposer(pipe.max_verify_tokens - 1, cache=pipe.suffix_cache if suffix_share else None,
+                              scope=suffix_scope, max_nodes=pipe.max_verify_tokens - 1)
     if method == "lookup":
         gamma = _check_gamma(pipe, gamma, auto=False)
         if not isinstance(lookup_branches, int) or lookup_branches < 1:
@@ -85,7 +91,7 @@ def proposer_for(pipe, method: str, gamma, draft_stop: float, lookup_branches: i
     return DraftChain(pipe.draft, _check_gamma(pipe, gamma, auto=True), draft_stop=draft_stop)
 
 
-def _auto_method(pipe):
+def _auto_method(pipe, suffix_scope: str = "", suffix_share: bool = True):
     """The configuration `specexport bench` measured best for these precisions (vanilla when every
     one lost), on exactly these graphs."""
     dp = pipe.draft_precision if "draft" in pipe.manifest["models"] else "-"
@@ -103,7 +109,8 @@ def _auto_method(pipe):
     if choice["draft_precision"] not in (None, pipe.draft_precision):
         pipe.use_draft_precision(choice["draft_precision"])
     return proposer_for(pipe, choice["method"], max(1, min(choice["gamma"], pipe.max_verify_tokens - 1)),
-                        choice.get("draft_stop", 0.0), 1, choice["tree"])
+                        choice.get("draft_stop", 0.0), 1, choice["tree"], suffix_scope=suffix_scope,
+                        suffix_share=suffix_share)
 
 
 def _draft_tree(pipe, tree, sampled: bool = False) -> DraftTree:

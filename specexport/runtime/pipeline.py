@@ -22,8 +22,10 @@ from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.methods import METHODS, proposer_for
 from specexport.runtime.sampling import Coins, SamplingParams
+from specexport.runtime.suffix import SuffixCache
 
 PREFILL_CHUNK = 64
+SUFFIX_CACHE_TOKENS = 500_000    # the default bound of a pipeline's suffix cache (about 40 MB at ~80 bytes a token)
 @dataclass
 class GenerationOutput:
     text: str
@@ -33,18 +35,21 @@ class GenerationOutput:
 
 
 def load(output_dir, *, precision: str = "fp32", draft_precision: str | None = None, backend: str = "onnxruntime",
-         threads: int | None = None, draft_threads: int | None = 1, verify: bool = False, **options) -> "Pipeline":
+         threads: int | None = None, draft_threads: int | None = 1, verify: bool = False,
+         suffix_cache_tokens: int = SUFFIX_CACHE_TOKENS, **options) -> "Pipeline":
     """precision: the target's; draft_precision: the draft's (default: the same as the target's).
     threads: the target's intra-op threads (default: all cores); draft_threads: the draft's (default 1).
+    suffix_cache_tokens: the bound of the cache of earlier generations that method="suffix" reads.
     Every file is checked for its recorded size when its model is opened; verify=True also checks every
     file's sha256 against the manifest first (reads all the weights once)."""
     return Pipeline(output_dir, precision=precision, draft_precision=draft_precision, backend=backend,
-                    threads=threads, draft_threads=draft_threads, verify=verify, **options)
+                    threads=threads, draft_threads=draft_threads, verify=verify,
+                    suffix_cache_tokens=suffix_cache_tokens, **options)
 
 
 class Pipeline:
     def __init__(self, output_dir, *, precision="fp32", draft_precision=None, backend="onnxruntime", threads=None,
-                 draft_threads=1, verify=False, **options):
+                 draft_threads=1, verify=False, suffix_cache_tokens=SUFFIX_CACHE_TOKENS, **options):
         self.dir = Path(output_dir)
         self.manifest = read_manifest(self.dir)
         if verify:
@@ -78,14 +83,29 @@ class Pipeline:
             raise SpecexportError(f"{tok_path}: the tokenizers library could not read it "
                                   f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
         self.last_output: GenerationOutput | None = None
+        self._suffix_tokens = suffix_cache_tokens
+        self._suffix_cache: SuffixCache | None = None   # made on first use (method="suffix")
         self.auto_note: str | None = None          # what gamma="auto" / method="auto" decided, for the CLI
         self.clock = time.perf_counter             # the stats' clock (the bench's tests inject one)
 
     @property
     def methods(self) -> tuple[str, ...]:
         """What this build can decode with: prompt lookup needs only the target."""
-        built = {"vanilla", "lookup", *self.manifest["models"], *self.manifest.get("heads", {})}
+        built = {"vanilla", "lookup", "suffix", *self.manifest["models"], *self.manifest.get("heads", {})}
         return tuple(m for m in METHODS if m in built)
+
+    @property
+    def suffix_cache(self) -> SuffixCache:
+        """The cache of earlier generations that method="suffix" reads (made on first use). Once it exists,
+        every generation (prompt + output) is added to it, whatever its method, unless the call opts out
+        (suffix_share=False). Assign a SuffixCache (e.g. SuffixCache.load(path, ...)) to use another."""
+        if self._suffix_cache is None:
+            self._suffix_cache = SuffixCache(self._suffix_tokens)
+        return self._suffix_cache
+
+    @suffix_cache.setter
+    def suffix_cache(self, cache: SuffixCache) -> None:
+        self._suffix_cache = cache
 
     @property
     def medusa(self):
@@ -135,7 +155,8 @@ class Pipeline:
     def stream(self, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int = 128,
                method: str = "draft", gamma: int = 4, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = 0, stop: list[str] | tuple = (),
-               draft_stop: float = 0.0, lookup_branches: int = 1, tree=None, sampled_children: bool = False):
+               draft_stop: float = 0.0, lookup_branches: int = 1, tree=None, sampled_children: bool = False,
+               suffix_scope: str = "", suffix_share: bool = True):
         """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards.
         method: vanilla | draft (a draft model proposes γ tokens) | medusa | auto (the configuration
         `specexport bench` measured fastest, vanilla when all lost) | lookup (prompt lookup: up to γ tokens
@@ -154,10 +175,17 @@ class Pipeline:
         method eagle: the build's EAGLE head drafts a token tree from the target's own states, `tree`:
         "auto" (the default: the dynamic tree the build measured best), "dynamic" or a mapping
         {"top_k": 4, "depth": 5, "total_tokens": 15} (EAGLE-2's dynamic tree), or a static tree (rank
-        paths or a DRAFT_TREES name); gamma is not used."""
+        paths or a DRAFT_TREES name); gamma is not used.
+        method suffix: suffix decoding over this request's text and the pipeline's cache of earlier
+        generations (`suffix_cache`), looked up in `suffix_scope` only; a tree up to the verify width,
+        cut to the match length; gamma is not used. suffix_share=False: this call neither reads the
+        cache nor adds to it."""
         ids = self._prompt_ids(prompt, prompt_ids)
         params = self._params(temperature, top_k, top_p)
-        proposer = proposer_for(self, method, gamma, draft_stop, lookup_branches, tree, sampled_children)
+        if not isinstance(suffix_scope, str):
+            raise SpecexportError(f"suffix_scope: expected a string, got {type(suffix_scope).__name__}")
+        proposer = proposer_for(self, method, gamma, draft_stop, lookup_branches, tree, sampled_children,
+                                suffix_scope, suffix_share)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpecexportError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
         stats, detok = DecodeStats(), IncrementalDetokenizer(self.tokenizer, ids.tolist())
@@ -189,6 +217,8 @@ class Pipeline:
         hit = _find_stop(final, stop)
         final = final[:hit] if hit is not None else final
         self.last_output = GenerationOutput(final, out_ids, reason, stats)
+        if suffix_share and self._suffix_cache is not None:     # what it served, for later suffix lookups
+            self._suffix_cache.add(np.concatenate([ids, np.asarray(out_ids, dtype=np.int64)]), suffix_scope)
         if final.startswith(text) and len(final) > len(text):
             yield final[len(text):]          # what the detokenizer held back (an unfinished character)
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import ipaddress
 import signal
 import sys
+from pathlib import Path
 
 API_KEY_ENV = "SPECEXPORT_API_KEY"
 
 
 def serve(output_dir, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto", name: str | None = None,
-          log_level: str = "info", api_key: str | None = None, limits=None, **load_options) -> None:
+          log_level: str = "info", api_key: str | None = None, limits=None, suffix_cache: str | None = None,
+          **load_options) -> None:
     """Load the build and serve it until SIGTERM or Ctrl-C (then shut down gracefully: see make_server)."""
     import specexport
     from specexport._optional import require
@@ -31,6 +33,8 @@ def serve(output_dir, *, host: str = "127.0.0.1", port: int = 8000, method: str 
     if warning:
         print(warning, file=sys.stderr, flush=True)
     pipe = specexport.load(output_dir, **load_options)
+    if suffix_cache is not None:
+        print(f"specexport serve: {open_suffix_cache(pipe, suffix_cache)}", file=sys.stderr, flush=True)
     app = create_app(pipe, method=method, name=name, api_key=api_key, limits=limits)
     worker = app.state.worker
     print(f"specexport serve: {app.state.model_name} ({pipe.dir}, target {pipe.precision}); {worker.method_note}"
@@ -43,6 +47,37 @@ def serve(output_dir, *, host: str = "127.0.0.1", port: int = 8000, method: str 
         server.run()
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if suffix_cache is not None:
+            print(f"specexport serve: {save_suffix_cache(pipe, suffix_cache)}", file=sys.stderr, flush=True)
+
+
+def open_suffix_cache(pipe, path) -> str:
+    """Give the pipeline the suffix cache saved at `path` (--suffix-cache); a missing file starts an
+    empty one, a damaged or foreign one too (never a crash). Returns the line to print."""
+    from specexport.errors import SpecexportError
+    from specexport.runtime.suffix import SuffixCache
+
+    tokens = pipe.suffix_cache.max_tokens
+    if not Path(path).exists():
+        return f"suffix cache: {path} does not exist yet; starting empty (saved there at shutdown)"
+    try:
+        pipe.suffix_cache = SuffixCache.load(path, tokens)
+    except SpecexportError as err:
+        return f"warning: {err}; starting with an empty suffix cache"
+    stats = pipe.suffix_cache.stats()
+    return f"suffix cache: {stats['tokens']:,} tokens of {stats['sequences']:,} answers from {path}"
+
+
+def save_suffix_cache(pipe, path) -> str:
+    """Write the pipeline's suffix cache to `path` atomically (SuffixCache.save refuses to overwrite a
+    file it did not write). Returns the line to print."""
+    from specexport.errors import SpecexportError
+
+    try:
+        pipe.suffix_cache.save(path)
+    except SpecexportError as err:
+        return f"warning: the suffix cache was not saved: {err}"
+    return f"suffix cache: saved {pipe.suffix_cache.tokens:,} tokens to {path}"
 
 
 def make_server(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **config):

@@ -59,6 +59,7 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None, api_key: 
                          metrics=metrics)
     metrics.queue_depth.set_function(lambda: worker.waiting)
     metrics.running.set_function(lambda: worker.running)
+    metrics.watch_suffix_cache(lambda: pipe._suffix_cache)
     name = name or pipe.manifest.get("name") or pipe.dir.name
     chat_template = load_chat_template(pipe.dir / pipe.manifest["tokenizer"]["dir"])
 
@@ -269,7 +270,9 @@ def _stats(event: Event) -> dict:
 
     return {"method": event.method, **({"auto": event.note} if event.note else {}), "tokens_per_target_pass": number(s.mean_accepted_tokens),
             "acceptance_rate": number(s.acceptance_rate), "target_passes": s.target_passes,
-            "ttft_s": number(s.ttft_s), "tokens_per_second": number(s.tokens_per_second)}
+            "ttft_s": number(s.ttft_s), "tokens_per_second": number(s.tokens_per_second),
+            **({"suffix": {k: number(v) if isinstance(v, float) else v for k, v in s.proposer.items()}}
+               if event.method == "suffix" and s.proposer else {})}
 
 
 def _union_tag(part) -> bool:

@@ -18,6 +18,9 @@ Each app has its own registry (two servers in one process do not share counts). 
     specexport_time_per_output_token_seconds           histogram: first token -> last, per further token
     specexport_queue_time_seconds                      histogram: arrival -> the decode thread takes it
     specexport_request_latency_seconds                 histogram: arrival -> the decode ends
+    specexport_suffix_cache_tokens                     tokens in the suffix cache (method suffix; 0 before its first use)
+    specexport_suffix_cache_bytes                      its memory (numpy arrays)
+    specexport_suffix_cache_lookups_total              rounds that looked it up; _hits_total: that found a match
 
 Over time, tokens per target pass is about rate(generation_tokens) / rate(target_passes) (the first token
 of each request comes from the prefill, not a decode pass) and acceptance is rate(accepted) / rate(proposed).
@@ -72,6 +75,19 @@ class Metrics:
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.latency = prom.Histogram("specexport_request_latency_seconds", "Request arrival to the end of its decode.",
                                       buckets=LATENCY_BUCKETS, registry=r)
+
+    def watch_suffix_cache(self, cache_of) -> None:
+        """Gauges read at scrape time from `cache_of()` (the pipeline's SuffixCache, or None before its
+        first use). The cache's own lock makes the read safe while the decode thread writes."""
+        def stat(key):
+            return lambda: (cache_of().stats()[key] if cache_of() is not None else 0)
+
+        r = self.registry
+        for name, key, text in [("specexport_suffix_cache_tokens", "tokens", "Tokens in the suffix cache."),
+                                ("specexport_suffix_cache_bytes", "nbytes", "Memory of the suffix cache's arrays."),
+                                ("specexport_suffix_cache_lookups_total", "lookups", "Suffix cache lookups."),
+                                ("specexport_suffix_cache_hits_total", "hits", "Suffix cache lookups that matched.")]:
+            prom.Gauge(name, text, registry=r).set_function(stat(key))
 
     def response(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ENDPOINTS else "other", str(status)).inc()

@@ -2,7 +2,8 @@
 
 What is not supported is refused by name (400) rather than ignored: n > 1, logprobs, echo, best_of,
 suffix, logit_bias, presence/frequency penalties, tools, and a response_format other than text.
-Extensions (not in OpenAI's API): `top_k`, and the speculative `method` / `gamma` / `tree`.
+Extensions (not in OpenAI's API): `top_k`, and the speculative `method` / `gamma` / `tree` /
+`suffix_cache`. OpenAI's `user` scopes the suffix cache (method suffix).
 """
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ class _Sampling(BaseModel):
     gamma: int | None = Field(None, ge=1)                  # extension: chain length (draft, lookup)
     tree: Union[str, list[list[int]], dict[str, int], None] = None   # extension: a named tree, rank paths, or
                                                                      # EAGLE's {top_k, depth, total_tokens}
+    suffix_cache: bool = True                              # extension: false: method suffix neither reads the
+                                                           # server's cache of earlier answers nor adds this one
     # accepted for refusal by name
     logprobs: Union[bool, int, None] = None
     top_logprobs: int | None = None
@@ -103,6 +106,8 @@ class _Sampling(BaseModel):
             out["gamma"] = self.gamma
         if self.tree is not None:
             out["tree"] = self.tree
+        # The suffix cache is scoped by OpenAI's `user` field: one user's lookups never see another's text
+        out["suffix_scope"], out["suffix_share"] = self.user or "", self.suffix_cache
         return out
 
 

@@ -21,6 +21,7 @@ from specexport.runtime.proposers.draft_tree import DraftTree
 from specexport.runtime.proposers.eagle import DynamicTree, EagleTree
 from specexport.runtime.proposers.lookup import PromptLookup
 from specexport.runtime.proposers.medusa import MedusaTree
+from specexport.runtime.proposers.suffix import SuffixProposer
 
 __all__ = ["DraftChain", "DraftTree", "DynamicTree", "EagleTree", "Limits", "MedusaTree", "PromptLookup", "Proposal",
-           "Proposer"]
+           "Proposer", "SuffixProposer"]
