@@ -103,6 +103,12 @@ def test_gguf_precision_builds_from_the_files_blocks(quantized_gguf, tmp_path, w
     assert set(entry["quantization"]["block_types"]) == set(SUPPORTED)
     assert entry["quantization"]["unmapped_tensors"] == {}
     assert entry["parity_max_rel_error"] <= 1e-4
+    # a tree's sibling rows: ~1e-6 at level 0 (fp32 arithmetic); int8 activations at level 4 may move them
+    from specexport.quant.quality import ROW_TOLERANCE
+
+    assert entry["trees"] == ("exact" if entry["row_dependence"]["siblings"] <= ROW_TOLERANCE else "chains")
+    if level == 0:
+        assert entry["trees"] == "exact"
     weights = entry["files"][f"{entry['dir']}/model.onnx.data"]["size"]      # the graph proto aside (90 KB here)
     file_weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(quantized_gguf)).tensors)
     assert weights <= 1.05 * file_weights, (weights, file_weights)          # 5/6-bit codes kept packed
@@ -112,6 +118,8 @@ def test_gguf_precision_builds_from_the_files_blocks(quantized_gguf, tmp_path, w
             plain = got.generate(prompt_ids=prompt, max_new_tokens=40, method="vanilla").token_ids
             spec = got.generate(prompt_ids=prompt, max_new_tokens=40, method="lookup", gamma=4).token_ids
             assert spec == plain                        # speculation on the gguf graph: its own vanilla output
+            trees = got.generate(prompt_ids=prompt, max_new_tokens=40, method="suffix").token_ids
+            assert trees == plain                       # trees too (as chains where sibling rows differ)
             if level == 0:
                 assert plain == want                    # the file's weights in fp32: the fp32 graph's output
 

@@ -114,7 +114,7 @@ def test_the_draft_proposes_only_its_vocabulary_and_greedy_is_unchanged():
     assert seen and set(seen) <= set(SUBSET.tolist())
 
 
-def residual_over_the_subset(proposal, draft_probs, target_probs, uniforms):
+def residual_over_the_subset(proposal, draft_probs, target_probs, uniforms, draws):
     """accept_chain with a planted bug: the recovered token is drawn from max(p - q, 0) renormalised over
     the draft's vocabulary only, so target tokens outside it can never be recovered."""
     gamma = len(proposal)
@@ -126,9 +126,9 @@ def residual_over_the_subset(proposal, draft_probs, target_probs, uniforms):
         residual[SUBSET] = np.maximum(p - q, 0)[SUBSET]                      # BUG
         if residual.sum() <= 0:                                              # all of it was outside
             residual[SUBSET] = p[SUBSET]
-        token = sample(residual / residual.sum(), uniforms[gamma])
+        token = sample(residual / residual.sum(), draws[i])
         return Verdict(np.arange(i + 1), np.append(proposal[:i], token).astype(np.int64))
-    return Verdict(np.arange(gamma + 1), np.append(proposal, sample(target_probs[gamma], uniforms[gamma])))
+    return Verdict(np.arange(gamma + 1), np.append(proposal, sample(target_probs[gamma], draws[gamma])))
 
 
 @pytest.mark.parametrize("bug", ["ids mapped twice", "residual over the subset"])

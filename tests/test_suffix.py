@@ -200,3 +200,37 @@ def test_bench_suffix_rows_and_a_workload_replayed_through_one_cache(built_llama
     bad.write_text('{"turns": []}\n')
     assert main(["bench", str(tmp_path / "b"), "--workload", str(bad), *common]) == 1
     assert f"{bad} line 1" in capsys.readouterr().err
+
+
+class ChainsOnly(TabularBackend):
+    """A target whose build measured that a tree's sibling rows differ from decoding (stage "trees":
+    "chains"): it must never be given a tree."""
+    exact_trees = False
+
+    def forward(self, tokens, *, depths=None, tree_mask=None, phase="decode"):
+        assert tree_mask is None or (np.tril(np.ones_like(tree_mask)) == tree_mask).all(), "a tree was verified"
+        return super().forward(tokens, depths=depths, tree_mask=tree_mask, phase=phase)
+
+
+def test_a_target_without_exact_trees_verifies_first_chains_and_stays_greedy_exact():
+    from specexport.runtime.proposers import Proposal
+    from specexport.runtime.tree import Tree
+
+    p = Proposal(Tree(np.array([-1, 0, 0, 1])), np.array([7, 1, 2, 3]), q=np.eye(4)[[1, 2, 3]])
+    c = p.first_chain()
+    assert c.tree.parents.tolist() == [-1, 0, 1] and c.tokens.tolist() == [7, 1, 3]
+    assert c.q.argmax(-1).tolist() == [1, 3]                     # each kept node's own q row
+    target = ChainsOnly(TARGET, capacity=256, max_tokens=16)
+    cache = SuffixCache(5_000)
+    proposer = SuffixProposer(15, cache=cache, spec_factor=4.0, min_prob=0.0)
+    rng = np.random.default_rng(8)
+    accepted = 0
+    for _ in range(20):
+        prompt = rng.integers(0, V, size=int(rng.integers(1, 12)))
+        stats = DecodeStats()
+        out = np.concatenate(list(decode(target, proposer, prompt, max_new_tokens=60, params=SamplingParams(0.0),
+                                         rng=np.random.default_rng(0), stats=stats)))
+        np.testing.assert_array_equal(out, greedy_reference(TARGET, prompt, 60))
+        cache.add(np.concatenate([prompt, out]))
+        accepted += stats.accepted
+    assert accepted > 0

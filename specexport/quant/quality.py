@@ -147,6 +147,39 @@ def row_dependence(session, io: ModelIO, ids: np.ndarray, rows: int = 12, last: 
     return float(np.abs(ref - apart[0, -1]).max() / max(float(np.abs(ref).max()), 1e-30))
 
 
+def sibling_row_dependence(session, io: ModelIO, ids: np.ndarray, rows: int = 12) -> float:
+    """max|Δ| / max|logits| of a tree's second child: in a pass [root, a, b] where a and b are both
+    children of the root (tree mask, b at a's position) vs in the chain pass [root, b]. fp32 graphs:
+    ~1e-6 (the attention kernel sums a masked row in another order). Graphs that quantize activations
+    (MatMulNBits accuracy_level 4, the gguf precision) turn that into ~2e-2 on SmolLM2-135M: a token
+    verified off the tree's first chain then disagrees with decoding, so such a graph verifies chains
+    only (`tree_rows_for`)."""
+    ids = np.asarray(ids[:rows], np.int64)
+    n = len(ids)
+    prefix, root, a, b = ids[:n - 3], ids[n - 3], ids[n - 2], ids[n - 1]
+    _, past = _step(session, io, prefix[None], np.arange(n - 3)[None], io.empty_caches())
+    P = n - 3
+    mask = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    feeds = io.feeds(np.array([[root, a, b]]), positions=np.array([P, P + 1, P + 1]), mask=mask, past=past)
+    tree = dict(zip(io.output_names, session.run(None, feeds)))[LOGITS][0, 2]
+    chain, _ = _step(session, io, np.array([[root, b]]), np.array([[P, P + 1]]), past)
+    ref = chain[0, 1]
+    return float(np.abs(ref - tree).max() / max(float(np.abs(ref).max()), 1e-30))
+
+
+def tree_rows_for(rows: dict, scheme: str) -> str:
+    """"exact": the graph verifies token trees as it decodes; "chains": a tree's sibling rows differ from
+    decoding (sibling_row_dependence over the limit min_tokens_for uses), so the runtime verifies only
+    a tree's first chain on it (runtime/loop.py) and speculative output stays this graph's vanilla
+    output token for token."""
+    from specexport.quant.quantize import CALIBRATED
+
+    if "siblings" not in rows:
+        return "exact"
+    limit = 0.0 if scheme in CALIBRATED else ROW_TOLERANCE
+    return "chains" if rows["siblings"] > limit else "exact"
+
+
 def _step(session, io: ModelIO, tokens: np.ndarray, positions: np.ndarray, past: list):
     """One graph call on [B, T] tokens after `past`; returns logits [B, T, V] and the caches with the new K/V."""
     feeds = io.feeds(tokens, positions=positions, past=past)

@@ -141,6 +141,8 @@ def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int
             limits = Limits(max_depth=room, max_nodes=min(target.max_tokens - 1, capacity - n,
                                                           proposer.max_nodes or capacity))
             proposal = proposer.propose(seq, n, limits, params, rng, stats)
+        if proposal is not None and not target.exact_trees and not proposal.is_chain:
+            proposal = proposal.first_chain()       # this graph's sibling rows differ from decoding
         if proposal is None or proposal.tree.size < 2:
             out = target.forward(seq[n - 1:n])
             target.commit(1)

@@ -58,6 +58,8 @@ class GgufStage(ModelStage):
         finally:
             owned.remove(partial)          # ours: marked when made
         quality, rows, measured = checks
+        from specexport.quant.quality import tree_rows_for
+
         return {**files_entry(ctx.out, final, ["model.onnx", "model.onnx.data"]),
                 "quantization": {"precision": "gguf", "scheme": "gguf", "accuracy_level": level,
                                  "source": str(mp.config.gguf), "block_types": report.types(),
@@ -65,6 +67,7 @@ class GgufStage(ModelStage):
                                  "tool": "quant/gguf_graph.py (MatMulNBits, GatherBlockQuantized)"},
                 "gguf_file_bytes": mp.config.gguf.stat().st_size,
                 "row_dependence": rows, "min_tokens": min_tokens if mp.role == "target" else 1,
+                "trees": tree_rows_for(rows, "gguf") if mp.role == "target" else "exact",
                 "top1_agreement": quality.top1_agreement, "top1_ties": quality.ties, "mean_kl": quality.mean_kl,
                 "quality_gate": dict(cfg.quality_gates[self.precision]),
                 "quality_text": {**{k: v for k, v in text.items() if k != "label"}, "sequences": quality.sequences,

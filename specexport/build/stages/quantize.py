@@ -59,6 +59,8 @@ class QuantizeStage(ModelStage):
         finally:
             owned.remove(partial)          # ours: marked when made
         quality, rows, parity = checks
+        from specexport.quant.quality import tree_rows_for
+
         return {**files_entry(ctx.out, final, names),
                 "quantization": describe(precision, scheme, calibration_sequences=len(calibration),
                                          calibration=calibrated_on),
@@ -67,6 +69,7 @@ class QuantizeStage(ModelStage):
                 **extras,
                 "row_dependence": rows,
                 "min_tokens": min_tokens if mp.role == "target" else 1,   # the runtime pads smaller target calls
+                "trees": tree_rows_for(rows, scheme["scheme"]) if mp.role == "target" else "exact",
                 "top1_agreement": quality.top1_agreement, "top1_ties": quality.ties, "mean_kl": quality.mean_kl,
                 "quality_gate": dict(ctx.config.quality_gates[precision]),
                 "quality_text": {**{k: v for k, v in text.items() if k != "label"}, "sequences": quality.sequences,
@@ -80,12 +83,13 @@ class QuantizeStage(ModelStage):
 def measure_against(ctx, mp, reference, quantized, sequences, source, candidate):
     """(quality against fp32, row dependence of one- and two-token passes, logits error on the parity case)."""
     from specexport.export.validate import compare, onnx_logits, parity_case
-    from specexport.quant.quality import measure_quality, row_dependence
+    from specexport.quant.quality import measure_quality, row_dependence, sibling_row_dependence
 
     cfg = ctx.config
     quality = measure_quality(reference, quantized, mp.io, sequences)
     rows = {"one_token": row_dependence(quantized, mp.io, sequences[0], last=1),
-            "two_tokens": row_dependence(quantized, mp.io, sequences[0], last=2)}
+            "two_tokens": row_dependence(quantized, mp.io, sequences[0], last=2),
+            "siblings": sibling_row_dependence(quantized, mp.io, sequences[0])}
     case = parity_case(mp.io, max_seq_len=cfg.max_seq_len, max_verify_tokens=cfg.max_verify_tokens)
     parity = compare(onnx_logits(source, mp.io, case, session=reference),
                      onnx_logits(candidate, mp.io, case, session=quantized))
@@ -95,7 +99,7 @@ def measure_against(ctx, mp, reference, quantized, sequences, source, candidate)
 def gate_quality(ctx, mp, precision: str, scheme: dict, checks, text: dict) -> int:
     """Raise ParityError when the quality gate or (a target's) row independence fails; the smallest call
     the runtime makes on this graph (min_tokens)."""
-    from specexport.quant.quality import ROW_TOLERANCE, min_tokens_for
+    from specexport.quant.quality import ROW_TOLERANCE, min_tokens_for, tree_rows_for
 
     quality, rows, _ = checks
     failures = quality.failures(ctx.config.quality_gates[precision])
@@ -111,9 +115,12 @@ def gate_quality(ctx, mp, precision: str, scheme: dict, checks, text: dict) -> i
                           f"differ from this graph's own vanilla output. Choose another "
                           f"quantization.{precision}.scheme for the target (a draft may keep it: "
                           f"draft: {{quantization: ...}})")
+    chains = mp.role == "target" and tree_rows_for(rows, scheme["scheme"]) == "chains"
     ctx.reporter.note(f"  {mp.role} {precision}: {quality.describe()}, row dependence {rows['two_tokens']:.1e}"
                       + (f" (one-token passes {rows['one_token']:.1e}: run with 2 rows or more)"
-                         if min_tokens > 1 and mp.role == "target" else ""))
+                         if min_tokens > 1 and mp.role == "target" else "")
+                      + (f" (a tree's sibling rows {rows['siblings']:.1e}: trees are verified as chains)"
+                         if chains else ""))
     return min_tokens
 
 

@@ -99,6 +99,7 @@ def open_model(out_dir, manifest: dict, role: str, *, precision: str, kind: str,
     options = _stage_options(stage, role=role, precision=precision, kind=kind, options=options)
     backend = open_backend(kind, out_dir / stage["dir"], io=ModelIO.from_dict(entry["io"]), capacity=capacity,
                            max_tokens=max_tokens, threads=threads, **options)
+    backend.exact_trees = stage.get("trees", "exact") == "exact"   # quant/quality.tree_rows_for
     if entry.get("vocab_ids") is not None:      # a draft over part of the vocabulary: target ids out
         from specexport.runtime.backends.vocab import ReducedVocab
 

@@ -35,6 +35,8 @@ class Backend:
     check_inputs: bool = True       # benchmarks may turn these checks off; never the capacity checks
     timings: dict | None = None     # set to {} to record {(phase, T): [seconds of each such forward]}
     clock = staticmethod(time.perf_counter)      # what `timings` are measured with (tests inject one)
+    exact_trees: bool = True       # False: a tree's sibling rows differ from decoding (the build measured it:
+                                    # stage "trees": "chains"); the loop then verifies a tree's first chain only
 
     def __init__(self, *, capacity: int, max_tokens: int, vocab_size: int):
         self.capacity, self.max_tokens, self.vocab_size = capacity, max_tokens, vocab_size

@@ -28,6 +28,20 @@ class Proposal:
     def is_chain(self) -> bool:
         return self.tree.is_chain
 
+    def first_chain(self) -> "Proposal":
+        """The chain from the root through each node's first child: what a tree proposal becomes on a
+        target whose tree passes differ from decoding (Backend.exact_trees). Proposers list the likelier
+        child first (top-ranked, best-first, the most recent match), so it is their best guess; a sampled
+        tree's first children are each a sample of q, so the chain rule verifies it.
+
+        Example: parents [-1, 0, 0, 1], tokens [7, 1, 2, 3] -> parents [-1, 0, 1], tokens [7, 1, 3]."""
+        nodes = [0]
+        while self.tree.children[nodes[-1]]:
+            nodes.append(self.tree.children[nodes[-1]][0])
+        keep = np.asarray(nodes)
+        return Proposal(Tree(np.arange(len(keep)) - 1), self.tokens[keep],
+                        None if self.q is None else self.q[keep[1:] - 1], self.replacement)
+
 
 class Proposer:
     """Base class. `max_depth`: the deepest tree it proposes; `max_nodes`: the most nodes besides the
