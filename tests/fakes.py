@@ -233,10 +233,10 @@ def chain(draft, gamma: int, *, draft_stop: float = 0.0):
     return DraftChain(draft, gamma, draft_stop=draft_stop) if draft is not None and gamma else None
 
 
-def decode_many(target, proposer, prompt, params, runs: int, *, max_new: int, seed: int):
+def decode_many(target, proposer, prompt, params, runs: int, *, max_new: int, seed: int, after=None):
     """tokens [runs, max_new] from `runs` decodes through the whole loop sharing one rng, and the
     summed proposed / accepted counts (the proposal and verdict paths were both exercised if 0 <
-    accepted < proposed)."""
+    accepted < proposed). after(tokens): called with each run's tokens (a cache that learns)."""
     from specexport.runtime.loop import DecodeStats, decode
 
     rng = np.random.default_rng(seed)
@@ -247,6 +247,8 @@ def decode_many(target, proposer, prompt, params, runs: int, *, max_new: int, se
         out[r] = np.concatenate(list(decode(target, proposer, np.asarray(prompt), max_new_tokens=max_new,
                                             params=params, rng=rng, stats=stats)))
         proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
+        if after is not None:
+            after(out[r])
     return out, proposed, accepted
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fakes import TabularBackend, counts_of, exact_continuation_probs, goodness_of_fit, greedy_reference, make_table
+from fakes import (TabularBackend, counts_of, decode_many, exact_continuation_probs, goodness_of_fit,
+                   greedy_reference, make_table)
 from specexport.runtime import loop
 from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.proposers import Limits, SuffixProposer
@@ -96,19 +97,10 @@ def run(params, runs, *, seed, max_new=6, cache_tokens=3_000):
     """tokens [runs, max_new] decoded with suffix proposals from one shared cache that stores every
     run's prompt + output (so each run's proposals depend on the runs before it), and the summed
     proposed / accepted counts."""
-    target = TabularBackend(TARGET, capacity=64, max_tokens=8)
     cache = SuffixCache(cache_tokens)
-    proposer = SuffixProposer(5, cache=cache, spec_factor=2.0, min_prob=0.0)
-    rng = np.random.default_rng(seed)
-    out = np.empty((runs, max_new), dtype=np.int64)
-    proposed = accepted = 0
-    for r in range(runs):
-        stats = DecodeStats()
-        out[r] = np.concatenate(list(decode(target, proposer, np.asarray(PROMPT), max_new_tokens=max_new,
-                                            params=params, rng=rng, stats=stats)))
-        cache.add(np.concatenate([PROMPT, out[r]]))
-        proposed, accepted = proposed + stats.proposed, accepted + stats.accepted
-    return out, proposed, accepted
+    return decode_many(TabularBackend(TARGET, capacity=64, max_tokens=8),
+                       SuffixProposer(5, cache=cache, spec_factor=2.0, min_prob=0.0), PROMPT, params, runs,
+                       max_new=max_new, seed=seed, after=lambda out: cache.add(np.concatenate([PROMPT, out])))
 
 
 def fits(tokens, params):
