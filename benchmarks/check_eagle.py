@@ -22,7 +22,7 @@ import time
 import numpy as np
 import specexport
 from specexport.manifest import read_manifest
-from two_token_gtest import prepare
+from two_token_gtest import collect, prepare
 
 
 def main():
@@ -59,17 +59,12 @@ def main():
     exact_oov2 = sum(p1[x] * outside[x] for x in tops) / max(sum(p1[x] for x in tops), 1e-30)
     print(f"2. G-test: prompt {k} ({len(prompt)} tokens); {len(expected)} cells, {n} samples (EAGLE tree auto, "
           f"temperature 1); target mass outside the head's vocabulary at token 2: {exact_oov2:.3f}")
-    observed = np.zeros(len(expected))
-    oov2 = accepted = proposed = 0
+    oov = []
     start = time.perf_counter()
-    for s in range(n):
-        out = pipe.generate(prompt_ids=prompt, max_new_tokens=3, method="eagle", temperature=1.0, seed=1000 + s)
-        x, y = out.token_ids[:2]
-        if out.stats.proposed == 0:
-            raise SystemExit(f"sample {s}: no proposal was made, so x2 did not go through speculation")
-        observed[test.cell(x, y)] += 1
-        oov2 += not in_vocab[y]
-        accepted, proposed = accepted + out.stats.accepted, proposed + out.stats.proposed
+    observed, accepted, proposed = collect(
+        test, lambda s: pipe.generate(prompt_ids=prompt, max_new_tokens=3, method="eagle", temperature=1.0,
+                                      seed=1000 + s), n, each=lambda x, y: oov.append(not in_vocab[y]))
+    oov2 = sum(oov)
     g, p, dof = test.g_test(observed)
     print(f"   G = {g:.1f} on {dof} degrees of freedom, p = {p:.3f}; second token outside the head's "
           f"vocabulary in {oov2 / n:.3f} of samples; acceptance {accepted / max(proposed, 1):.3f} of {proposed} "

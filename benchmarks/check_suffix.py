@@ -20,7 +20,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from two_token_gtest import prepare  # noqa: E402
+from two_token_gtest import collect, prepare
 
 LOOP = "Write the word 'echo' forty times, separated by spaces, and nothing else."
 REPEATING = "def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 2\n\ndef h(x):\n    return x"
@@ -68,13 +68,9 @@ def main():
         manifest = read_manifest(Path(args.build))
         vocab = manifest["models"]["target"]["vocab_size"]
         test = prepare(Path(args.build), manifest, [pipe.encode(REPEATING)], np.ones(vocab, bool), args.samples)
-        observed = np.zeros(len(test.expected))
-        accepted = 0
-        for s in range(args.samples):
-            o = pipe.generate(prompt_ids=test.prompt, method="suffix", max_new_tokens=3, temperature=1.0,
-                              seed=10_000 + s)
-            observed[test.cell(o.token_ids[0], o.token_ids[1])] += 1
-            accepted += o.stats.accepted
+        observed, accepted, _ = collect(
+            test, lambda s: pipe.generate(prompt_ids=test.prompt, method="suffix", max_new_tokens=3,
+                                          temperature=1.0, seed=10_000 + s), args.samples)
         g, pvalue, dof = test.g_test(observed)
         print(f"4. two-token G-test, suffix at temperature 1, {args.samples} samples (the cache learning from each: "
               f"{pipe.suffix_cache.tokens} tokens at the end, {accepted} proposals accepted): G = {g:.1f}, "

@@ -43,6 +43,24 @@ class TwoTokenTest:
         return float(g), float(p), int(keep.sum() - 1)
 
 
+def collect(test: TwoTokenTest, generate, samples: int, each=None) -> tuple[np.ndarray, int, int]:
+    """(observed counts per cell, accepted, proposed) of `samples` draws: generate(s) -> a generation of
+    at least 2 tokens whose second token came through speculation (its first round proposed, else this
+    stops: the test would be of vanilla sampling); each(x1, x2) sees every draw."""
+    observed = np.zeros(len(test.expected))
+    accepted = proposed = 0
+    for s in range(samples):
+        out = generate(s)
+        x, y = out.token_ids[:2]
+        if out.stats.proposed == 0:
+            raise SystemExit(f"sample {s}: no proposal was made, so x2 did not go through speculation")
+        observed[test.cell(x, y)] += 1
+        if each is not None:
+            each(x, y)
+        accepted, proposed = accepted + out.stats.accepted, proposed + out.stats.proposed
+    return observed, accepted, proposed
+
+
 def prepare(build, manifest, prompts, in_vocab, samples: int) -> TwoTokenTest:
     io = ModelIO.from_dict(manifest["models"]["target"]["io"])
     session = runtime_session(stage_dir(build, manifest, "target", "fp32") / "model.onnx")

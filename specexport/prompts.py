@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 
-def read_prompts(path: Path, *, where: str = "--prompts") -> tuple[str, ...]:
-    """A JSON-lines file of prompt strings (or objects with a "prompt" string); errors name the line."""
+def json_lines(path: Path, *, where: str, example: str = ""):
+    """(line number, value) of each non-blank line of a JSON-lines file; unreadable files and lines that
+    are not JSON are one-line errors naming `where`, the file and the line."""
     from specexport.errors import SpecexportError
 
     try:
@@ -16,15 +17,22 @@ def read_prompts(path: Path, *, where: str = "--prompts") -> tuple[str, ...]:
         raise SpecexportError(f"{where}: {path}: no such file") from None
     except (OSError, UnicodeDecodeError) as err:
         raise SpecexportError(f"{where}: {path}: cannot be read as UTF-8 text ({err})") from None
-    prompts = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
+            yield number, json.loads(line)
         except json.JSONDecodeError as err:
-            raise SpecexportError(f"{where}: {path} line {number}: not JSON ({err.msg}); expected one JSON "
-                                  f"string per line, e.g. \"def f(x):\"") from None
+            raise SpecexportError(f"{where}: {path} line {number}: not JSON ({err.msg}){example}") from None
+
+
+def read_prompts(path: Path, *, where: str = "--prompts") -> tuple[str, ...]:
+    """A JSON-lines file of prompt strings (or objects with a "prompt" string); errors name the line."""
+    from specexport.errors import SpecexportError
+
+    prompts = []
+    for number, value in json_lines(path, where=where,
+                                    example='; expected one JSON string per line, e.g. "def f(x):"'):
         if isinstance(value, dict) and isinstance(value.get("prompt"), str):
             value = value["prompt"]
         if not isinstance(value, str) or not value:

@@ -15,7 +15,6 @@ can hit its first and no round sees another's answers.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from specexport.errors import SpecexportError
@@ -23,21 +22,11 @@ from specexport.errors import SpecexportError
 
 def read_workload(path: Path) -> tuple:
     """The requests of a workload file: strings, or tuples of a conversation's turns."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecexportError(f"--workload: {path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise SpecexportError(f"--workload: {path}: cannot be read as UTF-8 text ({err})") from None
+    from specexport.prompts import json_lines
+
     items = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for number, value in json_lines(Path(path), where="--workload"):
         where = f"--workload: {path} line {number}"
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise SpecexportError(f"{where}: not JSON ({err.msg})") from None
         if isinstance(value, dict) and "prompt" in value:
             value = value["prompt"]
         if isinstance(value, dict) and "turns" in value:

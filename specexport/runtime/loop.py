@@ -171,7 +171,7 @@ def _verify(target, proposer, proposal, seq, n, params, coins, stats, features) 
     chain = proposal.is_chain
     out = target.forward(tokens, depths=None if chain else tree.depths, tree_mask=None if chain else tree.mask)
     stats.count_forward("target", T)
-    draws = coins.at(np.arange(n, n + T), Coins.DRAW)
+    draws = None if params.greedy else coins.at(np.arange(n, n + T), Coins.DRAW)     # sampling only
     if params.greedy:
         verdict = accept_greedy(tree, tokens, out.logits[:T].argmax(-1))
     elif proposal.q is not None:                # sampled from the draft: a rejection rule, its tests' coins

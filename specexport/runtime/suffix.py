@@ -437,8 +437,8 @@ def scan_match(context, *, max_match: int = 32, max_occurrences: int = 256) -> M
     """`SuffixIndex.match` for one open sequence, `context` itself, by a direct scan: what a request's
     own text needs each round. Its text is short (the prompt and output: up to max_seq_len tokens), so
     comparing backwards from every earlier occurrence of its last token costs less than keeping an
-    index up to date a few tokens a round (measured on a 540-token request: 25 µs against 130 µs for
-    extend + match). Starts index `context`; continuation_tree(context, starts, ...) grows its tree.
+    index up to date a few tokens a round (per round over a 542-token code-edit request: 17-22 µs
+    against 176-179 µs for SuffixIndex.extend + match). Starts index `context`; continuation_tree(context, starts, ...) grows its tree.
 
     Example: context [1, 2, 3, 1, 2] -> m = 2 ([1, 2] at 0), starts [2].
     """
