@@ -9,7 +9,8 @@ Relative paths resolve against the YAML file's folder.
     max_seq_len: 1024                 # capacity of the static KV buffers (prompt + generated)
     precisions: [fp32, int8, int4]    # fp32 is always built: the reference and the source of the others;
                                       #   for GPUs: fp16, fp8, int8_sq (Q/DQ graphs, quant/); gguf: a GGUF
-                                      #   model path's own quantized blocks (quant/gguf_graph.py)
+                                      #   model path's own quantized blocks (quant/gguf_graph.py). A GGUF
+                                      #   model with precisions: [gguf] alone builds lean, without fp32
     backends: [onnxruntime]
     output: engines/demo              # optional
     max_verify_tokens: 16             # optional: most tokens one verification pass takes (tree size)
@@ -74,7 +75,8 @@ class ModelConfig:
     role: str
     path: Path
     aux_hidden_layers: tuple[int, ...] | str = ()   # explicit layer ids, or "eagle3"
-    precisions: tuple[str, ...] = ("fp32",)         # what this model is built in; always fp32 first
+    precisions: tuple[str, ...] = ("fp32",)         # what this model is built in; fp32 first (a lean GGUF
+                                                    #   model: ("gguf",) alone)
     quantization: dict = field(default_factory=dict)   # precision -> scheme settings (SCHEMES)
     vocab: int | Path | None = None                 # draft only: its output vocabulary, N most frequent or a file
     gguf: Path | None = None                        # the GGUF file `path` was converted from (export/gguf.py);
@@ -157,12 +159,13 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
     if raw.get("output") is not None and not isinstance(raw["output"], str):
         raise SpecexportError(f"output: expected a folder path (a string), got {raw['output']!r}")
     output = Path(raw["output"]) if raw.get("output") else Path("engines") / name
-    precisions = _precisions(raw.get("precisions", ["fp32"]), "precisions")
+    listed = raw.get("precisions", ["fp32"])
+    precisions = _precisions(listed, "precisions")
     schemes = quantization_settings(raw.get("quantization"), "quantization", None)
     cfg = BuildConfig(
         name=name,
-        target=_model(raw["target"], "target", base, precisions, schemes),
-        draft=_model(raw["draft"], "draft", base, precisions, schemes) if raw.get("draft") is not None else None,
+        target=_model(raw["target"], "target", base, listed, schemes),
+        draft=_model(raw["draft"], "draft", base, listed, schemes) if raw.get("draft") is not None else None,
         max_seq_len=max_seq_len,
         precisions=precisions,
         backends=_choices(raw.get("backends", ["onnxruntime"]), "backends", BACKENDS),
@@ -177,9 +180,22 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
         eagle=_heads(raw["eagle"], "eagle", base) if raw.get("eagle") is not None else None,
         tensorrt=_tensorrt_options(raw.get("tensorrt")),
     )
+    _check_lean(cfg)
     _check_output_writable(cfg.output)
     check_output_apart(cfg)
     return cfg
+
+
+def _check_lean(cfg: BuildConfig) -> None:
+    """What reads a target's fp32 graph (heads, a draft vocabulary measured on the target) needs it built."""
+    if "fp32" in cfg.target.precisions:
+        return
+    readers = [k for k in ("medusa", "eagle") if getattr(cfg, k) is not None]
+    if cfg.draft is not None and isinstance(cfg.draft.vocab, int):
+        readers.append(f"draft.vocab: {cfg.draft.vocab}")
+    if readers:
+        raise SpecexportError(f"target.precisions: [gguf] alone builds no fp32 graph, and {', '.join(readers)} "
+                              f"read(s) the target's fp32 graph; list fp32 too (precisions: [fp32, gguf])")
 
 
 def _check_keys(raw: dict, allowed: set, required, *, prefix: str) -> None:
@@ -208,9 +224,13 @@ def _choices(value, key: str, allowed) -> tuple[str, ...]:
     return tuple(dict.fromkeys(value))
 
 
-def _precisions(value, key: str) -> tuple[str, ...]:
-    """The listed precisions, fp32 first: the quantized graphs are made from it and checked against it."""
-    return tuple(dict.fromkeys(("fp32", *_choices(value, key, PRECISIONS))))
+def _precisions(value, key: str, *, gguf: bool = False) -> tuple[str, ...]:
+    """The listed precisions, fp32 first: the quantized graphs are made from it and checked against it.
+    A GGUF model that lists gguf alone has none (a lean build: build/stages/gguf.py)."""
+    listed = _choices(value, key, PRECISIONS)
+    if gguf and listed == ("gguf",):
+        return listed
+    return tuple(dict.fromkeys(("fp32", *listed)))
 
 
 def _text_file(value, key: str, base: Path) -> Path | None:
@@ -283,7 +303,9 @@ def _model_options(raw: dict, role: str, path: Path, precisions, schemes, base: 
             raise SpecexportError(f"{role}.aux_hidden_layers: expected a list of layer indices or 'eagle3', got {aux!r}")
         aux = tuple(sorted(set(aux)))
     if raw.get("precisions") is not None:
-        precisions = _precisions(raw["precisions"], f"{role}.precisions")
+        precisions = _precisions(raw["precisions"], f"{role}.precisions", gguf=gguf is not None)
+    else:
+        precisions = _precisions(precisions, "precisions", gguf=gguf is not None)
     if "gguf" in precisions and gguf is None:
         raise SpecexportError(f"{role}.precisions: gguf is made from a GGUF file's own blocks, and {role}.path is not a "
                               f".gguf file; give {role} a precisions: list without gguf")

@@ -175,7 +175,7 @@ def test_second_call_does_not_convert(smollm_like, monkeypatch):
 
 
 def test_interrupted_conversion_leaves_no_folder(smollm_like, tmp_path, monkeypatch):
-    def broken(path, out):
+    def broken(path, out, **_):
         (out / "config.json").parent.mkdir(parents=True, exist_ok=True)      # the partial folder exists (marked)
         (out / "config.json").write_text("{}")
         raise KeyboardInterrupt

@@ -89,9 +89,10 @@ def files_entry(out: Path, final: Path, names: list[str]) -> dict:
             "size_bytes": sum(f.stat().st_size for f in files)}
 
 
-def eval_sequences(ctx: BuildContext, mp, fp32_session):
+def eval_sequences(ctx: BuildContext, mp, fp32_session, *, graph: str = "fp32 graph"):
     """The quality gate's token sequences for model `mp` and a record of where they came from (for the
-    manifest): eval_text's tokens, else sequences sampled from its fp32 graph (cached per model)."""
+    manifest): eval_text's tokens, else sequences sampled from its fp32 graph (cached per model; a lean
+    build, which has none, samples from the graph `graph` names)."""
     from specexport.quant.quality import EVAL_LENGTH, SAMPLE_SEED, SAMPLE_TEMPERATURE, sampled_sequences, text_sequences
 
     plan = ctx.plan
@@ -103,11 +104,11 @@ def eval_sequences(ctx: BuildContext, mp, fp32_session):
         return text_sequences(plan.eval_ids, bos=bos, length=length), text
     samples = ctx.samples.setdefault(mp.role, {})
     if "sequences" not in samples:
-        with ctx.reporter.stage(f"sample eval sequences from the {mp.role} fp32 graph"):
+        with ctx.reporter.stage(f"sample eval sequences from the {mp.role} {graph}"):
             samples["sequences"] = sampled_sequences(fp32_session, mp.io, start=bos, length=length,
                                                      ids=mp.vocab_ids)
     text = {"source": "sampled", "seed": SAMPLE_SEED, "temperature": SAMPLE_TEMPERATURE,
-            "description": f"sequences sampled from the {mp.role} fp32 graph (no eval_text; seed {SAMPLE_SEED}, "
+            "description": f"sequences sampled from the {mp.role} {graph} (no eval_text; seed {SAMPLE_SEED}, "
                            f"temperature {SAMPLE_TEMPERATURE})", "label": "sampled sequences"}
     return samples["sequences"], text
 

@@ -86,7 +86,9 @@ class Plan:
                     stages.append(ExportStage(name, self.stage_fingerprint(mp, precision),
                                               needs=(f"{mp.role}/vocab",) if measured else ()))
                 elif precision == "gguf":
-                    stages.append(GgufStage(name, self.stage_fingerprint(mp, precision), needs=(f"{mp.role}/fp32",)))
+                    lean = "fp32" not in mp.config.precisions      # no fp32 graph: filled from the file by name
+                    stages.append(GgufStage(name, self.stage_fingerprint(mp, precision),
+                                            needs=() if lean else (f"{mp.role}/fp32",)))
                 else:
                     stages.append(QuantizeStage(name, self.stage_fingerprint(mp, precision),
                                                 needs=(f"{mp.role}/fp32",)))
@@ -167,7 +169,7 @@ def _with_gguf_converted(cfg: BuildConfig, console) -> BuildConfig:
     changes = {}
     for mc in cfg.models:
         if mc.gguf is not None and mc.path == mc.gguf:
-            folder = hf_folder_from_gguf(mc.gguf, console=console)
+            folder = hf_folder_from_gguf(mc.gguf, console=console, weights="fp32" in mc.precisions)
             changes[mc.role] = dataclasses.replace(mc, path=folder)
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
@@ -282,7 +284,9 @@ def _plan_model(mc: ModelConfig, cfg: BuildConfig) -> ModelPlan:
         gen_eos = _read_json(gen, f"{mc.role}.path").get("eos_token_id")
         if gen_eos is not None:
             eos = tuple(gen_eos) if isinstance(gen_eos, list) else (gen_eos,)
+    gguf = mc.gguf.stat() if mc.gguf is not None else None
     fingerprint = _fingerprint(mc.path, {
+        "gguf": f"{mc.gguf.name}:{gguf.st_size}:{gguf.st_mtime_ns}" if gguf else None,
         "specexport": __version__, "graph_code": source_hash(GRAPH_SOURCES),
         "adapter": type(adapter).__name__, "aux": list(aux),
         "max_seq_len": cfg.max_seq_len, "max_verify_tokens": cfg.max_verify_tokens,
@@ -370,7 +374,8 @@ def _fingerprint(path: Path, options: dict) -> str:
 # fingerprint, so a graph made by older exporter code is never reused (hashing the sources, rather than a
 # constant bumped by hand, cannot be forgotten; the price is that a comment edit also rebuilds).
 GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gqa.py", "export/to_onnx.py",
-                 "export/registry.py", "export/adapters/*.py")
+                 "export/registry.py", "export/adapters/*.py", "export/lean.py", "export/gguf_weights.py",
+                 "export/gguf_reference.py")
 ENGINE_SOURCES = ("trt/*.py", "plugins/*.py", "build/stages/engines.py")
 QUANTIZER_SOURCES = ("quant/*.py", "build/stages/quantize.py")
 HEADS_SOURCES = ("io_spec.py", "heads/medusa.py", "heads/medusa_tree.py", "build/stages/medusa.py",

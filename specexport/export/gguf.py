@@ -43,8 +43,11 @@ SAMPLES = ("12345", "x =   1", "a  2024", "    42,   7\n\t\t3", "def fib(n):\n  
            "for i in range(10):\n        print(i ** 2)  # 100%")
 
 
-def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None) -> Path:
+def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None, weights: bool = True) -> Path:
     """The HF checkpoint folder converted from `gguf_path` (fp32 weights, checked tokenizer), made once.
+
+    weights=False: config, generation config and the checked tokenizer only, in a folder of its own
+    (`<stem>-<sha>-config`): what a lean build reads, which takes the weights from the file itself.
 
     A second call with the same file (same sha256) returns the existing folder without converting.
     Raises SpecexportError naming the file: not a GGUF, an architecture transformers cannot read, a
@@ -54,7 +57,7 @@ def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None) -> Path:
     if not is_gguf(path):
         raise SpecexportError(f"{path}: not a GGUF file (it must exist and start with the bytes {MAGIC!r})")
     root, sha = _cache_root(cache_dir), _sha256(path)
-    dest = root / f"{path.stem}-{sha[:16]}"
+    dest = root / f"{path.stem}-{sha[:16]}{'' if weights else '-config'}"
     if (dest / RECORD).is_file():
         return dest
     root.mkdir(parents=True, exist_ok=True)
@@ -72,10 +75,12 @@ def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None) -> Path:
         partial = owned.fresh(root, f".{dest.name}.partial-", by=BY)
         start = time.perf_counter()
         if console is not None:
-            console.print(f"Converting {path.name} ({path.stat().st_size / 1e6:.0f} MB GGUF) to a Hugging Face "
-                          f"checkpoint in {dest} (once; 35-45 s for 100 MB on 2 cores) ...")
+            what = ("a Hugging Face checkpoint", "35-45 s for 100 MB on 2 cores") if weights else \
+                ("a Hugging Face config and tokenizer (no weights)", "seconds")
+            console.print(f"Converting {path.name} ({path.stat().st_size / 1e6:.0f} MB GGUF) to {what[0]} in "
+                          f"{dest} (once; {what[1]}) ...")
         try:
-            record = _convert(path, partial)
+            record = _convert(path, partial, weights=weights)
             record.update(gguf_file=path.name, sha256=sha)
             (partial / RECORD).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
             owned.seal(partial)
@@ -107,7 +112,7 @@ def _require(name: str, path: Path):
                                 f"pip install 'specexport[export]'") from err
 
 
-def _convert(path: Path, out: Path) -> dict:
+def _convert(path: Path, out: Path, *, weights: bool = True) -> dict:
     """Write the plain checkpoint and the checked tokenizer into `out`; returns what the checks found."""
     meta = _read_metadata(path)
     transformers = require("transformers")
@@ -115,7 +120,7 @@ def _convert(path: Path, out: Path) -> dict:
     try:
         tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        parameters = _write_weights(path, config, out)
+        parameters = _write_weights(path, config, out) if weights else _check_names(path, config)
     except (ValueError, KeyError, TypeError, NotImplementedError, RuntimeError, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SpecexportError(f"{path}: transformers {transformers.__version__} cannot read this GGUF "
@@ -134,10 +139,31 @@ def _convert(path: Path, out: Path) -> dict:
     checked = _check_tokenizer(transformers.AutoTokenizer.from_pretrained(out), meta, path)  # as users load it
     return {"architecture": meta["architecture"], "tokenizer.ggml.pre": meta["pre"],
             "transformers": transformers.__version__, "parameters": parameters, "fixed": fixes, "checked": checked,
-            "weights": "streamed tensor by tensor (gguf.quants.dequantize; transformers' name map and q/k row order)"}
+            "weights": ("streamed tensor by tensor (gguf.quants.dequantize; transformers' name map and q/k row order)"
+                        if weights else "none: read from the GGUF file by the build (export/gguf_weights.py)")}
 
 
 SHARD_BYTES = 512 * 2**20
+
+
+def _weights_of(path: Path, config):
+    """The file's tensors by HF name (export/gguf_weights.py), checked to hold every tensor the model
+    needs; sets config.architectures."""
+    from specexport.export.gguf_weights import GgufWeights
+
+    _require("gguf", path)
+    weights = GgufWeights(path, config)
+    config.architectures = [weights.model_class]
+    missing = weights.missing()
+    if missing:
+        raise ValueError(f"tensors the model needs were not found in the file: {', '.join(missing[:4])}")
+    return weights
+
+
+def _check_names(path: Path, config) -> int:
+    """A folder without weights: the parameter count of the tensors the file holds for the model."""
+    weights = _weights_of(path, config)
+    return sum(int(np.prod(weights.shapes[hf])) for hf in weights.names)
 
 
 def _write_weights(path: Path, config, out: Path) -> int:
@@ -145,21 +171,13 @@ def _write_weights(path: Path, config, out: Path) -> int:
     safetensors shards of at most SHARD_BYTES: one tensor and one shard in memory at a time, where loading
     the whole model through transformers held about three fp32 copies (the 1.5B: 7 GB each). One file,
     model.safetensors, when it fits in one shard, as transformers writes it. Returns the parameter count."""
-
-    torch, transformers, gguf = require("torch"), require("transformers"), _require("gguf", path)
     from safetensors.numpy import save_file
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    with torch.device("meta"):                     # the HF parameter names and shapes, no weights
-        skeleton = transformers.AutoModelForCausalLM.from_config(config)
-    config.architectures = [type(skeleton).__name__]
-    shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
-    processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(skeleton, processor)
-    tensors = [(t, names[t.name]) for t in gguf.GGUFReader(str(path)).tensors if names.get(t.name) in shapes]
+    weights = _weights_of(path, config)
+    tensors = [hf for hf in weights.shapes if hf in weights.names]
     shard_of, sizes = [], [0]                      # planned first: the files' names say how many there are
-    for _, hf in tensors:
-        nbytes = 4 * int(np.prod(shapes[hf]))
+    for hf in tensors:
+        nbytes = 4 * int(np.prod(weights.shapes[hf]))
         if sizes[-1] and sizes[-1] + nbytes > SHARD_BYTES:
             sizes.append(0)
         sizes[-1] += nbytes
@@ -167,17 +185,13 @@ def _write_weights(path: Path, config, out: Path) -> int:
     files = (["model.safetensors"] if len(sizes) == 1 else
              [f"model-{i + 1:05d}-of-{len(sizes):05d}.safetensors" for i in range(len(sizes))])
     shard, index, count = {}, {}, 0
-    for n, (t, hf) in enumerate(tensors):
-        w = gguf.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(shapes[hf])
-        shard[hf] = np.ascontiguousarray(processor.process(w, t.name).weights, dtype=np.float32)
+    for n, hf in enumerate(tensors):
+        shard[hf] = weights.get(hf)
         count += shard[hf].size
         if n + 1 == len(tensors) or shard_of[n + 1] != shard_of[n]:
             save_file(shard, str(out / files[shard_of[n]]), metadata={"format": "pt"})
             index.update({k: files[shard_of[n]] for k in shard})
             shard = {}
-    missing = [k for k in shapes if k not in index and not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing:
-        raise ValueError(f"tensors the model needs were not found in the file: {', '.join(missing[:4])}")
     if len(files) > 1:
         (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 4 * count},
                                                                       "weight_map": index}, indent=1))

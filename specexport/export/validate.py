@@ -76,14 +76,23 @@ def reference_logits(model, case: ParityCase) -> dict:
         with torch.no_grad():
             return model(torch.from_numpy(np.asarray(tokens)[None])).logits[0].float().numpy()
 
-    full = run(case.seq[:case.context])
-    out = {"prefill": full[:case.n_prompt], "prefill_last": full[case.n_prompt - 1:case.n_prompt],
-           "decode": full[case.n_prompt:]}
+    return case_logits(lambda sequences: [run(s) for s in sequences], case)
+
+
+def case_logits(run_many, case: ParityCase) -> dict:
+    """The phases' reference logits from plain sequences: `run_many(list of token arrays)` gives each
+    sequence's logits [S, V] (a layer-by-layer reference runs them together: export/gguf_reference.py)."""
+    sequences = [case.seq[:case.context]]
     if len(case.parents):
         mask, tree_tokens = ancestor_mask(case.parents), case.seq[case.context:]
         # node i's reference: the context plus the root-to-i path (ancestors in index order)
-        out["tree"] = np.stack([run(np.concatenate([case.seq[:case.context], tree_tokens[mask[i]]]))[-1]
-                                for i in range(len(case.parents))])
+        sequences += [np.concatenate([case.seq[:case.context], tree_tokens[mask[i]]]) for i in range(len(case.parents))]
+    logits = run_many(sequences)
+    full = logits[0]
+    out = {"prefill": full[:case.n_prompt], "prefill_last": full[case.n_prompt - 1:case.n_prompt],
+           "decode": full[case.n_prompt:]}
+    if len(case.parents):
+        out["tree"] = np.stack([x[-1] for x in logits[1:]])
     return out
 
 
@@ -101,6 +110,9 @@ def onnx_logits(onnx_path, io: ModelIO, case: ParityCase, *, session=None, kv_ca
         # times only, so it skips that and keeps the build's peak memory near two copies of the weights.
         opts.add_session_config_entry("session.disable_prepacking", "1")
         session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+        from specexport.runtime.backends.ort import release_freed_heap
+
+        release_freed_heap()
     state = {"past": io.empty_caches(1, kv_capacity or 0), "committed": 0}
 
     def run(tokens, positions, mask, rows=None, commit=True):

@@ -34,8 +34,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specexport._optional import require
+
 QK_K = 256
 SUPPORTED = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+INFO_BITS = {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6}     # the types whose codes are 8-bit in the kernels
 
 
 @dataclass
@@ -216,3 +219,23 @@ def _q6_k(blocks, N, K):
 
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q5_K": _q5_k,
              "Q6_K": _q6_k, "Q8_0": _q8_0}
+
+
+def random_blocks(rng, qtype: str, n: int, k: int, scale: float = 0.02) -> np.ndarray:
+    """[n, row bytes] valid blocks of `qtype`: random codes and sub-scales, finite fp16 super-scales
+    (d and dmin in [scale/10, 1.1 scale)). Seeded files for tests and the 3B-shaped build benchmark
+    (benchmarks/seeded_gguf.py): writing random bytes in the block layout is what makes a K-quant file
+    of any size in seconds, where quantizing random floats has no encoder in the gguf package."""
+    gguf = require("gguf")
+    qt = gguf.GGMLQuantizationType[qtype]
+    bs, ts = gguf.GGML_QUANT_SIZES[qt]
+    raw = rng.integers(0, 256, size=(n, k // bs, ts), dtype=np.uint8)
+    fields = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2],
+              "Q5_K": [0, 2], "Q6_K": [ts - 2]}[qtype]
+    for at in fields:                     # d (and m / dmin): small, positive, finite
+        raw[..., at:at + 2] = (rng.random((n, k // bs)) * scale + scale / 10).astype(np.float16)[..., None].view(np.uint8)
+    if qtype == "Q4_K" or qtype == "Q5_K":       # 6-bit sub-scales and mins kept small: weights of sane size
+        raw[..., 4:16] &= np.uint8(0x1F)
+    if qtype == "Q6_K":
+        raw[..., 192:208] = rng.integers(-8, 8, size=(n, k // bs, 16)).astype(np.int8).view(np.uint8)
+    return raw.reshape(n, -1)

@@ -16,6 +16,11 @@ package), so each MatMul weight (transposed) and the embedding equal one file te
 for llama, its q/k rows unpermuted as transformers does), bit for bit. A weight without an equal file
 tensor stays fp32 and is named in the report; a file tensor of a type without an exact mapping is named
 too (its weights stay the fp32 graph's, the file's own values dequantized).
+
+`fill` is the lean route's (no fp32 graph): a weightless graph (export/lean.py) whose weight inputs are
+matched by name through transformers' GGUF name map (export/gguf_weights.py). Both routes write each
+block constant to the data file as it is made (_Builder._const), so the graph's weights are never all
+in memory.
 """
 from __future__ import annotations
 
@@ -72,7 +77,10 @@ def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, a
     vocab_ids: a reduced-vocabulary draft's output rows (its lm_head holds only those rows of the file's
     output tensor, or of the embedding when tied): those rows' blocks are matched too."""
     onnx = require("onnx")
-    from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
+    from onnx.external_data_helper import (
+        load_external_data_for_tensor,
+        uses_external_data,
+    )
 
     model = onnx.load(str(fp32_graph), load_external_data=False)     # weights read one at a time below
     inits = {i.name: i for i in model.graph.initializer}
@@ -81,7 +89,8 @@ def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, a
         arr = _read(inits[init], fp32_graph.parent)
         by_hash.setdefault(_digest(arr.T if kind == "matmul" else arr), []).append((init, node, kind))
         del arr
-    report, builder = GgufReport(), _Builder(model, accuracy_level)
+    reader_tensors = require("gguf").GGUFReader(str(gguf_path)).tensors
+    report, builder = GgufReport(), _Builder(model, accuracy_level, wide_tensors(reader_tensors), _data_file(dest))
     for tname, qtype, codes in gguf_tensors(gguf_path, hf_config):
         if codes is None:
             report.unsupported[tname] = qtype
@@ -95,8 +104,9 @@ def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, a
                 report.replaced[init] = (name, qtype)
     report.kept_fp32 = sorted({init for users in by_hash.values() for init, _, _ in users})
     builder.finish(report.replaced)
+    ours = {t.name for t in builder.inits}              # already in dest's data file
     for t in model.graph.initializer:                   # what stays of the fp32 graph: norms, biases, ...
-        if uses_external_data(t):
+        if t.name not in ours and uses_external_data(t):
             load_external_data_for_tensor(t, str(fp32_graph.parent))
             del t.external_data[:]
             t.data_location = onnx.TensorProto.DEFAULT
@@ -179,11 +189,38 @@ def _take_rows(c: BlockCodes, rows: np.ndarray) -> BlockCodes:
 
 # -- graph building ----------------------------------------------------------------------------------
 
+# 5/6-bit codes stored as the kernels read them (8 bits) rather than packed (4 + 1 or 2 bits, put
+# together in the graph when ONNX Runtime loads it): ORT's constant folding keeps every intermediate of
+# those unpacking chains until it is done, so each costs about four times its codes at load. Measured on
+# Qwen2.5-Coder-1.5B Q4_K_M (ORT 1.32, one session, prepacking on): all packed, peak 6.85 GiB and 24 s
+# to load; all 8-bit, 3.07 GiB and 5 s but the graph 11% over the file. So the largest tensors go 8-bit
+# while the growth stays within WIDE_BUDGET of the file's tensor bytes (the graph within 10% of the
+# file: its scales take a little more room than the file's too); the rest stay packed.
+WIDE_BUDGET = 0.05
+
+
+def wide_tensors(tensors) -> set[str]:
+    """The names of the 5/6-bit tensors whose codes are stored 8-bit: largest first, within WIDE_BUDGET.
+    `tensors`: the gguf package's ReaderTensor list of a file."""
+    from specexport.quant.gguf_blocks import INFO_BITS
+
+    total = sum(int(t.n_bytes) for t in tensors)
+    narrow = [(int(np.prod(t.shape)) * (8 - INFO_BITS[t.tensor_type.name]) // 8, t.name) for t in tensors
+              if t.tensor_type.name in INFO_BITS]
+    wide, grown = set(), 0
+    for growth, name in sorted(narrow, reverse=True):
+        if grown + growth <= WIDE_BUDGET * total:
+            wide.add(name)
+            grown += growth
+    return wide
+
+
 class _Builder:
     """Adds the block-quantized nodes and their compact initializers; removes what they replace."""
 
-    def __init__(self, model, accuracy_level: int):
-        self.model, self.level = model, accuracy_level
+    def __init__(self, model, accuracy_level: int, wide: set[str] = frozenset(), data: Path | None = None):
+        self.model, self.level, self.wide = model, accuracy_level, wide
+        self.data = data                           # the external data file: constants go there as made
         self.nodes: dict[int, list] = {}           # index of the replaced node -> its replacement nodes
         self.head: list = []                       # constant sub-graphs (scales, C): first in the graph
         self.inits: list = []
@@ -191,9 +228,24 @@ class _Builder:
         self.removed: set[int] = set()
 
     def _const(self, name, arr):
-        from onnx import numpy_helper
+        """A constant initializer; one of 1 KiB or more is appended to the data file at once (the
+        graph's constants are never all in memory: the 3B's are 2 GB)."""
+        from onnx import TensorProto, helper, numpy_helper
 
-        self.inits.append(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        arr = np.ascontiguousarray(arr)
+        if self.data is None or arr.nbytes < 1024:
+            self.inits.append(numpy_helper.from_array(arr, name))
+            return name
+        with open(self.data, "ab") as f:
+            offset = f.tell()
+            f.write(arr.tobytes())
+        t = helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)   # dtype code
+        tensor = TensorProto(name=name, dims=arr.shape, data_type=t.tensor_type.elem_type,
+                             data_location=TensorProto.EXTERNAL)
+        for key, value in (("location", self.data.name), ("offset", str(offset)), ("length", str(arr.nbytes))):
+            entry = tensor.external_data.add()
+            entry.key, entry.value = key, value
+        self.inits.append(tensor)
         return name
 
     def _node(self, at, op, ins, outs, domain="", **attrs):
@@ -209,7 +261,8 @@ class _Builder:
             return self.shared[prefix]
         N, K = c.codes.shape
         nb = K // c.block
-        codes = self._unpacked(c, prefix) if c.info_bits else self._const(f"{prefix}.codes", c.packed_codes())
+        unpack = c.info_bits and prefix.removesuffix(".vocab") not in self.wide
+        codes = self._unpacked(c, prefix) if unpack else self._const(f"{prefix}.codes", c.packed_codes())
         scale = self._per_block(f"{prefix}.scale", c.d, c.sc, N, nb)       # d [N, S] (x sub-block scales)
         const = None
         if c.affine:
@@ -328,3 +381,93 @@ class _Builder:
         graph.initializer.extend(keep + [t for t in self.inits if t.name in used])
         if not any(o.domain == "com.microsoft" for o in self.model.opset_import):
             self.model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+
+
+# -- the lean route: a weightless graph filled by name ------------------------------------------------
+
+def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: int = 4) -> GgufReport:
+    """Write `dest` (+ dest.data): the weightless graph of export/lean.py with its weight inputs made
+    of the file's tensors, found by name (`sources`: input -> ("param", HF name) | ("rows", HF name,
+    rows) | ("buffer", values); `weights`: export/gguf_weights.GgufWeights). A weight that a MatMul
+    reads through a Transpose, or an embedding Gather reads, keeps the file's blocks; every other one
+    (norms, biases: F32 in the file) gets its values dequantized. A quantized file tensor that must
+    stay fp32 is named in kept_fp32 (a block type without a mapping: in unsupported)."""
+    onnx = require("onnx")
+    from onnx import numpy_helper
+
+    model = onnx.load(str(skeleton))
+    graph = model.graph
+    transposed = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Transpose" and n.input[0] in sources}
+    uses: dict = {}                                  # weight input -> [(node, kind)] the blocks can serve
+    readers: dict = {}                               # value -> every node reading it
+    for node in graph.node:
+        for x in node.input:
+            readers.setdefault(x, []).append(node)
+        if node.op_type == "MatMul" and node.input[1] in transposed:
+            uses.setdefault(transposed[node.input[1]], []).append((node, "matmul"))
+        elif node.op_type == "Gather" and node.input[0] in sources:
+            uses.setdefault(node.input[0], []).append((node, "gather"))
+    wide = wide_tensors(weights.tensors.values())
+    report, builder, values = GgufReport(), _Builder(model, accuracy_level, wide, _data_file(dest)), []
+    for name, source in sources.items():
+        if source[0] == "buffer":
+            values.append(numpy_helper.from_array(np.ascontiguousarray(source[1]), name))
+            continue
+        hf, rows = source[1], (source[2] if source[0] == "rows" else None)
+        tname, qtype, raw = weights.raw(hf)
+        served = uses.get(name, [])
+        rest = [n for n in readers.get(name, []) if not _served(n, served, readers)]
+        if qtype in SUPPORTED and served:
+            codes = _file_codes(weights, hf, raw, qtype)
+            prefix = tname if rows is None else f"{tname}.vocab"
+            if rows is not None:
+                codes = _take_rows(codes, rows)
+            want = tuple(next(i for i in graph.input if i.name == name).type.tensor_type.shape.dim)
+            if tuple(d.dim_value for d in want) != codes.codes.shape:
+                raise ValueError(f"{name}: the graph wants {[d.dim_value for d in want]}, the file's {tname} "
+                                 f"gives {list(codes.codes.shape)}")
+            for node, kind in served:
+                builder.replace(node, kind, codes, prefix=prefix)
+            report.replaced[name] = (prefix, qtype)
+            if not rest:
+                continue
+            report.kept_fp32.append(name)            # read elsewhere too: that reader gets fp32 values
+        elif qtype not in SUPPORTED and qtype not in ("F32", "F16", "BF16"):
+            report.unsupported[tname] = qtype
+        elif qtype in SUPPORTED:
+            report.kept_fp32.append(name)            # quantized in the file, read where no block kernel serves
+        arr = weights.get(hf)
+        values.append(numpy_helper.from_array(arr if rows is None else np.ascontiguousarray(arr[rows]), name))
+    inputs = [i for i in graph.input if i.name not in sources]
+    del graph.input[:]
+    graph.input.extend(inputs)
+    graph.initializer.extend(values)
+    builder.finish({})
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(dest), save_as_external_data=True, location=dest.name + ".data", size_threshold=1024)
+    for f in (dest, dest.with_name(dest.name + ".data")):
+        f.chmod(0o644)
+    return report
+
+
+def _data_file(dest: Path) -> Path:
+    """dest's external data file, new and empty (the builder appends to it; onnx.save appends the rest)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    data = dest.with_name(dest.name + ".data")
+    data.write_bytes(b"")
+    return data
+
+
+def _served(node, served: list, readers: dict) -> bool:
+    """A reader the blocks replace: a served node, or a Transpose only served MatMuls read."""
+    done = {id(n) for n, _ in served}
+    return id(node) in done or (node.op_type == "Transpose" and all(id(m) in done for m in readers.get(node.output[0], [])))
+
+
+def _file_codes(weights, hf: str, raw, qtype: str) -> BlockCodes:
+    """A parameter's blocks, rows in the HF order (llama's q/k unpermuted as transformers does)."""
+    t = weights.tensors[weights.source(hf)]
+    K, N = (int(x) for x in t.shape)                 # ggml order: ne0 = K (the row length)
+    codes = decode(qtype, raw, (N, K))
+    order = weights.rows(hf)
+    return codes if order is None else _take_rows(codes, order)

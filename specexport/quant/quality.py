@@ -72,12 +72,14 @@ def runtime_session(onnx_path, optimization: str = "all"):
     """An ORT CPU session configured like the runtime's (OrtBackend; `optimization` as the manifest's
     ort_optimization: "basic" for FP8 Q/DQ graphs, which full optimisation would fuse into kernels
     without FP8)."""
-    from specexport.runtime.backends.ort import OPTIMIZATION_LEVELS
+    from specexport.runtime.backends.ort import OPTIMIZATION_LEVELS, release_freed_heap
 
     ort = require("onnxruntime")
     opts = ort.SessionOptions()
     opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[optimization])
-    return ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
+    release_freed_heap()
+    return session
 
 
 def text_sequences(ids, *, bos: int | None, length: int, count: int = EVAL_SEQUENCES) -> list[np.ndarray]:
@@ -115,11 +117,13 @@ def prefill_logits(session, io: ModelIO, ids: np.ndarray) -> np.ndarray:
 
 
 def measure_quality(reference, quantized, io: ModelIO, sequences: list[np.ndarray]) -> QualityReport:
-    """Top-1 agreement and mean KL(p_ref || p_quant) over every position of `sequences` (two sessions)."""
+    """Top-1 agreement and mean KL(p_ref || p_quant) over every position of `sequences`. Each of
+    `reference`, `quantized`: a session, or the sequences' prefill logits computed before (a list of
+    [T, V]: a lean build runs one session at a time)."""
     exact, near, kls = [], [], []
-    for ids in sequences:
-        lp = _log_softmax(prefill_logits(reference, io, ids))                  # [T, V]
-        lq = _log_softmax(prefill_logits(quantized, io, ids))                  # [T, V]
+    for i, ids in enumerate(sequences):
+        lp = _log_softmax(reference[i] if isinstance(reference, list) else prefill_logits(reference, io, ids))
+        lq = _log_softmax(quantized[i] if isinstance(quantized, list) else prefill_logits(quantized, io, ids))
         chosen = lq.argmax(-1)                                                  # [T]
         gap = lp.max(-1) - lp[np.arange(len(chosen)), chosen]                  # [T] nats below the best
         exact.append(lp.argmax(-1) == chosen)

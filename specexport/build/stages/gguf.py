@@ -8,97 +8,185 @@ left fp32 fails the stage). The graph that is written multiplies as `quantizatio
 {accuracy_level}}` says (default 4: int8 activations per block, as llama.cpp's kernels do): what that
 changes is measured like a quantized graph's (top-1 agreement and KL against fp32, gated by
 quality_gates.gguf), and a target's rows must stay independent of each other.
+
+Lean (a GGUF model whose precisions leave out fp32): no fp32 graph at all. The graph is exported
+without weights and filled from the file by name (export/lean.py, quant/gguf_graph.fill); the parity
+reference is transformers' model run one layer at a time from the file's dequantized tensors
+(export/gguf_reference.py); the quality figures compare the written graph with its accuracy_level-0
+twin (the same blocks computed in fp32, which the parity check has just tied to the reference).
 """
 from __future__ import annotations
 
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from specexport import owned
 from specexport.build.context import eval_sequences, files_entry
 from specexport.build.stage import ModelStage
-from specexport.build.stages.quantize import gate_quality, measure_against
+from specexport.build.stages.quantize import gate_quality, measure_against, row_checks
 from specexport.errors import ParityError
 
 
 @dataclass(frozen=True)
 class GgufStage(ModelStage):
     def run(self, ctx) -> dict:
-        from specexport.quant.gguf_graph import rewrite
-        from specexport.quant.quality import runtime_session
+        from specexport.quant.quality import runtime_session, tree_rows_for
 
         mp, cfg = ctx.model(self.role), ctx.config
         level = mp.config.quantization["gguf"]["accuracy_level"]
-        source = ctx.stage_dir(f"{self.role}/fp32") / "model.onnx"
+        lean = "fp32" not in mp.config.precisions
         partial, final = ctx.folders.new(self.role, self.precision)
         start = time.perf_counter()
         try:
-            with ctx.reporter.stage(f"{self.role} gguf: the weights from {mp.config.gguf.name}'s own blocks"):
-                hf_config = json.loads((mp.config.path / "config.json").read_text())
-                report = rewrite(source, mp.config.gguf, partial / "model.onnx", hf_config=hf_config,
-                                 accuracy_level=level, vocab_ids=mp.vocab_ids)
+            graph = partial / "model.onnx"
+            report, source = (_lean_graph if lean else _rewritten_graph)(ctx, mp, graph, level)
             if report.kept_fp32:
-                raise ParityError(f"{self.role} gguf: {len(report.kept_fp32)} weight(s) of the graph equal no tensor of "
-                                  f"{mp.config.gguf.name} ({', '.join(report.kept_fp32[:3])}): the file and the graph "
-                                  f"disagree")
-            with ctx.reporter.stage(f"check {self.role} gguf against the file's weights dequantized (fp32 graph)"):
-                parity = _parity(ctx, mp, source, partial, level)
+                why = (f"are quantized in {mp.config.gguf.name} but read where no block kernel serves them" if lean
+                       else f"equal no tensor of {mp.config.gguf.name}: the file and the graph disagree")
+                raise ParityError(f"{self.role} gguf: {len(report.kept_fp32)} weight(s) of the graph "
+                                  f"({', '.join(report.kept_fp32[:3])}) {why}")
+            twin = _twin(graph, level)
+            with ctx.reporter.stage(f"check {self.role} gguf against the file's weights dequantized "
+                                    f"({'transformers, layer by layer' if lean else 'fp32 graph'})"):
+                parity, twin_case = _parity(ctx, mp, source, twin)
             if not parity.max_rel_error <= cfg.parity_tolerance:
                 raise ParityError(f"{self.role} gguf: parity with the file's dequantized weights failed: "
                                   f"{parity.describe()} > tolerance {cfg.parity_tolerance:.1e}")
-            reference = runtime_session(source)
-            deployed = runtime_session(partial / "model.onnx")
-            sequences, text = eval_sequences(ctx, mp, reference)
-            with ctx.reporter.stage(f"check {self.role} gguf (accuracy_level {level}) against fp32 on {text['label']}"):
-                checks = measure_against(ctx, mp, reference, deployed, sequences, source, partial / "model.onnx")
-            del reference, deployed
+            if lean:
+                checks, text = _measure_lean(ctx, mp, graph, twin, twin_case, level)
+            else:
+                reference, deployed = runtime_session(source), runtime_session(graph)
+                sequences, text = eval_sequences(ctx, mp, reference)
+                with ctx.reporter.stage(f"check {self.role} gguf (accuracy_level {level}) against fp32 on "
+                                        f"{text['label']}"):
+                    checks = measure_against(ctx, mp, reference, deployed, sequences, source, graph)
+                del reference, deployed
+            if twin != graph:
+                twin.unlink()
             min_tokens = gate_quality(ctx, mp, self.precision, {"scheme": "gguf"}, checks, text)
             ctx.folders.publish(partial, final)
         finally:
             owned.remove(partial)          # ours: marked when made
         quality, rows, measured = checks
-        from specexport.quant.quality import tree_rows_for
-
         return {**files_entry(ctx.out, final, ["model.onnx", "model.onnx.data"]),
                 "quantization": {"precision": "gguf", "scheme": "gguf", "accuracy_level": level,
                                  "source": str(mp.config.gguf), "block_types": report.types(),
                                  "unmapped_tensors": report.unsupported,
+                                 "route": "lean: a weightless graph filled from the file by name" if lean else
+                                          "the fp32 graph's weights replaced by the file's blocks",
                                  "tool": "quant/gguf_graph.py (MatMulNBits, GatherBlockQuantized)"},
                 "gguf_file_bytes": mp.config.gguf.stat().st_size,
                 "row_dependence": rows, "min_tokens": min_tokens if mp.role == "target" else 1,
                 "trees": tree_rows_for(rows, "gguf") if mp.role == "target" else "exact",
                 "top1_agreement": quality.top1_agreement, "top1_ties": quality.ties, "mean_kl": quality.mean_kl,
+                "quality_reference": "accuracy_level 0 (the same blocks in fp32)" if lean else "fp32",
                 "quality_gate": dict(cfg.quality_gates[self.precision]),
                 "quality_text": {**{k: v for k, v in text.items() if k != "label"}, "sequences": quality.sequences,
                                  "positions": quality.positions},
-                "parity_reference": "the GGUF file's blocks dequantized (the fp32 graph), accuracy_level 0",
+                "parity_reference": ("transformers, layer by layer from the file's dequantized tensors" if lean else
+                                     "the GGUF file's blocks dequantized (the fp32 graph)") + ", accuracy_level 0",
                 "parity_max_rel_error": parity.max_rel_error, "parity_per_phase": parity.per_phase,
                 "parity_tolerance": cfg.parity_tolerance,
                 "deployed_max_rel_error": measured.max_rel_error,
                 "build_seconds": round(time.perf_counter() - start, 2)}
 
 
-def _parity(ctx, mp, source, partial, level: int):
-    """The graph computed in fp32 against the fp32 graph on the parity case (prefill, decode, a tree):
-    at accuracy_level 0 through a twin graph that shares the written weights file."""
+def _rewritten_graph(ctx, mp, graph, level):
+    """The fp32 graph with the file's blocks in place of its weights (matched by content)."""
+    from specexport.quant.gguf_graph import rewrite
+
+    source = ctx.stage_dir(f"{mp.role}/fp32") / "model.onnx"
+    with ctx.reporter.stage(f"{mp.role} gguf: the weights from {mp.config.gguf.name}'s own blocks"):
+        hf_config = json.loads((mp.config.path / "config.json").read_text())
+        report = rewrite(source, mp.config.gguf, graph, hf_config=hf_config, accuracy_level=level,
+                         vocab_ids=mp.vocab_ids)
+    return report, source
+
+
+def _lean_graph(ctx, mp, graph, level):
+    """A weightless export filled from the file by name; the parity source is the file itself."""
+    import transformers
+
+    from specexport.export.gguf_weights import GgufWeights
+    from specexport.export.lean import export_skeleton
+    from specexport.export.to_onnx import check_graph_io
+    from specexport.quant.gguf_graph import fill
+
+    hf_config = transformers.AutoConfig.from_pretrained(mp.config.path)
+    skeleton = graph.with_name("skeleton.onnx")
+    with ctx.reporter.stage(f"export {mp.role} ({mp.arch.model_type}) to ONNX without weights"):
+        sources = export_skeleton(mp, hf_config, skeleton)
+    weights = GgufWeights(mp.config.gguf, hf_config)
+    with ctx.reporter.stage(f"{mp.role} gguf: fill the graph from {mp.config.gguf.name}'s own blocks"):
+        report = fill(skeleton, sources, weights, graph, accuracy_level=level)
+    skeleton.unlink()
+    check_graph_io(graph, mp.io)
+    return report, weights
+
+
+def _measure_lean(ctx, mp, graph: Path, twin: Path, twin_case: dict, level: int):
+    """measure_against's figures with one session at a time (a 3B's two sessions at once were most of
+    the lean build's peak): the written graph first (its eval sequences sampled from it when there is
+    no eval_text: level 4 decodes 3-4x faster than the twin), its logits kept; then the level-0 twin."""
+    from specexport.export.validate import compare, onnx_logits, parity_case
+    from specexport.quant.quality import measure_quality, prefill_logits, runtime_session
+    from specexport.runtime.backends.ort import release_freed_heap
+
+    case = parity_case(mp.io, max_seq_len=ctx.config.max_seq_len, max_verify_tokens=ctx.config.max_verify_tokens)
+    deployed = runtime_session(graph)
+    sequences, text = eval_sequences(ctx, mp, deployed, graph="gguf graph")
+    with ctx.reporter.stage(f"check {mp.role} gguf (accuracy_level {level}) against accuracy_level 0 on "
+                            f"{text['label']}"):
+        rows = row_checks(deployed, mp.io, sequences[0])
+        written = [prefill_logits(deployed, mp.io, ids) for ids in sequences]
+        written_case = onnx_logits(graph, mp.io, case, session=deployed)
+        del deployed
+        release_freed_heap()
+        reference = runtime_session(twin)
+        quality = measure_quality([prefill_logits(reference, mp.io, ids) for ids in sequences], written,
+                                  mp.io, sequences)
+        del reference
+        release_freed_heap()
+    return (quality, rows, compare(twin_case, written_case)), text
+
+
+def _twin(graph: Path, level: int) -> Path:
+    """The graph computed in fp32: itself at accuracy_level 0, else a twin at level 0 that shares its
+    weights file (the caller removes it)."""
     import onnx
 
-    from specexport.export.validate import compare, onnx_logits, parity_case
+    if level == 0:
+        return graph
+    proto = onnx.load(str(graph), load_external_data=False)
+    for node in proto.graph.node:
+        for attr in node.attribute:
+            if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
+                attr.i = 0
+    twin = graph.with_name("parity-twin.onnx")
+    onnx.save(proto, str(twin))               # its initializers still name model.onnx.data
+    return twin
+
+
+def _parity(ctx, mp, source, twin: Path):
+    """The graph computed in fp32 against its reference on the parity case (prefill, decode, a tree):
+    the fp32 graph (`source` a path), or transformers run layer by layer from the file (`source` the
+    file's GgufWeights). Returns (the report, the twin's logits per phase)."""
+    from specexport.export.validate import (
+        case_logits,
+        compare,
+        onnx_logits,
+        parity_case,
+    )
 
     cfg = ctx.config
     case = parity_case(mp.io, max_seq_len=cfg.max_seq_len, max_verify_tokens=cfg.max_verify_tokens)
-    twin = partial / "model.onnx"
-    if level != 0:
-        proto = onnx.load(str(twin), load_external_data=False)
-        for node in proto.graph.node:
-            for attr in node.attribute:
-                if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
-                    attr.i = 0
-        twin = partial / "parity-twin.onnx"
-        onnx.save(proto, str(twin))               # its initializers still name model.onnx.data
-    try:
-        return compare(onnx_logits(source, mp.io, case), onnx_logits(twin, mp.io, case))
-    finally:
-        if twin.name == "parity-twin.onnx":
-            twin.unlink(missing_ok=True)
+    if isinstance(source, Path):
+        reference = onnx_logits(source, mp.io, case)
+    else:
+        from specexport.export.gguf_reference import layerwise_logits
+
+        reference = case_logits(lambda seqs: layerwise_logits(source, seqs, vocab_rows=mp.vocab_ids), case)
+    got = onnx_logits(twin, mp.io, case)
+    return compare(reference, got), got

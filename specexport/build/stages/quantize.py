@@ -83,17 +83,24 @@ class QuantizeStage(ModelStage):
 def measure_against(ctx, mp, reference, quantized, sequences, source, candidate):
     """(quality against fp32, row dependence of one- and two-token passes, logits error on the parity case)."""
     from specexport.export.validate import compare, onnx_logits, parity_case
-    from specexport.quant.quality import measure_quality, row_dependence, sibling_row_dependence
+    from specexport.quant.quality import measure_quality
 
     cfg = ctx.config
     quality = measure_quality(reference, quantized, mp.io, sequences)
-    rows = {"one_token": row_dependence(quantized, mp.io, sequences[0], last=1),
-            "two_tokens": row_dependence(quantized, mp.io, sequences[0], last=2),
-            "siblings": sibling_row_dependence(quantized, mp.io, sequences[0])}
+    rows = row_checks(quantized, mp.io, sequences[0])
     case = parity_case(mp.io, max_seq_len=cfg.max_seq_len, max_verify_tokens=cfg.max_verify_tokens)
     parity = compare(onnx_logits(source, mp.io, case, session=reference),
                      onnx_logits(candidate, mp.io, case, session=quantized))
     return quality, rows, parity
+
+
+def row_checks(session, io, ids) -> dict:
+    """How a token's logits depend on the other rows of its pass: one- and two-token passes, a tree's
+    sibling (quant/quality.py)."""
+    from specexport.quant.quality import row_dependence, sibling_row_dependence
+
+    return {"one_token": row_dependence(session, io, ids, last=1), "two_tokens": row_dependence(session, io, ids, last=2),
+            "siblings": sibling_row_dependence(session, io, ids)}
 
 
 def gate_quality(ctx, mp, precision: str, scheme: dict, checks, text: dict) -> int:

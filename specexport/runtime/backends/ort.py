@@ -8,6 +8,7 @@ The calls bind through onnxruntime's C-level IOBinding where it has one (_bindin
 """
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -99,11 +100,37 @@ def open_session(path: Path, *, threads: int | None, spin: bool, session_options
     for key, value in (session_options or {}).items():
         setattr(opts, key, value)
     try:
-        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as err:        # onnxruntime raises its own Fail/InvalidProtobuf/... types
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise SpecexportError(f"{path}: ONNX Runtime could not load it ({first.strip()[:300]}); the build "
                               f"may be damaged: `specexport inspect {path.parent.parent.parent} --verify`") from None
+    release_freed_heap()
+    return session
+
+
+def release_freed_heap() -> None:
+    """Give the heap memory freed so far back to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    Why our own call: loading a graph, ONNX Runtime folds its constants and prepacks its weights, and
+    frees gigabytes of temporaries that glibc keeps mapped to the process (below its mmap threshold,
+    they go back to the heap, not the OS). ORT has no option for it. Measured, Qwen2.5-Coder-1.5B's gguf
+    graph in one session: 4.4 GiB resident after loading, 2.0 GiB after this call."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's malloc_trim, or None. By its soname: ctypes.util.find_library would run a subprocess
+    (ldconfig), a fork of a process that may hold gigabytes."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):           # not glibc (musl, macOS): nothing to trim this way
+        return None
 
 
 def _binding_calls(ort, session, binding):

@@ -1,0 +1,99 @@
+"""A GGUF file's tensors by the Hugging Face parameter names transformers gives them, one at a time.
+
+transformers loads a GGUF by dequantizing every tensor at once (the 1.5B: about three fp32 copies of
+the model in memory). Here the name map and the per-tensor processing are transformers' own
+(`get_gguf_hf_weights_map`, the architecture's TensorProcessor: llama's q/k rows unpermuted, ...),
+applied to one tensor when it is asked for, so a caller holds one tensor in memory, not the model:
+the checkpoint conversion (export/gguf.py), the lean build's graph filling (quant/gguf_graph.fill)
+and the layer-by-layer parity reference (export/gguf_reference.py).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from specexport._optional import require
+from specexport.errors import SpecexportError
+
+
+CHUNK_ROWS = 4096
+
+
+class GgufWeights:
+    """`names`: HF parameter name -> GGUF tensor name, for every tensor of the file the model has."""
+
+    def __init__(self, path: Path, config):
+        torch, transformers, gguf = require("torch"), require("transformers"), require("gguf")
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+        )
+
+        self.path, self.config = Path(path), config
+        with torch.device("meta"):                     # the HF parameter names and shapes, no weights
+            skeleton = transformers.AutoModelForCausalLM.from_config(config)
+        self.model_class = type(skeleton).__name__
+        self.shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
+        self.processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
+        by_gguf = get_gguf_hf_weights_map(skeleton, self.processor)
+        self.tensors = {t.name: t for t in gguf.GGUFReader(str(self.path)).tensors}   # memory-mapped
+        self.names = {hf: name for name, hf in by_gguf.items() if hf in self.shapes and name in self.tensors}
+        self._gguf = gguf
+
+    def missing(self) -> list[str]:
+        """The model's parameters the file does not hold (a tied lm_head is the embedding)."""
+        tied = getattr(self.config, "tie_word_embeddings", False)
+        return [k for k in self.shapes if k not in self.names and not (k == "lm_head.weight" and tied)]
+
+    def source(self, hf_name: str) -> str:
+        """The GGUF tensor behind a parameter (a tied lm_head: the embedding's)."""
+        if hf_name not in self.names and hf_name == "lm_head.weight" and getattr(self.config, "tie_word_embeddings", False):
+            hf_name = "model.embed_tokens.weight"
+        if hf_name not in self.names:
+            raise SpecexportError(f"{self.path.name}: no tensor of the file is the model's {hf_name}")
+        return self.names[hf_name]
+
+    def qtype(self, hf_name: str) -> str:
+        return self.tensors[self.source(hf_name)].tensor_type.name
+
+    def raw(self, hf_name: str):
+        """(GGUF tensor name, block type, raw blocks [N, row bytes] as the file stores them)."""
+        t = self.tensors[self.source(hf_name)]
+        return t.name, t.tensor_type.name, t.data
+
+    def get(self, hf_name: str) -> np.ndarray:
+        """The parameter in float32, dequantized and in the HF order (one tensor's memory: rows are
+        dequantized CHUNK_ROWS at a time into the result, as the gguf package's dequantization holds
+        several float temporaries of its input's size; the 3B's embedding whole took 5-7 GB)."""
+        name = self.source(hf_name)
+        t = self.tensors[name]
+        shape = self.shapes.get(hf_name) or self.shapes["model.embed_tokens.weight"]
+        data = t.data
+        if data.ndim == 2 and len(shape) == 2 and data.shape[0] == shape[0]:
+            w = np.empty(shape, np.float32)
+            for r in range(0, shape[0], CHUNK_ROWS):
+                w[r:r + CHUNK_ROWS] = self._gguf.dequantize(data[r:r + CHUNK_ROWS], t.tensor_type).reshape(-1, shape[1])
+        else:
+            w = self._gguf.dequantize(data, t.tensor_type).astype(np.float32).reshape(shape)
+        return np.ascontiguousarray(self.processor.process(w, name).weights, dtype=np.float32)
+
+    def get_rows(self, hf_name: str, rows) -> np.ndarray:
+        """Some rows of a 2-D parameter whose rows the processor keeps in place (an embedding, a head),
+        dequantized alone: [len(rows), K] float32."""
+        if self.rows(hf_name) is not None:
+            raise ValueError(f"{hf_name}: its rows are reordered when loaded; read it whole")
+        name = self.source(hf_name)
+        t = self.tensors[name]
+        K = int(t.shape[0])
+        part = self._gguf.dequantize(np.asarray(t.data[np.asarray(rows, np.int64)]), t.tensor_type)
+        return np.ascontiguousarray(self.processor.process(part.reshape(-1, K), name).weights, dtype=np.float32)
+
+    def rows(self, hf_name: str):
+        """The HF row order of a 2-D parameter against the file's (None: unchanged): a function of the
+        tensor's name and row count, found by running the processor on the row indices."""
+        name = self.source(hf_name)
+        n = int(self.tensors[name].shape[1])
+        order = self.processor.process(np.arange(n).reshape(n, 1), name).weights[:, 0]
+        return None if np.array_equal(order, np.arange(n)) else np.asarray(order)

@@ -1,0 +1,78 @@
+"""Lean builds (issue 25 item 2): a GGUF model with precisions: [gguf] alone builds without any fp32
+graph: a weightless export filled from the file by name (export/lean.py, quant/gguf_graph.fill), its
+parity checked against transformers run one layer at a time from the file (export/gguf_reference.py).
+
+The tiny mixed-type Llama of test_gguf_exact (all eight block types; q/k rows permuted in the file as
+llama.cpp writes them) is built both ways: the lean graph must give the fp32 route's gguf graph's logits
+and greedy output, and the layer-by-layer reference must equal the whole HF model."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("accelerate")
+
+from test_gguf_exact import SUPPORTED, _own_cache, quantized_gguf  # noqa: F401  (fixtures)
+
+
+def test_layerwise_reference_equals_the_whole_model(quantized_gguf):  # noqa: F811
+    import torch
+    import transformers
+
+    from specexport.export.gguf import hf_folder_from_gguf
+    from specexport.export.gguf_reference import layerwise_logits
+    from specexport.export.gguf_weights import GgufWeights
+
+    folder = hf_folder_from_gguf(quantized_gguf)                    # fp32 weights: transformers' own load
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    weights = GgufWeights(quantized_gguf, transformers.AutoConfig.from_pretrained(folder))
+    seqs = [np.array([1, 40, 41, 42, 7]), np.array([3, 9, 300])]
+    got = layerwise_logits(weights, seqs)
+    rows = [5, 40, 200]
+    some = layerwise_logits(weights, seqs[:1], vocab_rows=rows)[0]
+    with torch.no_grad():
+        for s, g in zip(seqs, got):
+            want = model(torch.from_numpy(s)[None]).logits[0].numpy()
+            np.testing.assert_allclose(g, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_allclose(some, got[0][:, rows], rtol=0, atol=1e-6)
+
+
+def test_lean_build_equals_the_fp32_route(quantized_gguf, tmp_path, write_yaml, run_build):  # noqa: F811
+    import specexport
+    from specexport.manifest import read_manifest
+
+    gates = {"gguf": {"min_top1": 0.0, "max_kl": 100.0}}
+    lean, full = tmp_path / "lean", tmp_path / "full"
+    for out, precisions in ((lean, ["gguf"]), (full, ["fp32", "gguf"])):
+        yaml = write_yaml(tmp_path / f"{out.name}.yaml", name=out.name, target={"path": quantized_gguf},
+                          draft={"path": quantized_gguf}, max_seq_len=96, precisions=precisions,
+                          quality_gates=gates, output=out)
+        assert run_build(yaml, "--no-bench") == 0
+    manifest = read_manifest(lean)
+    assert set(manifest["models"]["target"]["precisions"]) == {"gguf"}          # no fp32 graph at all
+    assert not list(lean.rglob("fp32"))
+    entry = manifest["models"]["target"]["precisions"]["gguf"]
+    assert entry["quantization"]["route"].startswith("lean")
+    assert set(entry["quantization"]["block_types"]) == set(SUPPORTED)
+    assert entry["parity_max_rel_error"] <= 1e-4 and entry["parity_reference"].startswith("transformers")
+    assert manifest["build_peak_rss_bytes"]["process"] > 0
+    file_weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(quantized_gguf)).tensors)
+    assert entry["files"][f"{entry['dir']}/model.onnx.data"]["size"] <= 1.10 * file_weights
+    assert not [p for p in lean.rglob("*.onnx") if p.name != "model.onnx"]        # skeleton, twin: gone
+    with specexport.load(full, precision="gguf") as ref, specexport.load(lean, precision="gguf") as got:
+        for prompt in ([1, 40, 41, 42], [1, 7, 300, 5, 9]):
+            a = ref.generate(prompt_ids=prompt, max_new_tokens=32, method="vanilla").token_ids
+            b = got.generate(prompt_ids=prompt, max_new_tokens=32, method="vanilla").token_ids
+            spec = got.generate(prompt_ids=prompt, max_new_tokens=32, method="draft", gamma=3).token_ids
+            assert a == b and spec == b
+
+
+def test_lean_target_refuses_what_reads_its_fp32_graph(quantized_gguf, tmp_path, write_yaml, run_build, capsys):  # noqa: F811
+    yaml = write_yaml(tmp_path / "m.yaml", name="g", target={"path": quantized_gguf},
+                      draft={"path": quantized_gguf, "vocab": 64}, max_seq_len=96, precisions=["gguf"],
+                      output=tmp_path / "out")
+    assert run_build(yaml) == 1
+    err = capsys.readouterr().err
+    assert "target.precisions: [gguf] alone builds no fp32 graph" in err and "draft.vocab: 64" in err
+    assert not (tmp_path / "out").exists()
