@@ -5,7 +5,7 @@ Importing the package imports nothing heavy; `specexport.load` opens a built out
 __version__ = "0.1.0"
 
 
-def load(output_dir, *, precision: str = "fp32", backend: str = "onnxruntime", **options):
+def load(output_dir, *, precision: str | None = None, backend: str = "onnxruntime", **options):
     """Open a built output folder for generation. See `specexport.runtime.pipeline.Pipeline`."""
     from specexport.runtime.pipeline import load as _load
 

@@ -187,12 +187,10 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
 
 
 def _check_lean(cfg: BuildConfig) -> None:
-    """What reads a target's fp32 graph (heads, a draft vocabulary measured on the target) needs it built."""
+    """What reads a target's fp32 graph (Medusa and EAGLE heads) needs it built."""
     if "fp32" in cfg.target.precisions:
         return
     readers = [k for k in ("medusa", "eagle") if getattr(cfg, k) is not None]
-    if cfg.draft is not None and isinstance(cfg.draft.vocab, int):
-        readers.append(f"draft.vocab: {cfg.draft.vocab}")
     if readers:
         raise SpecexportError(f"target.precisions: [gguf] alone builds no fp32 graph, and {', '.join(readers)} "
                               f"read(s) the target's fp32 graph; list fp32 too (precisions: [fp32, gguf])")

@@ -68,11 +68,30 @@ def test_lean_build_equals_the_fp32_route(quantized_gguf, tmp_path, write_yaml, 
             assert a == b and spec == b
 
 
-def test_lean_target_refuses_what_reads_its_fp32_graph(quantized_gguf, tmp_path, write_yaml, run_build, capsys):  # noqa: F811
-    yaml = write_yaml(tmp_path / "m.yaml", name="g", target={"path": quantized_gguf},
-                      draft={"path": quantized_gguf, "vocab": 64}, max_seq_len=96, precisions=["gguf"],
-                      output=tmp_path / "out")
+def test_lean_target_refuses_heads_which_read_its_fp32_graph(quantized_gguf, tmp_path, write_yaml, run_build,  # noqa: F811
+                                                              capsys):
+    (tmp_path / "heads").mkdir()
+    yaml = write_yaml(tmp_path / "m.yaml", name="g", target={"path": quantized_gguf}, medusa={"path": "heads"},
+                      max_seq_len=96, precisions=["gguf"], output=tmp_path / "out")
     assert run_build(yaml) == 1
     err = capsys.readouterr().err
-    assert "target.precisions: [gguf] alone builds no fp32 graph" in err and "draft.vocab: 64" in err
+    assert "target.precisions: [gguf] alone builds no fp32 graph, and medusa read(s)" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_lean_draft_vocabulary_is_measured_on_the_targets_gguf_graph(quantized_gguf, tmp_path, write_yaml,  # noqa: F811
+                                                                       run_build):
+    import specexport
+    from specexport.manifest import read_manifest
+
+    out = tmp_path / "out"
+    yaml = write_yaml(tmp_path / "m.yaml", name="v", target={"path": quantized_gguf},
+                      draft={"path": quantized_gguf, "vocab": 64}, max_seq_len=96, precisions=["gguf"],
+                      quality_gates={"gguf": {"min_top1": 0.0, "max_kl": 100.0}}, output=out)
+    assert run_build(yaml, "--no-bench") == 0
+    draft = read_manifest(out)["models"]["draft"]
+    assert len(draft["vocab_ids"]) == 64 and draft["vocab_source"]["graph"] == "target/gguf"
+    assert draft["precisions"]["gguf"]["parity_max_rel_error"] <= 1e-4
+    with specexport.load(out, precision="gguf") as pipe:
+        plain = pipe.generate(prompt_ids=[1, 40, 41], max_new_tokens=30, method="vanilla").token_ids
+        assert pipe.generate(prompt_ids=[1, 40, 41], max_new_tokens=30, method="draft", gamma=3).token_ids == plain

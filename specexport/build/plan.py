@@ -78,8 +78,9 @@ class Plan:
         stages = []
         for mp in self.models:
             measured = isinstance(mp.config.vocab, int) and mp.vocab_ids is None
-            if measured:
-                stages.append(VocabStage(f"{mp.role}/vocab", mp.fingerprint, needs=("target/fp32",)))
+            if measured:                  # on the target's fp32 graph; a lean target's gguf graph
+                graph = "target/fp32" if "fp32" in self.target.config.precisions else "target/gguf"
+                stages.append(VocabStage(f"{mp.role}/vocab", mp.fingerprint, needs=(graph,)))
             for precision in mp.config.precisions:
                 name = f"{mp.role}/{precision}"
                 if precision == "fp32":

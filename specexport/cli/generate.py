@@ -30,7 +30,7 @@ import click
 @click.option("--top-p", default=None, type=float)
 @click.option("--max-new-tokens", default=128, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--precision", default="fp32", show_default=True)
+@click.option("--precision", default=None, help="The target's precision (default: fp32, or gguf in a lean build).")
 @click.option("--draft-precision", default=None, help="The draft's precision (default: --precision).")
 @click.option("--threads", default=None, type=int, help="Target's ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--draft-threads", default=1, show_default=True, type=int, help="Draft's intra-op threads.")

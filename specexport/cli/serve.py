@@ -35,7 +35,7 @@ class ByteSize(click.ParamType):
               help="The default speculative method: auto (what `specexport bench` measured fastest; vanilla "
                    "when the build has no measurement) | vanilla | draft | lookup | suffix | medusa | eagle. A "
                    "request may pick another with the extension field `method`.")
-@click.option("--precision", default="fp32", show_default=True)
+@click.option("--precision", default=None, help="The target's precision (default: fp32, or gguf in a lean build).")
 @click.option("--draft-precision", default=None, help="The draft's precision (default: --precision).")
 @click.option("--threads", default=None, type=int, help="Target's ONNX Runtime intra-op threads (default: all cores).")
 @click.option("--name", default=None, help="The model name clients use (default: the build's name).")
@@ -87,7 +87,7 @@ def serve(output_dir, host, port, method, precision, draft_precision, threads, n
 @click.option("--reference", is_flag=True,
               help="Point at the build by its absolute path instead of copying it into the repository.")
 @click.option("--method", default="auto", show_default=True, help="The default method (a request may pass `method`).")
-@click.option("--precision", default="fp32", show_default=True)
+@click.option("--precision", default=None, help="The target's precision (default: fp32, or gguf in a lean build).")
 @click.option("--draft-precision", default=None)
 @click.option("--threads", default=None, type=int, help="Target intra-op threads per instance (default: all cores).")
 @click.option("--force", is_flag=True, help="Replace the model folder if it exists.")

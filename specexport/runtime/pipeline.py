@@ -34,10 +34,11 @@ class GenerationOutput:
     stats: DecodeStats
 
 
-def load(output_dir, *, precision: str = "fp32", draft_precision: str | None = None, backend: str = "onnxruntime",
+def load(output_dir, *, precision: str | None = None, draft_precision: str | None = None, backend: str = "onnxruntime",
          threads: int | None = None, draft_threads: int | None = 1, verify: bool = False,
          suffix_cache_tokens: int = SUFFIX_CACHE_TOKENS, **options) -> "Pipeline":
-    """precision: the target's; draft_precision: the draft's (default: the same as the target's).
+    """precision: the target's (default: its first built precision, fp32 unless a lean GGUF build);
+    draft_precision: the draft's (default: the same as the target's).
     threads: the target's intra-op threads (default: all cores); draft_threads: the draft's (default 1).
     suffix_cache_tokens: the bound of the cache of earlier generations that method="suffix" reads.
     Every file is checked for its recorded size when its model is opened; verify=True also checks every
@@ -48,7 +49,7 @@ def load(output_dir, *, precision: str = "fp32", draft_precision: str | None = N
 
 
 class Pipeline:
-    def __init__(self, output_dir, *, precision="fp32", draft_precision=None, backend="onnxruntime", threads=None,
+    def __init__(self, output_dir, *, precision=None, draft_precision=None, backend="onnxruntime", threads=None,
                  draft_threads=1, verify=False, suffix_cache_tokens=SUFFIX_CACHE_TOKENS, **options):
         self.dir = Path(output_dir)
         self.manifest = read_manifest(self.dir)
@@ -57,6 +58,8 @@ class Pipeline:
             if problems:
                 raise SpecexportError(f"{problems[0]}" + (f" (and {len(problems) - 1} more)" if len(problems) > 1
                                                           else "") + ": the build is damaged; rebuild it")
+        if precision is None:               # the target's first built precision: fp32, or gguf in a lean build
+            precision = next(iter(self.manifest["models"]["target"]["precisions"]))
         self.precision, self.backend_kind = precision, backend
         require_kind(backend)               # at once, before reading the build: what is missing, in one line
         self.draft_precision = precision if draft_precision is None else draft_precision

@@ -35,7 +35,7 @@ OUTPUTS = [("text_output", "TYPE_STRING", [-1]), ("finish_reason", "TYPE_STRING"
 
 
 def write_repository(build_dir, repo, *, name: str | None = None, instances: int = 1, copy: bool = True,
-                     precision: str = "fp32", draft_precision: str | None = None, method: str = "auto",
+                     precision: str | None = None, draft_precision: str | None = None, method: str = "auto",
                      threads: int | None = None, force: bool = False) -> Path:
     """Write the model folder into `repo` and return it."""
     build_dir, repo = Path(build_dir).resolve(), Path(repo)
@@ -45,6 +45,7 @@ def write_repository(build_dir, repo, *, name: str | None = None, instances: int
         raise SpecexportError(f"--name: {name!r} is not a Triton model name (letters, digits, '-', '_')")
     if not isinstance(instances, int) or instances < 1:
         raise SpecexportError(f"--instances: expected an integer >= 1, got {instances!r}")
+    precision = precision or next(iter(manifest["models"]["target"]["precisions"]))   # fp32, or a lean build's gguf
     if precision not in manifest["models"]["target"]["precisions"]:
         raise SpecexportError(f"--precision: {precision!r} was not built; built: "
                               f"{', '.join(manifest['models']['target']['precisions'])}")

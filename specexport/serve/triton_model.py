@@ -31,7 +31,7 @@ class TritonPythonModel:
         if not build.is_absolute():
             build = Path(args["model_repository"]) / args["model_version"] / build
         threads = int(params["threads"]) if params.get("threads") else None
-        self.pipe = specexport.load(build, precision=params.get("precision") or "fp32",
+        self.pipe = specexport.load(build, precision=params.get("precision") or None,
                                     draft_precision=params.get("draft_precision") or None, threads=threads)
         self.method, note = resolve_default_method(self.pipe, params.get("method") or "auto")
         pb_utils.Logger.log_info(f"specexport: {build} ({note})")

@@ -1,5 +1,5 @@
 """VocabStage: `draft: {vocab: N}`: the N target ids the draft proposes from, measured on the target's fp32
-graph (the ids it produces most often). It writes no folder: its entry, the ids and where they came
+graph (a lean target's gguf graph: the stage it needs) (the ids it produces most often). It writes no folder: its entry, the ids and where they came
 from, goes into models.draft of the manifest, and the draft's graph stages read the ids from it."""
 from __future__ import annotations
 
@@ -35,11 +35,12 @@ class VocabStage(Stage):
         mp, target = ctx.model(self.role), ctx.model("target")
         n = mp.config.vocab
         with ctx.reporter.stage(f"measure the draft's {n} tokens on the target's continuations"):
-            ids = frequent_ids(runtime_session(ctx.stage_dir("target/fp32") / "model.onnx"), target, n,
+            ids = frequent_ids(runtime_session(ctx.stage_dir(self.needs[0]) / "model.onnx"), target, n,
                                ctx.plan.eval_ids)
         return {"vocab_ids": list(ids),
                 "vocab_source": {"most_frequent": n, "sequences": VOCAB_SEQUENCES, "length": VOCAB_LENGTH,
-                                 "seed": VOCAB_SEED, "eval_text": ctx.plan.eval_ids is not None}}
+                                 "seed": VOCAB_SEED, "eval_text": ctx.plan.eval_ids is not None,
+                                 "graph": self.needs[0]}}
 
     def place(self, manifest: dict, entry: dict) -> None:
         manifest["models"][self.role].update(vocab_ids=entry["vocab_ids"], vocab_source=entry["vocab_source"])
