@@ -17,6 +17,7 @@ twin (the same blocks computed in fp32, which the parity check has just tied to 
 """
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import dataclass
@@ -55,6 +56,8 @@ class GgufStage(ModelStage):
                 raise ParityError(f"{self.role} gguf: parity with the file's dequantized weights failed: "
                                   f"{parity.describe()} > tolerance {cfg.parity_tolerance:.1e}")
             if lean:
+                source = None              # the file's memory map goes: its pages count in the peak RSS
+                gc.collect()
                 checks, text = _measure_lean(ctx, mp, graph, twin, twin_case, level)
             else:
                 reference, deployed = runtime_session(source), runtime_session(graph)
