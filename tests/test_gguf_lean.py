@@ -1,5 +1,5 @@
 """Lean builds (issue 25 item 2): a GGUF model with precisions: [gguf] alone builds without any fp32
-graph: a weightless export filled from the file by name (export/lean.py, quant/gguf_graph.fill), its
+graph: a weightless export filled from the file by name (export/lean.py, quant/gguf_fill.fill), its
 parity checked against transformers run one layer at a time from the file (export/gguf_reference.py).
 
 The tiny mixed-type Llama of test_gguf_exact (all eight block types; q/k rows permuted in the file as
@@ -60,7 +60,8 @@ def test_lean_build_equals_the_fp32_route(quantized_gguf, tmp_path, write_yaml, 
     file_weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(quantized_gguf)).tensors)
     assert entry["files"][f"{entry['dir']}/model.onnx.data"]["size"] <= 1.10 * file_weights
     assert not [p for p in lean.rglob("*.onnx") if p.name != "model.onnx"]        # skeleton, twin: gone
-    with specexport.load(full, precision="gguf") as ref, specexport.load(lean, precision="gguf") as got:
+    with specexport.load(full, precision="gguf") as ref, specexport.load(lean) as got:
+        assert got.precision == "gguf"                 # a lean build's default: its one precision
         for prompt in ([1, 40, 41, 42], [1, 7, 300, 5, 9]):
             a = ref.generate(prompt_ids=prompt, max_new_tokens=32, method="vanilla").token_ids
             b = got.generate(prompt_ids=prompt, max_new_tokens=32, method="vanilla").token_ids

@@ -4,7 +4,7 @@ transformers loads a GGUF by dequantizing every tensor at once (the 1.5B: about 
 the model in memory). Here the name map and the per-tensor processing are transformers' own
 (`get_gguf_hf_weights_map`, the architecture's TensorProcessor: llama's q/k rows unpermuted, ...),
 applied to one tensor when it is asked for, so a caller holds one tensor in memory, not the model:
-the checkpoint conversion (export/gguf.py), the lean build's graph filling (quant/gguf_graph.fill)
+the checkpoint conversion (export/gguf.py), the lean build's graph filling (quant/gguf_fill.fill)
 and the layer-by-layer parity reference (export/gguf_reference.py).
 """
 from __future__ import annotations

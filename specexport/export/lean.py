@@ -7,7 +7,7 @@ the weights: here the same StaticKVDecoder wraps the HF model built on torch's m
 parameters are then zero-stride views of one zero (no memory), and is exported with the weights as
 graph *inputs* named by the wrapper's parameters. The onnxscript optimizer and ONNX fusions torch's
 exporter applies (`optimize=True`) run afterwards on that graph, where the weights, being inputs,
-cannot be constant-folded into fp32 copies. quant/gguf_graph.fill then puts the GGUF file's blocks in.
+cannot be constant-folded into fp32 copies. quant/gguf_fill.fill then puts the GGUF file's blocks in.
 
     skeleton inputs:  input_ids ... past_value.N-1   decoder_layers.0.self_attn.q_proj.weight ...
                       (the IO table's, then one per weight)                 rotary.inv_freq (a buffer)

@@ -10,7 +10,7 @@ changes is measured like a quantized graph's (top-1 agreement and KL against fp3
 quality_gates.gguf), and a target's rows must stay independent of each other.
 
 Lean (a GGUF model whose precisions leave out fp32): no fp32 graph at all. The graph is exported
-without weights and filled from the file by name (export/lean.py, quant/gguf_graph.fill); the parity
+without weights and filled from the file by name (export/lean.py, quant/gguf_fill.fill); the parity
 reference is transformers' model run one layer at a time from the file's dequantized tensors
 (export/gguf_reference.py); the quality figures compare the written graph with its accuracy_level-0
 twin (the same blocks computed in fp32, which the parity check has just tied to the reference).
@@ -115,7 +115,7 @@ def _lean_graph(ctx, mp, graph, level):
     from specexport.export.gguf_weights import GgufWeights
     from specexport.export.lean import export_skeleton
     from specexport.export.to_onnx import check_graph_io
-    from specexport.quant.gguf_graph import fill
+    from specexport.quant.gguf_fill import fill
 
     hf_config = transformers.AutoConfig.from_pretrained(mp.config.path)
     skeleton = graph.with_name("skeleton.onnx")
