@@ -106,7 +106,7 @@ def checks_table(manifest: dict, *, title: str | None = None, build_columns: boo
     for col in columns:
         numeric = col in ("size", "top-1", "KL", "rel err", "time")
         table.add_column(col, justify="right" if numeric else "left", overflow="fold")
-    sources = set()
+    sources, lean = set(), False
     for role, m in (*manifest["models"].items(), *manifest.get("heads", {}).items()):
         for precision, e in m["precisions"].items():
             cells = dict(zip(("top-1", "KL", "rel err", "gate"), _check_cells(e)), model=role,
@@ -115,11 +115,13 @@ def checks_table(manifest: dict, *, title: str | None = None, build_columns: boo
             table.add_row(*(cells[c] for c in columns))
             if "quality_text" in e:
                 t = e["quality_text"]
+                lean = lean or e.get("quality_reference", "fp32") != "fp32"
                 sources.add(f"eval_text {Path(t['path']).name}" if t["source"] == "eval_text"
-                            else "sequences sampled from each model's fp32 graph")
+                            else t["description"].split(" (")[0].replace(f"the {role} ", "each model's "))
     caption = "fp32: rel err of the logits vs PyTorch"
     if sources:
-        caption += f"; quantized: top-1 agreement, mean KL and rel err vs fp32 on {' and '.join(sorted(sources))}"
+        against = "fp32 (a lean gguf graph: its accuracy_level-0 twin)" if lean else "fp32"
+        caption += f"; quantized: top-1 agreement, mean KL and rel err vs {against} on {' and '.join(sorted(sources))}"
     table.caption = caption
     return table
 
