@@ -82,6 +82,11 @@ class ModelConfig:
     gguf: Path | None = None                        # the GGUF file `path` was converted from (export/gguf.py);
                                                     #   until plan_build converts it, `path` is that file
 
+    @property
+    def lean(self) -> bool:
+        """Built without an fp32 graph: a GGUF model whose precisions are gguf alone (build/stages/gguf.py)."""
+        return "fp32" not in self.precisions
+
 
 @dataclass(frozen=True)
 class HeadsConfig:
@@ -188,7 +193,7 @@ def config_from_dict(raw, *, base: Path, source: Path | None = None) -> BuildCon
 
 def _check_lean(cfg: BuildConfig) -> None:
     """What reads a target's fp32 graph (Medusa and EAGLE heads) needs it built."""
-    if "fp32" in cfg.target.precisions:
+    if not cfg.target.lean:
         return
     readers = [k for k in ("medusa", "eagle") if getattr(cfg, k) is not None]
     if readers:

@@ -79,7 +79,7 @@ class Plan:
         for mp in self.models:
             measured = isinstance(mp.config.vocab, int) and mp.vocab_ids is None
             if measured:                  # on the target's fp32 graph; a lean target's gguf graph
-                graph = "target/fp32" if "fp32" in self.target.config.precisions else "target/gguf"
+                graph = "target/gguf" if self.target.config.lean else "target/fp32"
                 stages.append(VocabStage(f"{mp.role}/vocab", mp.fingerprint, needs=(graph,)))
             for precision in mp.config.precisions:
                 name = f"{mp.role}/{precision}"
@@ -87,9 +87,8 @@ class Plan:
                     stages.append(ExportStage(name, self.stage_fingerprint(mp, precision),
                                               needs=(f"{mp.role}/vocab",) if measured else ()))
                 elif precision == "gguf":
-                    lean = "fp32" not in mp.config.precisions      # no fp32 graph: filled from the file by name
                     stages.append(GgufStage(name, self.stage_fingerprint(mp, precision),
-                                            needs=() if lean else (f"{mp.role}/fp32",)))
+                                            needs=() if mp.config.lean else (f"{mp.role}/fp32",)))
                 else:
                     stages.append(QuantizeStage(name, self.stage_fingerprint(mp, precision),
                                                 needs=(f"{mp.role}/fp32",)))
@@ -170,7 +169,7 @@ def _with_gguf_converted(cfg: BuildConfig, console) -> BuildConfig:
     changes = {}
     for mc in cfg.models:
         if mc.gguf is not None and mc.path == mc.gguf:
-            folder = hf_folder_from_gguf(mc.gguf, console=console, weights="fp32" in mc.precisions)
+            folder = hf_folder_from_gguf(mc.gguf, console=console, weights=not mc.lean)
             changes[mc.role] = dataclasses.replace(mc, path=folder)
     return dataclasses.replace(cfg, **changes) if changes else cfg
 

@@ -16,7 +16,6 @@ import numpy as np
 from specexport._optional import require
 from specexport.errors import SpecexportError
 
-
 CHUNK_ROWS = 4096
 
 
@@ -55,21 +54,17 @@ class GgufWeights:
             raise SpecexportError(f"{self.path.name}: no tensor of the file is the model's {hf_name}")
         return self.names[hf_name]
 
-    def qtype(self, hf_name: str) -> str:
-        return self.tensors[self.source(hf_name)].tensor_type.name
-
-    def raw(self, hf_name: str):
-        """(GGUF tensor name, block type, raw blocks [N, row bytes] as the file stores them)."""
-        t = self.tensors[self.source(hf_name)]
-        return t.name, t.tensor_type.name, t.data
+    def tensor(self, hf_name: str):
+        """The file's tensor behind a parameter (the gguf package's ReaderTensor: name, type, raw blocks)."""
+        return self.tensors[self.source(hf_name)]
 
     def get(self, hf_name: str) -> np.ndarray:
         """The parameter in float32, dequantized and in the HF order (one tensor's memory: rows are
         dequantized CHUNK_ROWS at a time into the result, as the gguf package's dequantization holds
-        several float temporaries of its input's size; the 3B's embedding whole took 5-7 GB)."""
+        several float temporaries of its input's size, gigabytes for a large vocabulary's embedding)."""
         name = self.source(hf_name)
         t = self.tensors[name]
-        shape = self.shapes.get(hf_name) or self.shapes["model.embed_tokens.weight"]
+        shape = self.shapes[hf_name]
         data = t.data
         if data.ndim == 2 and len(shape) == 2 and data.shape[0] == shape[0]:
             w = np.empty(shape, np.float32)
@@ -91,9 +86,13 @@ class GgufWeights:
         return np.ascontiguousarray(self.processor.process(part.reshape(-1, K), name).weights, dtype=np.float32)
 
     def rows(self, hf_name: str):
-        """The HF row order of a 2-D parameter against the file's (None: unchanged): a function of the
-        tensor's name and row count, found by running the processor on the row indices."""
+        """The HF row order of a 2-D parameter against the file's (None: unchanged)."""
         name = self.source(hf_name)
-        n = int(self.tensors[name].shape[1])
-        order = self.processor.process(np.arange(n).reshape(n, 1), name).weights[:, 0]
-        return None if np.array_equal(order, np.arange(n)) else np.asarray(order)
+        return row_order(self.processor, name, int(self.tensors[name].shape[1]))
+
+
+def row_order(processor, name: str, n: int):
+    """The row order transformers' `processor` gives the n-row GGUF tensor `name` when it loads it (None:
+    unchanged): a function of the name and row count, found by processing the row indices."""
+    order = processor.process(np.arange(n).reshape(n, 1), name).weights[:, 0]
+    return None if np.array_equal(order, np.arange(n)) else np.asarray(order)

@@ -8,12 +8,14 @@ from pathlib import Path
 import numpy as np
 
 from specexport._optional import require
-from specexport.quant.gguf_blocks import SUPPORTED, BlockCodes, decode
+from specexport.quant.gguf_blocks import SUPPORTED
 from specexport.quant.gguf_graph import (
     GgufReport,
     _Builder,
     _data_file,
     _take_rows,
+    save,
+    tensor_codes,
     wide_tensors,
 )
 
@@ -40,6 +42,7 @@ def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: 
             uses.setdefault(transposed[node.input[1]], []).append((node, "matmul"))
         elif node.op_type == "Gather" and node.input[0] in sources:
             uses.setdefault(node.input[0], []).append((node, "gather"))
+    shapes = {i.name: tuple(d.dim_value for d in i.type.tensor_type.shape.dim) for i in graph.input}
     wide = wide_tensors(weights.tensors.values())
     report, builder, values = GgufReport(), _Builder(model, accuracy_level, wide, _data_file(dest)), []
     for name, source in sources.items():
@@ -47,17 +50,17 @@ def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: 
             values.append(numpy_helper.from_array(np.ascontiguousarray(source[1]), name))
             continue
         hf, rows = source[1], (source[2] if source[0] == "rows" else None)
-        tname, qtype, raw = weights.raw(hf)
+        t = weights.tensor(hf)
+        tname, qtype = t.name, t.tensor_type.name
         served = uses.get(name, [])
         rest = [n for n in readers.get(name, []) if not _served(n, served, readers)]
         if qtype in SUPPORTED and served:
-            codes = _file_codes(weights, hf, raw, qtype)
+            codes = tensor_codes(t, weights.rows(hf))
             prefix = tname if rows is None else f"{tname}.vocab"
             if rows is not None:
                 codes = _take_rows(codes, rows)
-            want = tuple(next(i for i in graph.input if i.name == name).type.tensor_type.shape.dim)
-            if tuple(d.dim_value for d in want) != codes.codes.shape:
-                raise ValueError(f"{name}: the graph wants {[d.dim_value for d in want]}, the file's {tname} "
+            if shapes[name] != codes.codes.shape:
+                raise ValueError(f"{name}: the graph wants {list(shapes[name])}, the file's {tname} "
                                  f"gives {list(codes.codes.shape)}")
             for node, kind in served:
                 builder.replace(node, kind, codes, prefix=prefix)
@@ -76,10 +79,7 @@ def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: 
     graph.input.extend(inputs)
     graph.initializer.extend(values)
     builder.finish({})
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(dest), save_as_external_data=True, location=dest.name + ".data", size_threshold=1024)
-    for f in (dest, dest.with_name(dest.name + ".data")):
-        f.chmod(0o644)
+    save(model, dest)
     return report
 
 
@@ -87,12 +87,3 @@ def _served(node, served: list, readers: dict) -> bool:
     """A reader the blocks replace: a served node, or a Transpose only served MatMuls read."""
     done = {id(n) for n, _ in served}
     return id(node) in done or (node.op_type == "Transpose" and all(id(m) in done for m in readers.get(node.output[0], [])))
-
-
-def _file_codes(weights, hf: str, raw, qtype: str) -> BlockCodes:
-    """A parameter's blocks, rows in the HF order (llama's q/k unpermuted as transformers does)."""
-    t = weights.tensors[weights.source(hf)]
-    K, N = (int(x) for x in t.shape)                 # ggml order: ne0 = K (the row length)
-    codes = decode(qtype, raw, (N, K))
-    order = weights.rows(hf)
-    return codes if order is None else _take_rows(codes, order)

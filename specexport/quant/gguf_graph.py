@@ -63,12 +63,7 @@ def gguf_tensors(gguf_path: Path, hf_config: dict):
         if qtype not in SUPPORTED:
             yield t.name, qtype, None
             continue
-        K, N = (int(x) for x in t.shape)               # ggml order: ne0 = K (the row length)
-        codes = decode(qtype, t.data, (N, K))
-        rows = processor(t.name, N)
-        if rows is not None:
-            codes = _take_rows(codes, rows)
-        yield t.name, qtype, codes
+        yield t.name, qtype, tensor_codes(t, processor(t.name, int(t.shape[1])))
 
 
 def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, accuracy_level: int = 4,
@@ -110,10 +105,7 @@ def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, a
             load_external_data_for_tensor(t, str(fp32_graph.parent))
             del t.external_data[:]
             t.data_location = onnx.TensorProto.DEFAULT
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(dest), save_as_external_data=True, location=dest.name + ".data", size_threshold=1024)
-    for f in (dest, dest.with_name(dest.name + ".data")):
-        f.chmod(0o644)                    # onnx writes the data file 0600; the build's files are readable alike
+    save(model, dest)
     return report
 
 
@@ -166,16 +158,21 @@ def _row_processor(arch: str, hf_config: dict):
     """name, N -> the row order transformers gives this tensor when it loads the file (None: unchanged)."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
 
+    from specexport.export.gguf_weights import row_order
+
     cls = TENSOR_PROCESSORS.get(arch)
     if cls is None:
         return lambda name, n: None
     proc = cls(config=hf_config)
+    return lambda name, n: row_order(proc, name, n)
 
-    def rows(name, n):
-        order = proc.process(np.arange(n).reshape(n, 1), name).weights[:, 0]
-        return None if np.array_equal(order, np.arange(n)) else order
 
-    return rows
+def tensor_codes(t, rows=None) -> BlockCodes:
+    """A quantized 2-D file tensor (the gguf package's ReaderTensor) as BlockCodes [N, K], its output
+    rows in the order `rows` (None: the file's)."""
+    K, N = (int(x) for x in t.shape)                   # ggml order: ne0 = K (the row length)
+    codes = decode(t.tensor_type.name, t.data, (N, K))
+    return codes if rows is None else _take_rows(codes, rows)
 
 
 def _take_rows(c: BlockCodes, rows: np.ndarray) -> BlockCodes:
@@ -239,8 +236,7 @@ class _Builder:
         with open(self.data, "ab") as f:
             offset = f.tell()
             f.write(arr.tobytes())
-        t = helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(arr.dtype), arr.shape)   # dtype code
-        tensor = TensorProto(name=name, dims=arr.shape, data_type=t.tensor_type.elem_type,
+        tensor = TensorProto(name=name, dims=arr.shape, data_type=helper.np_dtype_to_tensor_dtype(arr.dtype),
                              data_location=TensorProto.EXTERNAL)
         for key, value in (("location", self.data.name), ("offset", str(offset)), ("length", str(arr.nbytes))):
             entry = tensor.external_data.add()
@@ -389,3 +385,11 @@ def _data_file(dest: Path) -> Path:
     data = dest.with_name(dest.name + ".data")
     data.write_bytes(b"")
     return data
+
+
+def save(model, dest: Path) -> None:
+    """dest + dest.data: the constants the builder has not written yet are appended to the data file."""
+    onnx = require("onnx")
+    onnx.save(model, str(dest), save_as_external_data=True, location=dest.name + ".data", size_threshold=1024)
+    for f in (dest, dest.with_name(dest.name + ".data")):
+        f.chmod(0o644)                    # onnx writes the data file 0600; the build's files are readable alike

@@ -37,7 +37,7 @@ class GgufStage(ModelStage):
 
         mp, cfg = ctx.model(self.role), ctx.config
         level = mp.config.quantization["gguf"]["accuracy_level"]
-        lean = "fp32" not in mp.config.precisions
+        lean = mp.config.lean
         partial, final = ctx.folders.new(self.role, self.precision)
         start = time.perf_counter()
         try:

@@ -1,6 +1,7 @@
 """VocabStage: `draft: {vocab: N}`: the N target ids the draft proposes from, measured on the target's fp32
-graph (a lean target's gguf graph: the stage it needs) (the ids it produces most often). It writes no folder: its entry, the ids and where they came
-from, goes into models.draft of the manifest, and the draft's graph stages read the ids from it."""
+graph, or a lean target's gguf graph: the stage it needs (the ids it produces most often). It writes no
+folder: its entry, the ids and where they came from, goes into models.draft of the manifest, and the
+draft's graph stages read the ids from it."""
 from __future__ import annotations
 
 from dataclasses import dataclass
