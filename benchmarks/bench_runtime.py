@@ -53,8 +53,10 @@ def outside_share(pipe, method, n_tokens):
 def step_times(backend, context, T, reps):
     prompt = np.arange(3, 3 + context)
     backend.reset()
-    backend.forward(prompt[:64]); backend.commit(64)
-    backend.forward(prompt[64:]); backend.commit(context - 64)
+    backend.forward(prompt[:64])
+    backend.commit(64)
+    backend.forward(prompt[64:])
+    backend.commit(context - 64)
     toks = np.arange(5, 5 + T)
     samples = []
     for _ in range(reps):
@@ -102,7 +104,7 @@ def main():
     first, last = samples[0], samples[-1]
     print(f"    {emitted} tokens; RSS after token {first[0]}: {first[1]:.1f} MiB, after token {last[0]}: "
           f"{last[1]:.1f} MiB, growth {last[1] - first[1]:+.1f} MiB (max during run {max(r for _, r in samples):.1f})")
-    for i in range(2):
+    for _ in range(2):
         big.generate(prompt_ids=list(range(3, 20)), max_new_tokens=2000, method="draft", gamma=4)
         print(f"    after another 2,000-token generation: {rss_mib():.1f} MiB")
 

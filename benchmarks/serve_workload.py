@@ -63,7 +63,7 @@ def main() -> None:
         for item in read_workload(Path(args.workload)):
             turns = (item,) if isinstance(item, str) else item
             answers = []
-            for t in range(len(turns)):
+            for _ in range(len(turns)):
                 text = conversation_turn(turns, answers)
                 order = METHODS[k % 3:] + METHODS[:k % 3]
                 k += 1

@@ -262,6 +262,13 @@ def test_peers_run_apart_and_are_compared_with_our_fp32_vanilla_output(bench_rep
         assert peers[name]["tokens_per_s"] > 0 and peers[name]["runs"] == 4
         # greedy on the same fp32 weights: whole outputs equal ours (a near-tie may flip one run)
         assert peers[name]["same_tokens_as_fp32_vanilla"] >= 0.5
+        # our rows against the peer: a ratio with its paired interval over the 4 cells, and only so in the text
+        vs = {v["which"]: v for v in peers[name]["ours_vs_peer"]}
+        assert set(vs) == {"vanilla", "best"} and vs["vanilla"]["row"] == "vanilla γ -"
+        for v in vs.values():
+            assert v["ci95"][0] <= v["ratio"] * (1 + 1e-9) and v["ratio"] <= v["ci95"][1] * (1 + 1e-9)
+    text = (work / "report" / "report.md").read_text()
+    assert "[95% interval" in text.split("## Peers")[1]
     assert "torch" not in report["memory"]["peak_rss_note"]
     assert all(v > 0 for v in report["memory"]["peers_peak_rss_bytes"].values())
     if importlib.util.find_spec("onnxruntime_genai") is None:
@@ -283,7 +290,7 @@ def test_same_output_is_whole_and_never_empty():
 def test_build_ends_with_a_short_report(built_llama):
     """`specexport build` (conftest's built_llama) ran the quick bench: report and γ choice are there."""
     report = json.loads((built_llama / "bench" / "quick" / "report.json").read_text())
-    assert {r["method"] for r in report["rows"]} == {"vanilla", "draft"}
+    assert {r["method"] for r in report["rows"]} == {"vanilla", "draft", "lookup", "suffix"}
     assert "fp32/fp32" in read_manifest(built_llama)["gamma_auto"]
 
 
@@ -344,9 +351,10 @@ def test_bench_cli(built_llama, tmp_path, capsys):
     assert main(["bench", b, "--gammas", "1", "--rounds", "1", "--max-new-tokens", "4", "--no-peers",
                  "--threads", "1"]) == 0
     assert "| fp32 |" in capsys.readouterr().out
-    assert main(["generate", b, "x", "--gamma", "auto", "--max-new-tokens", "3"]) == 0
+    assert main(["generate", b, "x", "--method", "draft", "--gamma", "auto", "--max-new-tokens", "3"]) == 0
     assert "--gamma auto" in capsys.readouterr().err
-    assert main(["generate", b, "def f(x):", "--max-new-tokens", "6", "--gamma", "2", "--compare"]) == 0
+    assert main(["generate", b, "def f(x):", "--max-new-tokens", "6", "--method", "draft", "--gamma", "2",
+                 "--compare"]) == 0
     assert re.search(r"speedup: draft .* = \d\.\d\dx \[95% interval \d\.\d\d-\d\.\d\d\] \(decode time",
                      capsys.readouterr().err)
 
@@ -439,7 +447,13 @@ def test_method_auto_uses_the_stored_choice_on_these_graphs_only(bench_report, t
     store({"method": "vanilla", "gamma": 0, "speedup": 0.8})
     pipe = specexport.load(out)
     assert pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=10, method="auto").stats.proposed == 0
-    assert "vanilla: every configuration measured lost" in pipe.auto_note
+    assert "vanilla: every speculative configuration measured was slower (the best, x, measured 0.80x)" in \
+        pipe.auto_note
+    store({"method": "vanilla", "gamma": 0, "speedup": None, "best_measured": None})     # only vanilla measured
+    pipe = specexport.load(out)
+    pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=4, method="auto")
+    assert "measured no speculative configuration" in pipe.auto_note and "None" not in pipe.auto_note
+    assert f"specexport bench {out} --methods vanilla,lookup,suffix" in pipe.auto_note
     m = read_manifest(out)                       # a choice measured on other graphs is not used
     m["method_auto"]["fp32/fp32"]["stages"]["target"] = "target/fp32-00000000"
     (out / "manifest.json").write_text(json.dumps(m))
@@ -497,3 +511,30 @@ def test_thread_probe_decodes_the_prompt_as_the_bench_sends_it_and_refuses_an_im
     assert all(seen == [7, 8, 9] for pipe in opened for seen in pipe.seen) and all(pipe.closed for pipe in opened)
     with pytest.raises(SpecexportError, match="one token"):
         fastest_for_vanilla(open_pipeline(1), "fp32", lambda pipe: pipe.chat_ids("hi"), cores=2, log=lambda m: None)
+
+
+def test_the_builds_measured_settings_are_the_defaults(bench_report, tmp_path):
+    """The bench stores the thread setting it measured fastest with its method choice; load() opens the
+    target with it, and a method asked for without a γ takes the γ (and tree) the bench chose for it."""
+    work, report = bench_report
+    out = tmp_path / "b"
+    shutil.copytree(work / "build", out)
+    stored = read_manifest(out)["method_auto"]["fp32/fp32"]
+    assert set(stored["threads"]) == {"threads", "spin"}                 # what the bench's rows ran with
+    m = read_manifest(out)
+    m["method_auto"]["fp32/fp32"].update(method="draft", gamma=2, tree=None, draft_precision="fp32",
+                                         threads={"threads": 1, "spin": False})
+    (out / "manifest.json").write_text(json.dumps(m))
+    with specexport.load(out) as pipe:
+        assert pipe.thread_note.startswith("threads: 1, spinning off")
+        assert pipe.target.session.get_session_options().intra_op_num_threads == 1
+        assert pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=8, method="draft").stats.gamma == 2
+        assert pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=8, method="draft", gamma=3).stats.gamma == 3
+    with specexport.load(out, threads=2, spin=True) as pipe:                  # given: used as given
+        assert pipe.thread_note == "threads: as given"
+        assert pipe.target.session.get_session_options().intra_op_num_threads == 2
+    m["method_auto"]["fp32/fp32"]["method"] = "lookup"                         # a choice of another method:
+    (out / "manifest.json").write_text(json.dumps(m))                          # the draft's stored --gamma auto
+    with specexport.load(out) as pipe:
+        auto = read_manifest(out)["gamma_auto"]["fp32/fp32"]["gamma"]
+        assert pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=8, method="draft").stats.gamma == (auto or 4)

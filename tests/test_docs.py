@@ -211,7 +211,7 @@ def _flag_problems(page: Page, options: dict[str, set[str]]) -> list[str]:
         units.append((number, line, False))
     units += [(number, span, True) for number, span in _inline_code(page)]
     problems = []
-    for number, text, bare in units:
+    for _number, text, bare in units:
         for command, flag, shown in _uses(text, set(options), bare):
             where = f"{page.name}:{number}: `{shown[:100]}`"
             if command not in options:
@@ -248,7 +248,7 @@ def test_the_pages_show_flags_at_all():
     options, seen = _command_options(), set()
     for path in PAGES:
         page = _read(path)
-        for number, text, bare in [*((n, t, False) for n, t in page.code), *((n, t, True) for n, t in _inline_code(page))]:
+        for _number, text, bare in [*((n, t, False) for n, t in page.code), *((n, t, True) for n, t in _inline_code(page))]:
             seen |= {(command, flag) for command, flag, _ in _uses(text, set(options), bare)}
     assert {("generate", "--max-new-tokens"), ("bench", "--gammas"), ("train-heads", "--kind"),
             ("serve", "--port"), ("export-triton", "--instances"), ("distill-draft", "--layers")} <= seen

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from close import assert_close
 
 torch = pytest.importorskip("torch")
 
@@ -128,8 +129,8 @@ def test_eagle1_layer_equals_transformers_llama_layer_without_its_input_norm(tmp
         ref = layer(x, attention_mask=additive, position_ids=positions[None],
                     position_embeddings=LlamaRotaryEmbedding(cfg)(x, positions[None]))
     ref = ref[0] if isinstance(ref, tuple) else ref
-    assert torch.allclose(hidden, ref, atol=1e-5), (hidden - ref).abs().max()
-    assert torch.allclose(logits, hidden @ lm_head.T, atol=1e-5)
+    assert_close(hidden, ref, rel=1e-5, why="our head vs transformers' layer: fp32, other kernels")
+    assert_close(logits, hidden @ lm_head.T, rel=1e-5, why="fp32 matmuls in another order")
 
 
 def test_a_tree_mask_gives_each_node_what_its_own_chain_gives(tmp_path):
@@ -148,5 +149,5 @@ def test_a_tree_mask_gives_each_node_what_its_own_chain_gives(tmp_path):
             path = torch.from_numpy(tree.path_to(node))
             chain, _ = head(emb[:, path], feat[:, path], 10 + torch.arange(len(path)),
                             torch.ones(len(path), len(path), dtype=torch.bool).tril())
-            assert torch.allclose(logits[0, node], chain[0, -1], atol=1e-5), node
+            assert_close(logits[0, node], chain[0, -1], rel=1e-5, why=f"node {node}: tree pass vs its chain, fp32")
     assert logits.shape == (1, 7, 40)

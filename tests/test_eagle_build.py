@@ -35,7 +35,9 @@ from test_proposers import ALPHA  # noqa: E402
 def _layer(prefix, cfg, width_in, g, noise):
     H, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd, inter = cfg.get("head_dim") or H // heads, cfg["intermediate_size"]
-    r = lambda *shape: torch.randn(*shape, generator=g)
+    def r(*shape):
+        return torch.randn(*shape, generator=g)
+
     return {f"{prefix}self_attn.q_proj.weight": r(heads * hd, width_in) * 0.3,
             f"{prefix}self_attn.k_proj.weight": r(kv * hd, width_in) * 0.3,
             f"{prefix}self_attn.v_proj.weight": r(kv * hd, width_in) * 0.3,

@@ -89,7 +89,8 @@ def ranked(prev2, prev):
     return VOCAB[np.argsort(-np.asarray(TARGET, np.float64)[prev2, prev][VOCAB], kind="stable")]
 
 
-def oracle(tree=DynamicTree(top_k=2, depth=4, total_tokens=8)):
+def oracle(tree=None):
+    tree = tree or DynamicTree(top_k=2, depth=4, total_tokens=8)
     head = TabularEagleHead(TARGET, vocab_ids=VOCAB, top_k=3, capacity=256, max_tokens=16)
     return Oracle(head, tree, target_ids=np.arange(len(VOCAB)) + D2T)
 

@@ -39,8 +39,8 @@ def random_heads(rng, H, V, N, L=1, *, own=True, scale=0.1):
 def state_dict(blocks, projections, prefix=""):
     out = {}
     for h, head in enumerate(blocks):
-        for l, (w, b) in enumerate(head):
-            out[f"{prefix}{h}.{l}.linear.weight"], out[f"{prefix}{h}.{l}.linear.bias"] = w, b
+        for j, (w, b) in enumerate(head):
+            out[f"{prefix}{h}.{j}.linear.weight"], out[f"{prefix}{h}.{j}.linear.bias"] = w, b
         if projections[h] is not None:
             out[f"{prefix}{h}.{len(head)}.weight"] = projections[h]
     return out

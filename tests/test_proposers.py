@@ -35,15 +35,34 @@ def test_continuations_worked_examples():
     ctx = np.array([5, 7, 1, 2, 9, 5, 7])
     assert [c.tolist() for c in continuations(ctx, depth=3, ngram_max=2)] == [[1, 2, 9]]
     ctx = np.array([1, 2, 1, 3, 1, 4, 1])
-    # the 1-gram [1] occurred at 4, 2 and 0 (most recent first); 4 -> [4, 1], 2 -> [3, 1], 0 -> [2, 1]
+    # ngram_max 1: every match counts 1, so the nearest wins: [1] occurred at 4, 2 and 0 -> [4, 1], [3, 1], [2, 1]
     assert [c.tolist() for c in continuations(ctx, depth=2, ngram_max=1, branches=3)] == [[4, 1], [3, 1], [2, 1]]
-    # the longest n that matches wins: [4, 1] occurs once before ([... 1, 4, 1] vs [4, 1, 2])
+    # a longer match is worth an occurrence twice as far back: [.., 9, 1] at p = 2 (L 1, 1 - log2 3) against
+    # [4, 1] at p = 5 (L 2, 2 - log2 6): equal scores, the nearer first; one token further back the longer wins
     ctx = np.array([4, 1, 2, 9, 1, 4, 1])
-    assert [c.tolist() for c in continuations(ctx, depth=2, ngram_max=2, branches=2)] == [[2, 9]]
+    assert [c.tolist() for c in continuations(ctx, depth=2, ngram_max=2, branches=2)] == [[4, 1], [2, 9]]
+    ctx = np.array([4, 1, 2, 9, 1, 8, 4, 1])
+    assert [c.tolist() for c in continuations(ctx, depth=2, ngram_max=2, branches=2)] == [[2, 9], [8, 4]]
     assert continuations(np.array([1, 2, 3]), depth=3, ngram_max=2) == []
+    # ngram_min: only matches at least that long are candidates
+    assert [c.tolist() for c in continuations(ctx, depth=2, ngram_max=2, ngram_min=2, branches=2)] == [[2, 9]]
     # an occurrence overlapping the end continues periodically: the text is looping
     assert [c.tolist() for c in continuations(np.array([7, 7]), depth=4, ngram_max=3)] == [[7, 7, 7, 7]]
     assert [c.tolist() for c in continuations(np.array([1, 2, 3, 1, 2]), depth=4, ngram_max=2)] == [[3, 1, 2, 3]]
+
+
+def test_a_loop_that_just_began_beats_an_older_longer_match():
+    """The case a user saw (issue 33): [.., 473, 465, 465] once went on with 466s; now the text has started a
+    run of 465s. The longest match (the older [473, 465, 465]) proposed 466 466 466 466 and the round
+    accepted nothing; the run that just began wins now, until an older match is long enough to outweigh
+    its distance."""
+    old = [473, 465, 465, 466, 466, 466, 466]
+    ctx = np.array([1, 2, *old, *range(500, 520), 473, 465, 465])
+    assert continuations(ctx, depth=4, ngram_max=16)[0].tolist() == [465, 465, 465, 465]
+    # the same text with a long copy of the older passage (8 tokens matched): the copy goes on
+    copied = [30, 31, 32, 33, 34, 473, 465, 465]
+    ctx = np.array([1, *copied, 466, 466, *range(500, 520), *copied])
+    assert continuations(ctx, depth=4, ngram_max=16)[0].tolist() == [466, 466, 500, 501]
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
@@ -341,10 +360,12 @@ def test_draft_trees_through_the_pipeline_and_the_cli(built_llama, capsys):
         assert seen
         with pytest.raises(SpecexportError, match="sampled_children: only for draft trees"):
             pipe.generate(prompt_ids=[5], method="draft", sampled_children=True)
-    assert main(["generate", str(built_llama), "def f(x):", "--tree", "[[0],[1],[0,0]]", "--max-new-tokens", "6"]) == 0
-    assert main(["generate", str(built_llama), "def f(x):", "--tree", "small", "--sampled-children", "--temperature",
-                 "0.8", "--max-new-tokens", "6"]) == 0
-    assert main(["generate", str(built_llama), "x", "--tree", "[[0],", "--max-new-tokens", "6"]) == 1
+    draft = ["--method", "draft"]
+    assert main(["generate", str(built_llama), "def f(x):", *draft, "--tree", "[[0],[1],[0,0]]", "--max-new-tokens",
+                 "6"]) == 0
+    assert main(["generate", str(built_llama), "def f(x):", *draft, "--tree", "small", "--sampled-children",
+                 "--temperature", "0.8", "--max-new-tokens", "6"]) == 0
+    assert main(["generate", str(built_llama), "x", *draft, "--tree", "[[0],", "--max-new-tokens", "6"]) == 1
     assert "--tree: not a JSON list of rank paths" in capsys.readouterr().err
 
 

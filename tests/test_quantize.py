@@ -246,9 +246,9 @@ def test_per_model_precisions_and_clear_runtime_errors(rebuild, quant_fields, ca
         specexport.load(out, precision="int2")
 
     capsys.readouterr()
-    assert main(["generate", str(out), "def", "--precision", "int8", "--draft-precision", "int4",
+    assert main(["generate", str(out), "def", "--method", "draft", "--precision", "int8", "--draft-precision", "int4",
                  "--max-new-tokens", "6"]) == 0
-    assert main(["generate", str(out), "def", "--precision", "int8", "--max-new-tokens", "6"]) == 1
+    assert main(["generate", str(out), "def", "--method", "draft", "--precision", "int8", "--max-new-tokens", "6"]) == 1
     assert "error: draft_precision: 'int8' was not built for the draft" in capsys.readouterr().err
 
 

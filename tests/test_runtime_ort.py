@@ -20,6 +20,7 @@ from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.proposers import DraftChain
 from specexport.runtime.sampling import SamplingParams
 from specexport.runtime.tree import Tree
+from close import assert_close
 
 CAPACITY = 320
 
@@ -128,13 +129,13 @@ def test_min_tokens_pads_small_calls_and_changes_no_result(built_long, tmp_path)
                         (np.array([44, 45]), "decode"), (np.array([46]), "decode")):
         a, b = plain.forward(step, phase=phase), padded.forward(step, phase=phase)
         assert a.logits.shape == b.logits.shape and a.hidden.shape == b.hidden.shape
-        np.testing.assert_allclose(np.array(a.logits), np.array(b.logits), rtol=1e-5, atol=1e-5)
+        assert_close(b.logits, a.logits, rel=1e-5, why=f"{phase} padded to 2 rows vs not: other kernels, fp32")
         plain.commit(len(step)), padded.commit(len(step))
     assert min(seen) == 2 and len(seen) == 5
     tree = Tree(np.array([-1]))                                    # a one-node "tree" (root only) pads too
     a = plain.forward(np.array([47]), depths=tree.depths, tree_mask=tree.mask)
     b = padded.forward(np.array([47]), depths=tree.depths, tree_mask=tree.mask)
-    np.testing.assert_allclose(np.array(a.logits), np.array(b.logits), rtol=1e-5, atol=1e-5)
+    assert_close(b.logits, a.logits, rel=1e-5, why="a padded one-node tree vs not: other kernels, fp32")
     # the pipeline reads min_tokens from the manifest; greedy output is unchanged, up to the capacity
     copy = tmp_path / "build"
     shutil.copytree(built_long, copy)
@@ -156,19 +157,22 @@ def test_tree_commit_compacts_the_accepted_path(built_long):
     prompt = np.array([1, 50, 60, 70, 80, 90])
     tree = Tree(np.array([-1, 0, 0, 1, 2, 2, 4]))          # root, 2 children, ...
     tokens = np.array([prompt[-1], 11, 12, 13, 14, 15, 16])
-    a.forward(prompt[:-1]); a.commit(len(prompt) - 1)
+    a.forward(prompt[:-1])
+    a.commit(len(prompt) - 1)
     a.forward(tokens, depths=tree.depths, tree_mask=tree.mask)
     path = tree.path_to(6)                                    # [0, 2, 4, 6]
     a.commit(path)
     chain = np.concatenate([prompt, tokens[path[1:]]])
-    b.forward(chain); b.commit(len(chain))
+    b.forward(chain)
+    b.commit(len(chain))
     assert a.length == b.length == len(chain)
     nxt = np.array([33, 34])
     la, lb = np.array(a.forward(nxt).logits), np.array(b.forward(nxt).logits)
-    np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-5)
+    assert_close(la, lb, rel=1e-5, why="after a compacted tree commit vs a chain: the same KV rows, fp32")
     # and a wrong compaction (committing the path's rows without moving them) differs
     c = _backend(built_long, "target")
-    c.forward(prompt[:-1]); c.commit(len(prompt) - 1)
+    c.forward(prompt[:-1])
+    c.commit(len(prompt) - 1)
     c.forward(tokens, depths=tree.depths, tree_mask=tree.mask)
     c.commit(len(path))
     assert np.abs(np.array(c.forward(nxt).logits) - lb).max() > 1e-3
@@ -258,9 +262,17 @@ def test_vanilla_only_build_refuses_draft(built_long, tmp_path, pipe):
 
 
 def test_cli_generate(built_long, capsys):
-    assert main(["generate", str(built_long), "def fib(n):", "--max-new-tokens", "12", "--gamma", "3"]) == 0
+    assert main(["generate", str(built_long), "def fib(n):", "--max-new-tokens", "12", "--method", "draft", "--gamma",
+                 "3"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("def fib(n):") and "acceptance" in captured.err
+    # without --method, a γ is refused with a line saying why (the default, auto, takes the build's settings)
+    assert main(["generate", str(built_long), "x", "--gamma", "3"]) == 1
+    assert "--gamma: name the method it is for" in capsys.readouterr().err
+    # the default method: the build's bench choice (built_long was built without --no-bench)
+    assert main(["generate", str(built_long), "def fib(n):", "--max-new-tokens", "12"]) == 0
+    err = capsys.readouterr().err
+    assert "--method auto: " in err and ("[vanilla (auto)]" in err or "[auto]" in err), err
     assert main(["generate", str(built_long), "x", "--top-p", "2"]) == 1
     assert "top_p" in capsys.readouterr().err
 

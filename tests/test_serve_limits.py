@@ -98,6 +98,19 @@ def slowed(pipe, seconds: float):
     return pipe
 
 
+def gated(pipe) -> threading.Event:
+    """Every target forward waits for the returned event (set it to let decoding go on): a test holds the
+    decode thread where it wants it instead of racing a sleep."""
+    forward, gate = pipe.target.forward, threading.Event()
+
+    def held(*args, **kwargs):
+        assert gate.wait(timeout=60), "the test never opened the gate"
+        return forward(*args, **kwargs)
+
+    pipe.target.forward = held
+    return gate
+
+
 def wait_for(condition, what: str, timeout: float = 10):
     deadline = time.monotonic() + timeout
     while not condition():
@@ -250,12 +263,19 @@ def test_unknown_paths_and_methods_use_the_error_shape(small):
 
 
 def test_a_full_queue_is_a_429_with_retry_after(build):
-    s = LiveServer(create_app(slowed(specexport.load(build), 0.02), method="vanilla", limits=Limits(max_queue=1)))
+    pipe = specexport.load(build)
+    gate = gated(pipe)                                                    # decoding stops until the test says
+    s = LiveServer(create_app(pipe, method="vanilla", limits=Limits(max_queue=1)))
     try:
-        running = s.client.completions.create(model="tiny-llama", prompt="def f():", max_tokens=25, temperature=0,
-                                              stream=True)
-        next(iter(running))                                                # decoding now
-        with ThreadPoolExecutor(2) as pool:
+        def rejected() -> float:
+            page = metric_values(httpx.get(f"{s.url}/metrics").text)
+            return page.get(("specexport_requests_total",
+                             frozenset({("endpoint", "/v1/completions"), ("status", "429")})), 0)
+
+        with ThreadPoolExecutor(3) as pool:
+            running = pool.submit(s.openai().completions.create, model="tiny-llama", prompt="def f():",
+                                  max_tokens=25, temperature=0)
+            wait_for(lambda: s.worker.pending == 1 and s.worker.waiting == 0, "the first request to run")
             queued = pool.submit(s.openai().completions.create, model="tiny-llama", prompt="x = [", max_tokens=5,
                                  temperature=0)
             wait_for(lambda: s.worker.waiting == 1, "the second request to queue")
@@ -264,15 +284,18 @@ def test_a_full_queue_is_a_429_with_retry_after(build):
             assert err.value.status_code == 429 and set(err.value.body) == SHAPE
             assert err.value.body["code"] == "queue_full" and "--max-queue 1" in err.value.body["message"]
             assert int(err.value.response.headers["retry-after"]) >= 1
-            # the openai client's own retry honours Retry-After and gets through once there is room
+            # the openai client's own retry honours Retry-After and gets through once there is room: its first
+            # try is refused while the gate holds both requests, then the gate opens
             patient = pool.submit(s.openai(max_retries=3).completions.create, model="tiny-llama", prompt="y",
                                   max_tokens=2)
-            assert "".join(c.choices[0].text for c in running) is not None
-            assert queued.result(timeout=30).usage.completion_tokens >= 1
-            assert patient.result(timeout=30).usage.completion_tokens >= 1
-        page = metric_values(httpx.get(f"{s.url}/metrics").text)
-        assert page[("specexport_requests_total", frozenset({("endpoint", "/v1/completions"), ("status", "429")}))] >= 2
+            wait_for(lambda: rejected() == 2, "the patient client's first try to be refused")
+            gate.set()
+            assert running.result(timeout=60).usage.completion_tokens >= 1
+            assert queued.result(timeout=60).usage.completion_tokens >= 1
+            assert patient.result(timeout=60).usage.completion_tokens >= 1
+        assert rejected() == 2
     finally:
+        gate.set()
         s.stop()
 
 

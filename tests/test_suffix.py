@@ -133,7 +133,7 @@ def test_greedy_suffix_equals_plain_greedy_with_a_warm_cache():
     proposer = SuffixProposer(15, cache=cache)
     rng = np.random.default_rng(5)
     accepted = shared = 0
-    for i in range(30):
+    for _ in range(30):
         prompt = rng.integers(0, V, size=int(rng.integers(1, 12)))
         stats, seq = DecodeStats(), list(prompt)
         for chunk in decode(target, proposer, prompt, max_new_tokens=100, params=SamplingParams(0.0),

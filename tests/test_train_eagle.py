@@ -11,6 +11,7 @@ import shutil
 
 import numpy as np
 import pytest
+from close import assert_close
 
 torch = pytest.importorskip("torch")
 
@@ -104,7 +105,7 @@ def _assert_reference_equals_module(w: EagleWeights):
             with torch.no_grad():
                 pairs = zip(ours(emb, feat, pos, mask, lm, own_hidden=own), ref(emb, feat, pos, mask, lm, own_hidden=own))
                 for a, b in pairs:
-                    assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+                    assert_close(a, b, rel=1e-5, why="the trainer's head vs the export's: fp32, other kernels")
 
 
 def test_eagle3_with_a_draft_vocabulary_learns_and_is_the_published_layout(eagle3_run, chat_target):
@@ -210,8 +211,8 @@ def test_unrolled_steps_are_what_inference_computes(version, target):
                     emb, feat = torch.cat([emb, nxt], 1), torch.cat([feat, hidden[:, -1:]], 1)
                 logits, hidden = ref(emb, feat, torch.arange(i + 1), torch.ones(i + 1, i + 1, dtype=torch.bool).tril(),
                                      lm, own_hidden=version == 3)
-                assert torch.allclose(outs[s][0][0, i], logits[0, -1], atol=1e-5), (s, i, drafted)
-                assert torch.allclose(outs[s][1][0, i], hidden[0, -1], atol=1e-5), (s, i, drafted)
+                assert_close(outs[s][0][0, i], logits[0, -1], rel=1e-5, why=f"logits {(s, i, drafted)}: fp32")
+                assert_close(outs[s][1][0, i], hidden[0, -1], rel=1e-5, why=f"hidden {(s, i, drafted)}: fp32")
 
 
 def test_fingerprints_of_existing_runs_do_not_change(target, corpus, tmp_path):

@@ -28,13 +28,15 @@ class Reporter:
 
     @contextmanager
     def stage(self, label: str):
+        """While a step runs: a live line with the time spent (and, once the step gives the yielded Steps a
+        total, its progress and the time left); then one line with the time it took."""
+        from specexport._console import progress
+
         start = time.perf_counter()
-        if self.quiet:
-            yield
-            return
-        with self.console.status(f"[bold]{label}[/] ..."):
-            yield
-        self.console.print(f"[green]✓[/] {label} [dim]({time.perf_counter() - start:.1f} s)[/]")
+        with progress(None if self.quiet else self.console, f"{label} ...") as steps:
+            yield steps
+        if not self.quiet:
+            self.console.print(f"[green]✓[/] {label} [dim]({time.perf_counter() - start:.1f} s)[/]")
 
     def note(self, text: str) -> None:
         if not self.quiet:
@@ -104,9 +106,9 @@ def eval_sequences(ctx: BuildContext, mp, fp32_session, *, graph: str = "fp32 gr
         return text_sequences(plan.eval_ids, bos=bos, length=length), text
     samples = ctx.samples.setdefault(mp.role, {})
     if "sequences" not in samples:
-        with ctx.reporter.stage(f"sample eval sequences from the {mp.role} {graph}"):
+        with ctx.reporter.stage(f"sample eval sequences from the {mp.role} {graph}") as steps:
             samples["sequences"] = sampled_sequences(fp32_session, mp.io, start=bos, length=length,
-                                                     ids=mp.vocab_ids)
+                                                     ids=mp.vocab_ids, steps=steps)
     text = {"source": "sampled", "seed": SAMPLE_SEED, "temperature": SAMPLE_TEMPERATURE,
             "description": f"sequences sampled from the {mp.role} {graph} (no eval_text; seed {SAMPLE_SEED}, "
                            f"temperature {SAMPLE_TEMPERATURE})", "label": "sampled sequences"}

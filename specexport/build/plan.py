@@ -118,21 +118,7 @@ class Plan:
 
 def plan_build(cfg: BuildConfig, *, console=None) -> Plan:
     """console: a rich Console for progress lines (converting a GGUF model takes tens of seconds)."""
-    from specexport.config import check_output_apart
-    from specexport.build.outdir import check_output
-
-    check_output_apart(cfg)                      # before anything is written: inputs and output apart
-    check_output(cfg.output)
-    if "tensorrt" in cfg.backends:               # before any work: one line naming what is missing
-        import importlib.util
-
-        from specexport._tensorrt import require_engines
-
-        require_engines("backends: tensorrt")
-        if importlib.util.find_spec("onnxruntime_extensions") is None:
-            raise SpecexportError("backends: tensorrt: the engine graph's CPU check needs onnxruntime-extensions: "
-                                  "pip install 'specexport[quant]'")
-    _check_quantizers(cfg)
+    check_before_work(cfg)
     cfg = _with_gguf_converted(cfg, console)
     target = _plan_model(cfg.target, cfg)
     eagle = _plan_eagle(cfg.eagle, target) if cfg.eagle is not None else None
@@ -159,6 +145,40 @@ def plan_build(cfg: BuildConfig, *, console=None) -> Plan:
     return Plan(config=cfg, models=tuple(models), tokenizer_files=tok_files, special_tokens=special,
                 eval_ids=_text_ids(cfg, cfg.eval_text, "eval_text"),
                 calibration_ids=_text_ids(cfg, cfg.calibration_text, "calibration_text"), heads=heads)
+
+
+def check_before_work(cfg: BuildConfig) -> None:
+    """What is checked before anything is read at length or written: inputs and output apart, the output
+    folder usable, the optional packages the config needs. Raises SpecexportError naming the problem."""
+    from specexport.build.outdir import check_output
+    from specexport.config import check_output_apart
+
+    check_output_apart(cfg)
+    check_output(cfg.output)
+    if "tensorrt" in cfg.backends:               # one line naming what is missing
+        import importlib.util
+
+        from specexport._tensorrt import require_engines
+
+        require_engines("backends: tensorrt")
+        if importlib.util.find_spec("onnxruntime_extensions") is None:
+            raise SpecexportError("backends: tensorrt: the engine graph's CPU check needs onnxruntime-extensions: "
+                                  "pip install 'specexport[quant]'")
+    _check_quantizers(cfg)
+
+
+def pending_conversions(cfg: BuildConfig) -> list[tuple[str, Path, Path]]:
+    """(role, GGUF file, the folder it would be converted into) for each model given as a GGUF file whose
+    conversion is not made yet: what `build --dry-run` names instead of converting."""
+    from specexport.export.gguf import converted_folder
+
+    pending = []
+    for mc in cfg.models:
+        if mc.gguf is not None and mc.path == mc.gguf:
+            dest, made = converted_folder(mc.gguf, weights=not mc.lean)
+            if not made:
+                pending.append((mc.role, mc.gguf, dest))
+    return pending
 
 
 def _with_gguf_converted(cfg: BuildConfig, console) -> BuildConfig:

@@ -93,10 +93,16 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
                       rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers,
                       llama_cpp=Path(llama_cpp) if llama_cpp else None, llama_cpp_n_max=llama_cpp_n_max,
                       peer_families=_peer_families(peer_families), workload=workload)
-    report = run_bench(cfg, log=lambda m: click.echo(m, err=True))
+    from specexport._console import console, progress
     from specexport.report.render import render_markdown
 
+    err = console(stderr=True)
+    with progress(err, "bench: timed runs") as steps:
+        report = run_bench(cfg, log=lambda m: err.print(m, markup=False, highlight=False), steps=steps)
     click.echo(render_markdown(report))
+    folder = cfg.out or cfg.output_dir / "bench"
+    files = ["report.md", "report.json", *(Path(p).name for p in report.get("plots", []))]
+    click.echo(f"report written to {folder}/: {', '.join(files)}", err=True)
 
 
 def _peer_families(names) -> tuple[str, ...] | None:

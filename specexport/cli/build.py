@@ -25,6 +25,8 @@ def build(config, dry_run, force, only, bench, verbose):
     from specexport._console import console as make_console
 
     cfg = load_config(config)
+    if dry_run and _print_pending(cfg):
+        return
     plan = plan_build(cfg, console=make_console(stderr=True))
     _print_plan(plan)
     if dry_run:
@@ -37,16 +39,40 @@ def build(config, dry_run, force, only, bench, verbose):
         _print_quick_bench(cfg)
 
 
+def _print_pending(cfg) -> bool:
+    """--dry-run with GGUF models not converted yet: check what can be checked, name what a build would
+    convert and where, convert nothing. False when there is nothing pending (the full plan prints)."""
+    from specexport._console import console as make_console
+    from specexport.build.plan import check_before_work, pending_conversions
+
+    pending = pending_conversions(cfg)
+    if not pending:
+        return False
+    check_before_work(cfg)
+    console = make_console(stderr=True)
+    console.print(f"[bold]plan[/] {cfg.name} -> {cfg.output}  (max_seq_len {cfg.max_seq_len}, "
+                  f"verify up to {cfg.max_verify_tokens} tokens)")
+    for role, gguf, dest in pending:
+        console.print(f"  {role}: {gguf} is a GGUF file not converted yet; a build converts it once "
+                      f"({gguf.stat().st_size / 1e6:.0f} MB) into {dest}")
+    console.print("  a dry run converts nothing: the stages are planned once the conversion is made "
+                  "(`specexport build` makes it first)")
+    return True
+
+
 def _print_quick_bench(cfg) -> None:
     from specexport._console import console as make_console
     from rich.table import Table
 
     from specexport.report.bench import quick_bench, short_table
 
+    from specexport._console import progress
     from specexport.errors import SpecexportError
 
     try:
-        report = quick_bench(cfg.output, max_verify_tokens=cfg.max_verify_tokens, log=lambda m: None)
+        with progress(make_console(stderr=True), "short latency report (every method the build can run)") as steps:
+            report = quick_bench(cfg.output, max_verify_tokens=cfg.max_verify_tokens, log=lambda m: None,
+                                 steps=steps)
     except SpecexportError as err:          # the build itself succeeded; say why there is no report
         make_console(stderr=True).print(f"[yellow]latency report skipped:[/] {err}")
         return
@@ -87,8 +113,8 @@ def _print_summary(manifest: dict, output) -> None:
     console.print(checks_table(manifest, title=f"built {manifest['name']} -> {output}", build_columns=True))
     rss = manifest.get("build_peak_rss_bytes")
     if rss:
-        console.print(f"peak memory (RSS): {rss['process'] / 2**30:.2f} GiB in the build process, "
-                      f"{rss['children'] / 2**30:.2f} GiB in export child processes")
+        children = f", {rss['children'] / 2**30:.2f} GiB in export child processes" if rss["children"] else ""
+        console.print(f"peak memory (RSS): {rss['process'] / 2**30:.2f} GiB in the build process{children}")
 
 
 def checks_table(manifest: dict, *, title: str | None = None, build_columns: bool = False):

@@ -8,12 +8,14 @@ import click
 @click.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.argument("prompt")
-@click.option("--method", default="draft", show_default=True,
-              help="vanilla | draft (a draft model) | lookup (prompt lookup: copies from earlier text, target only) "
-                   "| suffix (suffix decoding: trees of what followed the longest earlier match, target only) | medusa (the build's Medusa heads) | eagle (the build's EAGLE head) | auto (what `specexport "
-                   "bench` measured fastest)")
-@click.option("--gamma", default="4", show_default=True,
-              help="Draft tokens proposed per round, or 'auto' (the γ `specexport bench` measured best).")
+@click.option("--method", default=None,
+              help="auto (the default: what the build's bench measured fastest; vanilla when it measured nothing) | vanilla | "
+                   "draft (a draft model) | lookup (prompt lookup: copies from earlier text, target only) | suffix "
+                   "(suffix decoding: trees of what followed the longest earlier match, target only) | medusa (the "
+                   "build's Medusa heads) | eagle (the build's EAGLE head)")
+@click.option("--gamma", default=None,
+              help="Tokens proposed per round (default: what the build's bench measured for the method, else 4), "
+                   "or 'auto' (the γ `specexport bench` predicted best for the draft).")
 @click.option("--tree", default=None,
               help="Draft a static token tree instead of a chain: small | wide | deep, or JSON rank paths "
                    "like '[[0],[1],[0,0]]'. With --method medusa: auto (the default: the tree "
@@ -32,7 +34,9 @@ import click
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--precision", default=None, help="The target's precision (default: fp32, or gguf in a lean build).")
 @click.option("--draft-precision", default=None, help="The draft's precision (default: --precision).")
-@click.option("--threads", default=None, type=int, help="Target's ONNX Runtime intra-op threads (default: all cores).")
+@click.option("--threads", default=None, type=int,
+              help="Target's ONNX Runtime intra-op threads (default: the threads and spinning the build's bench "
+                   "measured fastest, else all cores).")
 @click.option("--draft-threads", default=1, show_default=True, type=int, help="Draft's intra-op threads.")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, or cuda / cuda:N: ONNX Runtime's CUDA execution provider (onnxruntime-gpu).")
@@ -44,10 +48,27 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
              precision, draft_precision, threads, draft_threads, device, stop, chat, compare, verbose):
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
+    from specexport.runtime.methods import resolve_default_method
+    from specexport.runtime.pipeline import MEASURED
 
-    pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision, threads=threads,
-                           draft_threads=draft_threads, **({"device": device} if device != "cpu" else {}))
-    gamma = gamma if gamma == "auto" else _int_gamma(gamma)
+    pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision,
+                           threads=MEASURED if threads is None else threads, draft_threads=draft_threads,
+                           **({"device": device} if device != "cpu" else {}))
+    notes = []
+    if method is None:
+        given = [flag for flag, v in (("--gamma", gamma), ("--tree", tree), ("--sampled-children", sampled_children),
+                                      ("--draft-stop", draft_stop)) if v]
+        if given:
+            from specexport.errors import SpecexportError
+
+            raise SpecexportError(f"{given[0]}: name the method it is for (--method draft, lookup, medusa or eagle); "
+                                  f"the default, --method auto, takes its settings from the build's bench")
+        method = "auto"
+    if method == "auto":
+        method, note = resolve_default_method(pipe, method)    # no measured choice: vanilla, and the line says why
+        if method == "vanilla":
+            notes.append(note)
+    gamma = gamma if gamma in ("auto", None) else _int_gamma(gamma)
     tree = _tree(tree)
     shown, prompt = prompt, {"prompt_ids": pipe.chat_ids(prompt)} if chat else {"prompt": prompt}
     pieces = pipe.stream(**prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma, draft_stop=draft_stop,
@@ -59,14 +80,17 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
         click.echo(piece, nl=False)
     out = pipe.last_output
     s = out.stats
+    click.echo("")                      # the text's last line ends before any note
     if pipe.auto_note:
-        click.secho(f"--{'method' if method == 'auto' else 'gamma'} auto: {pipe.auto_note}", fg="yellow", err=True)
-    click.echo("")
+        notes.append(f"--{'method' if method == 'auto' else 'gamma'} auto: {pipe.auto_note}")
+    for note in notes:
+        click.secho(note, fg="yellow", err=True)
     label = method if s.gamma or method == "vanilla" else "vanilla (auto)"
     line = (f"[{label}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.tokens_per_second:.1f} tok/s, "
             f"TTFT {s.ttft_s * 1e3:.1f} ms, TPOT {s.tpot_s * 1e3:.2f} ms")
     if s.proposed:
-        shape = f"tree depth {s.gamma}" if method in ("medusa", "eagle") or tree is not None else f"γ={s.gamma}"
+        shape = (f"tree depth {s.gamma}" if method in ("medusa", "eagle") or tree is not None else
+                 f"trees up to {s.gamma} nodes" if method == "suffix" else f"γ={s.gamma}")
         line += (f", {shape}, acceptance {s.acceptance_rate:.2f}, "
                  f"{s.mean_accepted_tokens:.2f} tokens per target pass")
     click.secho(line, fg="cyan", err=True)
@@ -103,14 +127,18 @@ def _int_gamma(text: str) -> int:
 def _compare(pipe, prompt, kwargs, method, repeats: int = 10) -> None:
     """Interleave vanilla and speculative runs of the same request (after one untimed run of each);
     print decode-time tokens/s, the ratio and its 95% paired-bootstrap interval."""
+    from specexport._console import console, progress
     from specexport.report.accounting import speedup_interval, throughput
 
     runs = {"vanilla": [], method: []}
-    for i in range(repeats + 1):
-        for m in runs:
-            stats = pipe.generate(**prompt, method=m, **kwargs).stats
-            if i:                                   # the first pair warms the sessions up
-                runs[m].append(stats)
+    label = f"--compare: timing vanilla and {method}, {repeats} interleaved runs each after a warm-up pair"
+    with progress(console(stderr=True), label, total=2 * (repeats + 1)) as steps:
+        for i in range(repeats + 1):
+            for m in runs:
+                stats = pipe.generate(**prompt, method=m, **kwargs).stats
+                if i:                               # the first pair warms the sessions up
+                    runs[m].append(stats)
+                steps.advance()
     v, s = throughput(runs["vanilla"]), throughput(runs[method])
     if not v or not s:
         click.secho("speedup: not measurable (the output has a single token)", fg="yellow", err=True)

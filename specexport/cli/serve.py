@@ -60,7 +60,7 @@ class ByteSize(click.ParamType):
               help="Keep the cache of earlier answers that --method suffix reads in this file: loaded at start "
                    "(a damaged file: a warning and an empty cache), written atomically at shutdown.")
 @click.option("--suffix-cache-tokens", default=500_000, show_default=True, type=click.IntRange(min=0),
-              help="The suffix cache's bound in tokens (oldest answers evicted first; ~80 bytes a token).")
+              help="The suffix cache's bound in tokens (oldest answers evicted first; about 55 bytes a token).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specexport._console import Steps, progress
 from specexport._optional import require
 from specexport.config import GGUF_MAGIC as MAGIC, gguf_cache_root, is_gguf  # noqa: F401  (is_gguf: this module's API too)
 from specexport.errors import MissingDependency, SpecexportError
@@ -54,12 +55,10 @@ def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None, weights: boo
     tokenizer mismatch that cannot be fixed; MissingDependency when `gguf`/`accelerate` is missing.
     """
     path = Path(gguf_path).expanduser().resolve()
-    if not is_gguf(path):
-        raise SpecexportError(f"{path}: not a GGUF file (it must exist and start with the bytes {MAGIC!r})")
-    root, sha = _cache_root(cache_dir), _sha256(path)
-    dest = root / f"{path.stem}-{sha[:16]}{'' if weights else '-config'}"
-    if (dest / RECORD).is_file():
+    dest, made = converted_folder(path, cache_dir=cache_dir, weights=weights)
+    if made:
         return dest
+    root, sha = dest.parent, _sha256(path)
     root.mkdir(parents=True, exist_ok=True)
     with require("filelock").FileLock(str(root / f".{dest.name}.lock")):
         if (dest / RECORD).is_file():                  # another process converted it while we waited
@@ -74,13 +73,13 @@ def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None, weights: boo
                                       f"move it away (it is where {path.name} is converted to)")
         partial = owned.fresh(root, f".{dest.name}.partial-", by=BY)
         start = time.perf_counter()
+        what = "a Hugging Face checkpoint" if weights else "a Hugging Face config and tokenizer (no weights)"
         if console is not None:
-            what = ("a Hugging Face checkpoint", "35-45 s for 100 MB on 2 cores") if weights else \
-                ("a Hugging Face config and tokenizer (no weights)", "seconds")
-            console.print(f"Converting {path.name} ({path.stat().st_size / 1e6:.0f} MB GGUF) to {what[0]} in "
-                          f"{dest} (once; {what[1]}) ...")
+            console.print(f"Converting {path.name} ({path.stat().st_size / 1e6:.0f} MB GGUF) to {what} in "
+                          f"{dest} (once) ...")
         try:
-            record = _convert(path, partial, weights=weights)
+            with progress(console, f"converting {path.name}") as steps:
+                record = _convert(path, partial, weights=weights, steps=steps)
             record.update(gguf_file=path.name, sha256=sha)
             (partial / RECORD).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
             owned.seal(partial)
@@ -90,6 +89,16 @@ def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None, weights: boo
     if console is not None:
         console.print(f"[green]✓[/] {dest} [dim]({time.perf_counter() - start:.1f} s)[/]")
     return dest
+
+
+def converted_folder(gguf_path, *, cache_dir=None, weights: bool = True) -> tuple[Path, bool]:
+    """(the folder `gguf_path` is converted into, whether that conversion is made): reads the file's bytes
+    for its sha256, writes nothing."""
+    path = Path(gguf_path).expanduser().resolve()
+    if not is_gguf(path):
+        raise SpecexportError(f"{path}: not a GGUF file (it must exist and start with the bytes {MAGIC!r})")
+    dest = _cache_root(cache_dir) / f"{path.stem}-{_sha256(path)[:16]}{'' if weights else '-config'}"
+    return dest, (dest / RECORD).is_file()
 
 
 def _cache_root(cache_dir) -> Path:
@@ -112,15 +121,21 @@ def _require(name: str, path: Path):
                                 f"pip install 'specexport[export]'") from err
 
 
-def _convert(path: Path, out: Path, *, weights: bool = True) -> dict:
-    """Write the plain checkpoint and the checked tokenizer into `out`; returns what the checks found."""
+def _convert(path: Path, out: Path, *, weights: bool = True, steps=None) -> dict:
+    """Write the plain checkpoint and the checked tokenizer into `out`; returns what the checks found.
+    steps: _console.Steps, told what is being read (and, with weights, each tensor written)."""
+    steps = steps or Steps()
+    steps.say(f"{path.name}: reading its metadata")
     meta = _read_metadata(path)
     transformers = require("transformers")
     _require("accelerate", path)                   # transformers' from_pretrained(gguf_file=) insists on it
     try:
+        steps.say(f"{path.name}: building its tokenizer (transformers)")
         tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        steps.say(f"{path.name}: reading its config (transformers)")
         config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-        parameters = _write_weights(path, config, out) if weights else _check_names(path, config)
+        steps.say(f"{path.name}: {'writing' if weights else 'mapping'} its tensors")
+        parameters = _write_weights(path, config, out, steps) if weights else _check_names(path, config)
     except (ValueError, KeyError, TypeError, NotImplementedError, RuntimeError, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SpecexportError(f"{path}: transformers {transformers.__version__} cannot read this GGUF "
@@ -134,6 +149,7 @@ def _convert(path: Path, out: Path, *, weights: bool = True) -> dict:
     if meta["chat_template"] and tok.chat_template != meta["chat_template"]:
         tok.chat_template = meta["chat_template"]
         fixes.append({"fix": "copied tokenizer.chat_template"})
+    steps.say(f"{path.name}: checking the tokenizer against the file's metadata")
     tok.save_pretrained(out)
     fixes += _fix_tokenizer_files(out, meta)
     checked = _check_tokenizer(transformers.AutoTokenizer.from_pretrained(out), meta, path)  # as users load it
@@ -166,7 +182,7 @@ def _check_names(path: Path, config) -> int:
     return sum(int(np.prod(weights.shapes[hf])) for hf in weights.names)
 
 
-def _write_weights(path: Path, config, out: Path) -> int:
+def _write_weights(path: Path, config, out: Path, steps) -> int:
     """The file's tensors dequantized to float32, named and ordered as transformers loads them, written in
     safetensors shards of at most SHARD_BYTES: one tensor and one shard in memory at a time, where loading
     the whole model through transformers held about three fp32 copies (the 1.5B: 7 GB each). One file,
@@ -185,9 +201,11 @@ def _write_weights(path: Path, config, out: Path) -> int:
     files = (["model.safetensors"] if len(sizes) == 1 else
              [f"model-{i + 1:05d}-of-{len(sizes):05d}.safetensors" for i in range(len(sizes))])
     shard, index, count = {}, {}, 0
+    steps.total(len(tensors))
     for n, hf in enumerate(tensors):
         shard[hf] = weights.get(hf)
         count += shard[hf].size
+        steps.advance()
         if n + 1 == len(tensors) or shard_of[n + 1] != shard_of[n]:
             save_file(shard, str(out / files[shard_of[n]]), metadata={"format": "pt"})
             index.update({k: files[shard_of[n]] for k in shard})

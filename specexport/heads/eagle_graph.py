@@ -56,8 +56,10 @@ def graph_module(w: EagleWeights, embed: np.ndarray, lm_head: np.ndarray | None,
             inv_freq, scale = rope_frequencies(cfg, self.head_dim)
             self.rope_scale = scale
             self.register_buffer("inv_freq", torch.from_numpy(inv_freq), persistent=False)
-            frozen = lambda a: nn.Parameter(torch.as_tensor(np.ascontiguousarray(a), dtype=torch.float32),
-                                            requires_grad=False)
+            def frozen(a):
+                return nn.Parameter(torch.as_tensor(np.ascontiguousarray(a), dtype=torch.float32),
+                                    requires_grad=False)
+
             self.embed = frozen(embed)                                        # [V, H]
             if w.version == 1:                                                # tied: one tensor, not two
                 self.lm_head = self.embed if lm_head is embed else frozen(lm_head)

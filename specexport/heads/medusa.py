@@ -88,10 +88,10 @@ def load_medusa(path: Path, *, hidden_size: int, vocab_size: int) -> MedusaWeigh
             raise SpecexportError(f"{where}: head {h} has layers {sorted(layers)}; expected residual blocks "
                                   f"0..L-1 and optionally the projection L")
         head = []
-        for l in range(n_blocks):
-            w, b = layers[l].get("linear.weight"), layers[l].get("linear.bias")
-            _shape(where, f"{h}.{l}.linear.weight", w, (hidden_size, hidden_size))
-            _shape(where, f"{h}.{l}.linear.bias", b, (hidden_size,))
+        for j in range(n_blocks):
+            w, b = layers[j].get("linear.weight"), layers[j].get("linear.bias")
+            _shape(where, f"{h}.{j}.linear.weight", w, (hidden_size, hidden_size))
+            _shape(where, f"{h}.{j}.linear.bias", b, (hidden_size,))
             head.append((w, b))
         blocks.append(tuple(head))
         proj = layers.get(n_blocks, {}).get("weight")
@@ -167,8 +167,8 @@ def reference_module(weights: MedusaWeights, lm_head: np.ndarray | None):
                                          nn.Linear(H, V, bias=False)) for _ in range(weights.num_heads)])
     state = {}
     for h, (blocks, proj) in enumerate(zip(weights.blocks, weights.projections)):
-        for l, (w, b) in enumerate(blocks):
-            state[f"{h}.{l}.linear.weight"], state[f"{h}.{l}.linear.bias"] = torch.from_numpy(w), torch.from_numpy(b)
+        for j, (w, b) in enumerate(blocks):
+            state[f"{h}.{j}.linear.weight"], state[f"{h}.{j}.linear.bias"] = torch.from_numpy(w), torch.from_numpy(b)
         state[f"{h}.{weights.num_layers}.weight"] = torch.from_numpy(lm_head if proj is None else proj)
     heads.load_state_dict(state)
     return heads.eval()
@@ -184,10 +184,10 @@ def graph_module(weights: MedusaWeights, lm_head: np.ndarray | None, top_k: int)
             super().__init__()
             L = weights.num_layers
             # [L, N, H, H] so that x [.., N, 1, H] @ W[l] is each head's Linear (weights are [out, in])
-            self.w = nn.Parameter(torch.from_numpy(np.stack([[blocks[l][0].T for blocks in weights.blocks]
-                                                              for l in range(L)]).copy()), requires_grad=False)
-            self.b = nn.Parameter(torch.from_numpy(np.stack([[blocks[l][1] for blocks in weights.blocks]
-                                                              for l in range(L)])[:, :, None, :].copy()),
+            self.w = nn.Parameter(torch.from_numpy(np.stack([[blocks[j][0].T for blocks in weights.blocks]
+                                                              for j in range(L)]).copy()), requires_grad=False)
+            self.b = nn.Parameter(torch.from_numpy(np.stack([[blocks[j][1] for blocks in weights.blocks]
+                                                              for j in range(L)])[:, :, None, :].copy()),
                                   requires_grad=False)                                       # [L, N, 1, H]
             shared = weights.projections[0] is None
             proj = lm_head.T[None] if shared else np.stack([p.T for p in weights.projections])   # [1|N, H, V]
@@ -196,8 +196,8 @@ def graph_module(weights: MedusaWeights, lm_head: np.ndarray | None, top_k: int)
         def forward(self, hidden):
             B, T, H = hidden.shape
             x = hidden.reshape(B, T, 1, 1, H).expand(B, T, weights.num_heads, 1, H)     # [B, T, N, 1, H]
-            for l in range(weights.num_layers):
-                x = x + torch.nn.functional.silu(x @ self.w[l] + self.b[l])
+            for j in range(weights.num_layers):
+                x = x + torch.nn.functional.silu(x @ self.w[j] + self.b[j])
             logits = (x @ self.proj).squeeze(-2)                                       # [B, T, N, V]
             values, ids = torch.topk(torch.log_softmax(logits, dim=-1), top_k, dim=-1)
             return ids, values
@@ -256,9 +256,9 @@ def save_medusa_1(path: Path, blocks, projections, *, base_model: str = "", dtyp
     path.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for h, head in enumerate(blocks):
-        for l, (w, b) in enumerate(head):
-            tensors[f"{h}.{l}.linear.weight"] = np.ascontiguousarray(w, dtype)
-            tensors[f"{h}.{l}.linear.bias"] = np.ascontiguousarray(b, dtype)
+        for j, (w, b) in enumerate(head):
+            tensors[f"{h}.{j}.linear.weight"] = np.ascontiguousarray(w, dtype)
+            tensors[f"{h}.{j}.linear.bias"] = np.ascontiguousarray(b, dtype)
         if projections[h] is not None:
             tensors[f"{h}.{len(head)}.weight"] = np.ascontiguousarray(projections[h], dtype)
     save_file(tensors, str(path / HEAD_FILES[0]))

@@ -92,9 +92,12 @@ def text_sequences(ids, *, bos: int | None, length: int, count: int = EVAL_SEQUE
 
 def sampled_sequences(session, io: ModelIO, *, start: int | None, length: int, count: int = EVAL_SEQUENCES,
                       seed: int = SAMPLE_SEED, temperature: float = SAMPLE_TEMPERATURE,
-                      ids: np.ndarray | None = None) -> list[np.ndarray]:
+                      ids: np.ndarray | None = None, steps=None) -> list[np.ndarray]:
     """`count` sequences of `length` tokens sampled from the graph itself (batched, seeded). `ids`: a
-    reduced-vocabulary draft's target ids (its logit j is token ids[j])."""
+    reduced-vocabulary draft's target ids (its logit j is token ids[j]). steps: _console.Steps, told of
+    each of the length - 1 batched passes."""
+    if steps is not None:
+        steps.total(length - 1)
     rng = np.random.default_rng(seed)
     seqs = np.empty((count, length), np.int64)                                 # [B, L]
     seqs[:, 0] = start if start is not None else rng.integers(0, io.vocab_size, count)
@@ -106,6 +109,8 @@ def sampled_sequences(session, io: ModelIO, *, start: int | None, length: int, c
         cdf = np.cumsum(probs / probs.sum(-1, keepdims=True), axis=-1)         # [B, V]
         drawn = np.minimum((cdf < rng.random((count, 1))).sum(-1), io.vocab_size - 1)
         seqs[:, t + 1] = drawn if ids is None else np.asarray(ids)[drawn]
+        if steps is not None:
+            steps.advance()
     return list(seqs)
 
 

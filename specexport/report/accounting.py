@@ -8,9 +8,11 @@ Definitions (every row; `cells` are the (round, prompt) pairs, each run once per
                   (each resampled cell brings its vanilla run and its speculative run: a paired bootstrap)
     ideal         Σ (delivered - 1) · c_vanilla(1) / Σ over the decode-time forwards the row made of
                   c_role(T): the speedup if nothing but the forwards cost time. c are means of the
-                  decode-time forwards timed inside the runs (prefill forwards are tagged apart), per
-                  session; the forward counts are the rounds that actually ran, shortened last rounds,
-                  plain steps and the draft's two-token catch-up calls included, fixed γ or adaptive.
+                  decode-time forwards timed inside the row's own runs (c_vanilla(1): the vanilla row's;
+                  prefill forwards are tagged apart). Priced with the mean over every row of the session
+                  instead, a row whose forwards ran faster than the session's mean got an ideal below
+                  what its own forwards allowed (issue 33: draft γ 6, efficiency 1.04). The forward
+                  counts are the rounds that actually ran, shortened last rounds, plain steps and the draft's two-token catch-up calls included, fixed γ or adaptive.
                   Means, not medians: the ideal must split the measured time into forwards and the
                   rest, and the forward times have a right tail (a shared machine's slow moments) that
                   differs by forward size. With medians the tail landed in "overhead", most of all for
@@ -35,6 +37,19 @@ BOOTSTRAP_RESAMPLES = 2000
 def decode_costs(timings: dict | None) -> dict[int, float]:
     """{T: mean seconds} of the decode-time forwards a backend timed ({(phase, T): [s]})."""
     return {T: statistics.fmean(v) for (phase, T), v in sorted((timings or {}).items()) if phase == "decode" and v}
+
+
+def row_costs(runs) -> dict | None:
+    """{"target": {T: mean s}, "draft": {T: mean s}} of the decode-time forwards the runs themselves made
+    (DecodeStats.forward_seconds, set by the bench's timed runs); None when a run carries none."""
+    if not runs or any(getattr(s, "forward_seconds", None) is None for s in runs):
+        return None
+    pooled: dict = {"target": {}, "draft": {}}
+    for s in runs:
+        for role, by_size in s.forward_seconds.items():
+            for T, seconds in by_size.items():
+                pooled[role].setdefault(T, []).extend(seconds)
+    return {role: {T: statistics.fmean(v) for T, v in sorted(t.items())} for role, t in pooled.items()}
 
 
 def ideal_cost(stats, c_target: dict[int, float], c_draft: dict[int, float]) -> float:

@@ -95,7 +95,7 @@ def _tokens_per_s(report: dict, out: Path, plt) -> str | None:
     fig, ax = plt.subplots(figsize=(7.5, 0.42 * len(bars) + 1.2))
     y = list(range(len(bars)))[::-1]
     colours = {"ours": "tab:blue", "peer": "tab:orange"}
-    for yi, (label, v, ci, who) in zip(y, bars):
+    for yi, (_label, v, ci, who) in zip(y, bars):
         err = [[v - ci[0]], [ci[1] - v]] if ci else None
         ax.barh(yi, v, color=colours[who], xerr=err, capsize=3)
     ax.set_yticks(y, [b[0] for b in bars], fontsize=8)

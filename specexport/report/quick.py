@@ -11,19 +11,25 @@ from specexport.report.grid import DEFAULT_PROMPTS, BenchConfig
 from specexport.report.run import run_bench
 
 
-def quick_bench(output_dir: Path, *, max_verify_tokens: int, log=print) -> dict:
-    """The short report `specexport build` ends with: every built CPU precision, vanilla and γ = 1..6,
-    one round of the default prompts, 32 tokens; no peers, no plots. Its report goes to bench/quick/,
+def quick_bench(output_dir: Path, *, max_verify_tokens: int, log=print, steps=None) -> dict:
+    """The short report `specexport build` ends with: every built CPU precision, vanilla and every method
+    the build can run (draft and lookup at γ = 1..6), one round of the default prompts, 32 tokens; no peers, no plots. Its report goes to bench/quick/,
     so a full `specexport bench` report in bench/ survives a rebuild; its γ choice is stored unless a
     fuller bench stored one for the same graphs."""
     gammas = tuple(range(1, min(6, max_verify_tokens - 1) + 1))
-    built = read_manifest(Path(output_dir))["models"]["target"]["precisions"]
+    manifest = read_manifest(Path(output_dir))
+    built = manifest["models"]["target"]["precisions"]
+    # every method the build can run, so that `--method auto` chooses among them all (lookup and suffix
+    # need only the target: a build without a draft would otherwise measure vanilla alone)
+    methods = ("vanilla", "lookup", "suffix", *(m for m in ("draft",) if m in manifest["models"]),
+               *(m for m in ("medusa", "eagle") if m in manifest.get("heads", {})))
     # a latency report: GPU precisions (accuracy only on this CPU path, and slow to emulate) are left to
     # `specexport bench --precisions ...`
     cfg = BenchConfig(output_dir=Path(output_dir), prompts=DEFAULT_PROMPTS, gammas=gammas, max_new_tokens=32,
+                      methods=methods,
                       rounds=1, peers=False, plots=False, out=Path(output_dir) / "bench" / "quick",
                       precisions=tuple(p for p in built if p not in GPU_PRECISIONS))
-    return run_bench(cfg, log=log)
+    return run_bench(cfg, log=log, steps=steps)
 
 
 def short_table(report: dict) -> list[tuple]:

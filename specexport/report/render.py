@@ -116,16 +116,11 @@ def _peer_lines(report: dict) -> list[str]:
             lines.append(f"- {p['peer']}: skipped ({p['skipped']})")
             continue
         prec = p["precision"].split()[0]
-        mine = [r for r in report["rows"] if r["precision"] == prec and r["draft_precision"] in (None, prec)
-                and r["tokens_per_s"]]
-        best = max(mine, key=lambda r: r["tokens_per_s"], default=None)
-        vanilla = next((r for r in mine if r["method"] == "vanilla"), None)
-        ratio = ""
-        if best and p["tokens_per_s"]:
-            ratio = (f"; specexport {prec} best ({best['method']} γ {best['gamma'] or '-'}) is "
-                     f"{best['tokens_per_s'] / p['tokens_per_s']:.2f}x")
-            if vanilla:
-                ratio += f", specexport {prec} vanilla {vanilla['tokens_per_s'] / p['tokens_per_s']:.2f}x"
+        ratio = "".join(f"; specexport {prec} {v['which']} ({v['row']}) is {v['ratio']:.2f}x "
+                        f"[95% interval {v['ci95'][0]:.2f}-{v['ci95'][1]:.2f}]"
+                        for v in p.get("ours_vs_peer", []) if v["ratio"] and v["ci95"])
+        if any(v["ratio"] and not v["ci95"] for v in p.get("ours_vs_peer", [])):
+            ratio += "; no ratio shown without an interval (fewer than 2 paired runs)"
         key = next((k for k in p if k.startswith("same_tokens_as_")), "same_tokens_as_fp32_vanilla")
         same, against = p.get(key), key.removeprefix("same_tokens_as_").removesuffix("_vanilla")
         spec = f"; acceptance {p['acceptance_rate']:.2f} of {p['drafted']} drafted" if "drafted" in p else ""

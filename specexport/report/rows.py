@@ -28,8 +28,10 @@ def _row(c: Config, runs, costs) -> dict:
     method, tp, dp, g, stop = c.method, c.precision, c.draft_precision, c.gamma, c.draft_stop
     st = runs[c]
     vanilla = runs.get(Config(VANILLA, tp, None, 0))
-    cost = costs[(tp, c.proposer)]
-    c1 = cost["target"].get(1)          # one target session per precision: vanilla's T = 1 forwards are these
+    # the row's own forwards price its ideal (accounting.row_costs); the session's means where runs carry none
+    cost = acc.row_costs(st) or costs[(tp, c.proposer)]
+    c1 = (acc.row_costs(vanilla) or costs[(tp, c.proposer)])["target"].get(1) if vanilla else \
+        costs[(tp, c.proposer)]["target"].get(1)
     tps = acc.throughput(st)
     base = acc.throughput(vanilla) if vanilla else None
     speedup = tps / base if tps and base else None

@@ -16,7 +16,7 @@ from specexport.manifest import read_manifest, write_json_atomic, write_text_ato
 from specexport.report import accounting as acc
 from specexport.report.choice import _acceptance_drop, _gamma_choice, method_choices
 from specexport.report.folder import REPORT_FILES, claim_report_folder, record_report_files
-from specexport.report.grid import BenchConfig, _check_request, _configs, accuracy_only
+from specexport.report.grid import BenchConfig, Config, _check_request, _configs, accuracy_only
 from specexport.report.rows import _memory, _open_peers, _peer_row, _row
 from specexport.report.threads import ThreadSetting, fastest_for_vanilla
 from specexport.report.workload import expand_workload, suffix_caches
@@ -29,9 +29,13 @@ from specexport.runtime.methods import HEAD_METHODS
 PEER_SETTLE_S = 0.1
 
 
-def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipeline=None) -> dict:
+def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipeline=None, steps=None) -> dict:
     """Run the bench and write its report. `clock` and `open_pipeline(precision=, threads=, spin=)` are
-    for tests: every time the report uses comes from `clock`."""
+    for tests: every time the report uses comes from `clock`. steps: _console.Steps, told of every run
+    (warm-up and timed)."""
+    from specexport._console import Steps
+
+    steps = steps or Steps()
     import specexport
 
     manifest = read_manifest(cfg.output_dir)
@@ -54,18 +58,20 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
         if cfg.workload is not None:                # its conversations' turns carry the target's own answers
             cfg = replace(cfg, prompts=expand_workload(cfg.workload, pipes[precisions[0]], chat=cfg.chat,
                                                        max_new_tokens=cfg.max_new_tokens, log=log))
-        return _measure(cfg, manifest, configs, pipes, settings, probes, clock, log)
+        return _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
     finally:
         for pipe in pipes.values():
             pipe.close()
 
 
-def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dict:
+def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps) -> dict:
     _open_proposers(configs, pipes, clock)
     prompt_ids = {p: _encode(next(iter(pipes.values())), p, cfg.chat) for p in cfg.prompts}
     log(f"bench: warm-up, {len(configs)} configurations")
+    steps.total(len(configs) * (1 + cfg.rounds * len(cfg.prompts)))
     for c in configs:
         _run(pipes, c, prompt_ids[cfg.prompts[0]], cfg.max_new_tokens, cfg.temperature)
+        steps.advance()
     peers, peer_skips = _open_peers(manifest, list(pipes), cfg, log)
     built = manifest["models"]["target"]["precisions"]
     reference = {p: _reference_outputs(cfg, pipes, prompt_ids, precision=p)      # what peers' outputs must equal
@@ -73,7 +79,7 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
     for pipe in pipes.values():                     # time every forward from here on
         for b in pipe.opened:
             b.timings = {}
-    runs, peer_runs = _interleave(cfg, configs, pipes, peers, prompt_ids, log)
+    runs, peer_runs = _interleave(cfg, configs, pipes, peers, prompt_ids, log, steps)
     costs = _step_costs(configs, pipes)
     for pipe in pipes.values():                     # the isolated timing below is not part of the runs
         for b in pipe.opened:
@@ -100,12 +106,37 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log) -> dic
         "gamma_auto": {f"{tp}/{dp}": c for (tp, dp), c in choice.items()},
         "acceptance_drop": _acceptance_drop(rows),
         "memory": _memory(manifest, pipes, peers),
-        "peers": [_peer_row(p, name, peer_runs[name], reference, manifest) for p in peers for name in p.names]
-                 + peer_skips,
+        "peers": [{**_peer_row(p, name, peer_runs[name], reference, manifest),
+                   "ours_vs_peer": _ours_vs_peer(p, peer_runs[name], rows, runs, configs)}
+                  for p in peers for name in p.names] + peer_skips,
     }
-    _store_choices(cfg, manifest, report, choice, rows, log)
+    _store_choices(cfg, manifest, report, choice, rows, log, settings)
     _write_report(report, Path(cfg.out or cfg.output_dir / "bench"), cfg.plots, log)   # claimed by run_bench
     return report
+
+
+def _ours_vs_peer(peer, peer_runs, rows, runs, configs) -> list[dict]:
+    """Our vanilla row and fastest row on the peer's precision against the peer: the ratio of decode
+    tokens/s and its 95% paired-bootstrap interval over the cells both ran in (a ratio is shown only with it)."""
+    from types import SimpleNamespace
+
+    precision = peer.spec.precision.split()[0]
+    theirs = [SimpleNamespace(delivered=len(g.tokens), decode_s=g.total_s - g.ttft_s) for _, g in peer_runs]
+    mine = [(r, c) for r, c in zip(rows, configs) if c.precision == precision and r["tokens_per_s"]
+            and c.draft_precision in (None, precision)]
+    picked = {"vanilla": next(((r, c) for r, c in mine if c.method == "vanilla"), None),
+              "best": max(mine, key=lambda rc: rc[0]["tokens_per_s"], default=None)}
+    out = []
+    for which, rc in picked.items():
+        if rc is None:
+            continue
+        r, c = rc
+        ours = acc.throughput(runs[c])
+        peer_tps = acc.throughput(theirs)
+        out.append({"which": which, "row": f"{c.method} γ {c.gamma or '-'}" + (f" tree {c.tree}" if c.tree else ""),
+                    "ratio": ours / peer_tps if ours and peer_tps else None,
+                    "ci95": acc.speedup_interval(runs[c], theirs) if len(runs[c]) == len(theirs) else None})
+    return out
 
 
 def _open_proposers(configs, pipes, clock) -> None:
@@ -119,27 +150,30 @@ def _open_proposers(configs, pipes, clock) -> None:
             getattr(pipe, kind).clock = clock
 
 
-def _interleave(cfg, configs, pipes, peers, prompt_ids: dict, log) -> tuple[dict, dict]:
+def _interleave(cfg, configs, pipes, peers, prompt_ids: dict, log, steps) -> tuple[dict, dict]:
     """The timed rounds: per configuration and per peer name, its runs (a peer's with the prompt's index).
     The peers are closed at the end, an error included."""
     runs = {c: [] for c in configs}
     peer_runs = {name: [] for peer in peers for name in peer.names}
+    slots = [*configs, *((peer, name) for peer in peers for name in peer.names)]
     log(f"bench: {len(configs)} configurations + {len(peer_runs)} peers x {len(cfg.prompts)} prompts x {cfg.rounds} "
         "rounds, interleaved")
     try:
         for r in range(cfg.rounds):
             caches = suffix_caches(configs, cfg)    # a workload: each round replays it through fresh caches
             for i, prompt in enumerate(cfg.prompts):
-                # rotate the order per cell: no configuration always runs first, right after the peers
-                shift = (r * len(cfg.prompts) + i) % len(configs)
-                for c in configs[shift:] + configs[:shift]:
-                    runs[c].append(_run(pipes, c, prompt_ids[prompt], cfg.max_new_tokens, cfg.temperature,
-                                        seed=r * 1000 + i, cache=caches.get(c)))
-                for peer in peers:
-                    for name in peer.names:
+                # rotate the order per cell, the peers among our configurations: none always runs first, and
+                # a slow stretch of a shared machine falls on ours and the peers' runs alike
+                shift = (r * len(cfg.prompts) + i) % len(slots)
+                for slot in slots[shift:] + slots[:shift]:
+                    if not isinstance(slot, Config):             # (peer, name)
+                        peer, name = slot
                         peer_runs[name].append((i, peer.run(name, prompt_ids[prompt], cfg.max_new_tokens)))
-                if peers:
-                    time.sleep(PEER_SETTLE_S)
+                        time.sleep(PEER_SETTLE_S)
+                        continue
+                    runs[slot].append(_run(pipes, slot, prompt_ids[prompt], cfg.max_new_tokens, cfg.temperature,
+                                           seed=r * 1000 + i, cache=caches.get(slot)))
+                    steps.advance()
             log(f"  round {r + 1}/{cfg.rounds} done")
     finally:
         for peer in peers:
@@ -147,11 +181,12 @@ def _interleave(cfg, configs, pipes, peers, prompt_ids: dict, log) -> tuple[dict
     return runs, peer_runs
 
 
-def _store_choices(cfg, manifest, report: dict, choice: dict, rows, log) -> None:
-    """The method choices into the report, and the γ and method choices stored with the build when greedy."""
+def _store_choices(cfg, manifest, report: dict, choice: dict, rows, log, settings) -> None:
+    """The method choices into the report, and the γ and method choices stored with the build when greedy;
+    a method choice carries the target's thread setting its rows ran with (the runtime's default)."""
     stored = {k: {"gamma": c["gamma"], "predicted_speedup": c["predicted_speedup"],
                   "measured_tokens": c["measured_tokens"]} for k, c in choice.items()}
-    methods = method_choices(rows)
+    methods = {(tp, dp): {**c, "threads": settings[tp].options()} for (tp, dp), c in method_choices(rows).items()}
     report["method_auto"] = {f"{tp}/{dp}": c for (tp, dp), c in methods.items()}
     if cfg.temperature == 0:
         report["gamma_store"] = store_gamma_choices(cfg.output_dir, stored, build_id=manifest["build_id"],

@@ -34,9 +34,16 @@ def _run(pipes, c: Config, prompt_ids, max_new_tokens: int, temperature: float =
         pipe.use_draft_precision(c.draft_precision)
     if cache is not None:
         pipe.suffix_cache = cache
-    return pipe.generate(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, method=c.method, gamma=max(c.gamma, 1),
-                         draft_stop=c.draft_stop, tree=c.tree, temperature=temperature, seed=seed,
-                         suffix_share=cache is not None).stats
+    timed = {"target": pipe.target.timings, "draft": _proposer_timings(pipe, c.proposer)}
+    before = {role: {k: len(v) for k, v in t.items()} for role, t in timed.items() if t is not None}
+    stats = pipe.generate(prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, method=c.method, gamma=max(c.gamma, 1),
+                          draft_stop=c.draft_stop, tree=c.tree, temperature=temperature, seed=seed,
+                          suffix_share=cache is not None).stats
+    # this run's own decode-time forwards, {role: {T: [seconds]}}: a row's ideal is priced with its own
+    # forwards (accounting.row_costs), not the mean over every row of the session
+    stats.forward_seconds = {role: {k[1]: v[before[role].get(k, 0):] for k, v in timed[role].items()
+                                    if k[0] == "decode" and len(v) > before[role].get(k, 0)} for role in before}
+    return stats
 
 
 def _reference_outputs(cfg, pipes, prompt_ids: dict, *, precision: str = "fp32") -> list[list[int]]:

@@ -46,10 +46,16 @@ MEDUSA_TREES = {
 
 
 
+DEFAULT_GAMMA = 4      # γ when neither the caller nor a bench of this build chose one
+
+
 def proposer_for(pipe, method: str, gamma, draft_stop: float, lookup_branches: int, tree=None,
                   sampled_children: bool = False, suffix_scope: str = "", suffix_share: bool = True):
     """The round's proposer (None for vanilla). gamma="auto" (draft only) takes the γ `specexport
-    bench` stored for these precisions, and decodes vanilla when it predicted speculation would lose."""
+    bench` stored for these precisions, and decodes vanilla when it predicted speculation would lose.
+    gamma=None: what the build's bench measured for this method (measured_defaults), else DEFAULT_GAMMA."""
+    if gamma is None and method in METHODS:
+        gamma, tree = measured_defaults(pipe, method, tree)
     if method == "auto":
         return _auto_method(pipe, suffix_scope, suffix_share)
     if method not in METHODS:
@@ -91,26 +97,77 @@ def proposer_for(pipe, method: str, gamma, draft_stop: float, lookup_branches: i
     return DraftChain(pipe.draft, _check_gamma(pipe, gamma, auto=True), draft_stop=draft_stop)
 
 
+def measured_defaults(pipe, method: str, tree=None) -> tuple[int, object]:
+    """(γ, tree) for a method asked for without a γ: the stored `--method auto` choice's when it chose this
+    method (and no other tree was asked for), else for a draft chain the stored `--gamma auto` γ, else
+    DEFAULT_GAMMA: the settings the build's bench measured are the defaults."""
+    top = pipe.max_verify_tokens - 1
+    choice = stored_choice(pipe)
+    if choice is not None and choice["method"] == method and tree is None \
+            and choice.get("draft_precision") in (None, pipe.draft_precision):
+        return max(1, min(int(choice["gamma"]), top)), choice["tree"]
+    if method == "draft" and tree is None:
+        g = lookup_gamma(pipe.manifest, pipe.precision, pipe.draft_precision)
+        if g is not None and g["gamma"]:
+            return min(int(g["gamma"]), top), None
+    return min(DEFAULT_GAMMA, top), tree
+
+
+def stored_choice(pipe) -> dict | None:
+    """The `--method auto` choice a bench stored for the pipeline's precisions and graphs, if any."""
+    dp = pipe.draft_precision if "draft" in pipe.manifest["models"] else "-"
+    return lookup_gamma(pipe.manifest, pipe.precision, dp, section="method_auto")
+
+
 def _auto_method(pipe, suffix_scope: str = "", suffix_share: bool = True):
     """The configuration `specexport bench` measured best for these precisions (vanilla when every
     one lost), on exactly these graphs."""
     dp = pipe.draft_precision if "draft" in pipe.manifest["models"] else "-"
-    choice = lookup_gamma(pipe.manifest, pipe.precision, dp, section="method_auto")
+    choice = stored_choice(pipe)
     if choice is None:
         raise SpecexportError(f"method: 'auto' needs a measured choice for target {pipe.precision!r}"
                               f"{'' if dp == '-' else f' with draft {dp!r}'}: run `specexport bench {pipe.dir}` "
                               f"first (with the --methods to choose from)")
-    speed = f"measured {choice['speedup']:.2f}x" if choice.get("speedup") else "no speculative row measured"
+    pipe.auto_note = auto_summary(choice, pipe.dir)
     if choice["method"] == "vanilla":
-        pipe.auto_note = f"vanilla: every configuration measured lost to it (best: {choice['best_measured']}, {speed})"
         return None
-    tree = f", tree {choice['tree']}" if choice["tree"] else ""
-    pipe.auto_note = f"{choice['method']} γ {choice['gamma']}{tree} ({speed} over vanilla)"
     if choice["draft_precision"] not in (None, pipe.draft_precision):
         pipe.use_draft_precision(choice["draft_precision"])
     return proposer_for(pipe, choice["method"], max(1, min(choice["gamma"], pipe.max_verify_tokens - 1)),
                         choice.get("draft_stop", 0.0), 1, choice["tree"], suffix_scope=suffix_scope,
                         suffix_share=suffix_share)
+
+
+def auto_summary(choice: dict, output_dir) -> str:
+    """What a stored `--method auto` choice says, in one line: the configuration and its measured speedup,
+    or why it is vanilla (every measured configuration lost, or none was measured: then the command that
+    measures them)."""
+    if choice["method"] != "vanilla":
+        tree = f", tree {choice['tree']}" if choice["tree"] else ""
+        ci = choice.get("speedup_ci95")
+        interval = f" [95% interval {ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""
+        return (f"{choice['method']} γ {choice['gamma']}{tree}: measured {choice['speedup']:.2f}x{interval} over "
+                f"vanilla")
+    if not choice.get("best_measured"):
+        return (f"vanilla: the bench that chose it measured no speculative configuration; measure them with "
+                f"`specexport bench {output_dir} --methods vanilla,lookup,suffix` (and draft, medusa, eagle where built)")
+    return (f"vanilla: every speculative configuration measured was slower (the best, {choice['best_measured']}, "
+            f"measured {choice['speedup']:.2f}x)")
+
+
+def resolve_default_method(pipe, method: str) -> tuple[str, str]:
+    """(the method a command or request gets by default, a line saying why). `auto` without a measured
+    choice in the build decodes vanilla (and says to run `specexport bench`) rather than refusing."""
+    if method != "auto":
+        if method != "vanilla" and method not in pipe.methods:
+            raise SpecexportError(f"--method: {method!r} is not available in {pipe.dir}; available: "
+                                  f"{', '.join(('auto', 'vanilla', *pipe.methods))}")
+        return method, f"method {method}"
+    choice = stored_choice(pipe)
+    if choice is None:
+        return "vanilla", (f"method auto: {pipe.dir} has no measured choice for target {pipe.precision!r}; "
+                           f"decoding vanilla (run `specexport bench {pipe.dir}` to measure one)")
+    return "auto", f"method auto: {auto_summary(choice, pipe.dir)}"
 
 
 def _draft_tree(pipe, tree, sampled: bool = False) -> DraftTree:

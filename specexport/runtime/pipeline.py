@@ -20,12 +20,13 @@ from specexport.manifest import check_files, file_problems, listed_files, read_m
 from specexport.runtime.backends import open_eagle, open_medusa, open_model, require_kind
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
-from specexport.runtime.methods import METHODS, proposer_for
+from specexport.runtime.methods import METHODS, proposer_for, stored_choice
 from specexport.runtime.sampling import Coins, SamplingParams
 from specexport.runtime.suffix import SuffixCache
 
 PREFILL_CHUNK = 64
-SUFFIX_CACHE_TOKENS = 500_000    # the default bound of a pipeline's suffix cache (about 40 MB at ~80 bytes a token)
+MEASURED = "measured"            # load(threads=MEASURED): the thread setting the build's bench measured fastest
+SUFFIX_CACHE_TOKENS = 500_000    # the default bound of a pipeline's suffix cache (about 28 MB at ~55 bytes a token, measured at 1M tokens: runtime/suffix.py)
 @dataclass
 class GenerationOutput:
     text: str
@@ -35,11 +36,13 @@ class GenerationOutput:
 
 
 def load(output_dir, *, precision: str | None = None, draft_precision: str | None = None, backend: str = "onnxruntime",
-         threads: int | None = None, draft_threads: int | None = 1, verify: bool = False,
+         threads: int | None | str = MEASURED, draft_threads: int | None = 1, verify: bool = False,
          suffix_cache_tokens: int = SUFFIX_CACHE_TOKENS, **options) -> "Pipeline":
     """precision: the target's (default: its first built precision, fp32 unless a lean GGUF build);
     draft_precision: the draft's (default: the same as the target's).
-    threads: the target's intra-op threads (default: all cores); draft_threads: the draft's (default 1).
+    threads: the target's intra-op threads; MEASURED (the default): the threads and spinning the build's
+    bench measured fastest for vanilla on these graphs (`thread_note` says which), else ONNX Runtime's
+    default (all cores); None: ONNX Runtime's default. draft_threads: the draft's (default 1).
     suffix_cache_tokens: the bound of the cache of earlier generations that method="suffix" reads.
     Every file is checked for its recorded size when its model is opened; verify=True also checks every
     file's sha256 against the manifest first (reads all the weights once)."""
@@ -49,7 +52,7 @@ def load(output_dir, *, precision: str | None = None, draft_precision: str | Non
 
 
 class Pipeline:
-    def __init__(self, output_dir, *, precision=None, draft_precision=None, backend="onnxruntime", threads=None,
+    def __init__(self, output_dir, *, precision=None, draft_precision=None, backend="onnxruntime", threads=MEASURED,
                  draft_threads=1, verify=False, suffix_cache_tokens=SUFFIX_CACHE_TOKENS, **options):
         self.dir = Path(output_dir)
         self.manifest = read_manifest(self.dir)
@@ -63,6 +66,7 @@ class Pipeline:
         self.precision, self.backend_kind = precision, backend
         require_kind(backend)               # at once, before reading the build: what is missing, in one line
         self.draft_precision = precision if draft_precision is None else draft_precision
+        threads, options, self.thread_note = self._measured_threads(threads, options)
         self.capacity = self.manifest["max_seq_len"]
         self.max_verify_tokens = self.manifest["max_verify_tokens"]
         self.eos_ids = set(self.manifest["special_tokens"]["eos_token_ids"] or [])
@@ -90,6 +94,19 @@ class Pipeline:
         self._suffix_cache: SuffixCache | None = None   # made on first use (method="suffix")
         self.auto_note: str | None = None          # what gamma="auto" / method="auto" decided, for the CLI
         self.clock = time.perf_counter             # the stats' clock (the bench's tests inject one)
+
+    def _measured_threads(self, threads, options: dict) -> tuple:
+        """(threads, options, a line saying where they came from): MEASURED becomes the setting the build's
+        bench stored with its method choice for these graphs (spinning too, unless `spin` was given)."""
+        if threads != MEASURED:
+            return threads, options, "threads: as given"
+        measured = (stored_choice(self) or {}).get("threads")
+        if measured is None:
+            return None, options, "threads: ONNX Runtime's default (all cores; no bench stored a measured setting)"
+        spin = options.get("spin", measured["spin"])
+        count = "all cores" if measured["threads"] is None else measured["threads"]
+        return measured["threads"], {**options, "spin": spin}, (
+            f"threads: {count}, spinning {'on' if spin else 'off'} (the build's bench measured this fastest)")
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -156,11 +173,13 @@ class Pipeline:
         return self.last_output
 
     def stream(self, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int = 128,
-               method: str = "draft", gamma: int = 4, temperature: float = 0.0, top_k: int | None = None,
+               method: str = "draft", gamma: int | str | None = None, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = 0, stop: list[str] | tuple = (),
                draft_stop: float = 0.0, lookup_branches: int = 1, tree=None, sampled_children: bool = False,
                suffix_scope: str = "", suffix_share: bool = True):
         """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards.
+        gamma: tokens proposed a round; None: what the build's bench measured for the method (the stored
+        `--method auto` choice when it is this method, a draft's stored `--gamma auto` γ), else 4.
         method: vanilla | draft (a draft model proposes γ tokens) | medusa | auto (the configuration
         `specexport bench` measured fastest, vanilla when all lost) | lookup (prompt lookup: up to γ tokens
         copied from what followed an earlier occurrence of the last tokens; lookup_branches > 1 verifies

@@ -629,7 +629,7 @@ class SuffixCache:
                 with open(path, "rb") as f:
                     head = f.read(len(MAGIC))
             except OSError as err:
-                raise SpecexportError(f"{shown(path)}: cannot read it to check it is a suffix cache ({err.strerror})")
+                raise SpecexportError(f"{shown(path)}: cannot read it to check it is a suffix cache ({err.strerror})") from None
             if head != MAGIC:
                 raise SpecexportError(f"{shown(path)}: exists and is not a suffix cache; refusing to overwrite it")
         with self._lock:
@@ -644,7 +644,7 @@ class SuffixCache:
             os.replace(tmp, path)
             tmp = None
         except OSError as err:
-            raise SpecexportError(f"{shown(path)}: cannot write the suffix cache ({err.strerror or err})")
+            raise SpecexportError(f"{shown(path)}: cannot write the suffix cache ({err.strerror or err})") from None
         finally:
             if tmp is not None:
                 try:
@@ -679,13 +679,13 @@ class SuffixCache:
         try:
             data = Path(path).read_bytes()
         except OSError as err:
-            raise SpecexportError(f"{shown(path)}: cannot read the suffix cache ({err.strerror or err})")
+            raise SpecexportError(f"{shown(path)}: cannot read the suffix cache ({err.strerror or err})") from None
         try:
             names, seq_scope, lengths, tokens = _parse(data)
         except _Damaged as err:
-            raise SpecexportError(f"{shown(path)}: {err}")
+            raise SpecexportError(f"{shown(path)}: {err}") from None
         except Exception as err:  # noqa: BLE001 -- a damaged file must never surface as another exception
-            raise SpecexportError(f"{shown(path)}: damaged suffix cache ({type(err).__name__})")
+            raise SpecexportError(f"{shown(path)}: damaged suffix cache ({type(err).__name__})") from None
         # adding them all under the budget would keep the longest run of newest sequences that fits it (each
         # eviction is of a sequence that cannot fit with everything after it): add only those, oldest first,
         # into indexes that merge once at the end

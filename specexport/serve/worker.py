@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from specexport.errors import SpecexportError
-from specexport.gamma import lookup as lookup_choice
+from specexport.runtime.methods import resolve_default_method, stored_choice  # noqa: F401  (the server's API)
 from specexport.serve.protocol import RequestError
 
 log = logging.getLogger("specexport.serve")
@@ -227,23 +227,4 @@ class ModelWorker:
 
 def auto_choice(pipe) -> dict | None:
     """The configuration `specexport bench` stored for the pipeline's precisions, if any."""
-    dp = pipe.draft_precision if "draft" in pipe.manifest["models"] else "-"
-    return lookup_choice(pipe.manifest, pipe.precision, dp, section="method_auto")
-
-
-def resolve_default_method(pipe, method: str) -> tuple[str, str]:
-    """(the method requests get by default, a line saying why). `auto` without a measured choice in the
-    build decodes vanilla (and says to run `specexport bench`) rather than refusing every request."""
-    if method != "auto":
-        if method != "vanilla" and method not in pipe.methods:
-            raise SpecexportError(f"--method: {method!r} is not available in {pipe.dir}; available: "
-                                  f"{', '.join(('auto', 'vanilla', *pipe.methods))}")
-        return method, f"method {method}"
-    choice = auto_choice(pipe)
-    if choice is None:
-        return "vanilla", (f"method auto: {pipe.dir} has no measured choice for target {pipe.precision!r}; "
-                           f"serving vanilla (run `specexport bench {pipe.dir}` to measure one)")
-    speed = f"{choice['speedup']:.2f}x" if choice.get("speedup") else "not measured"
-    if choice["method"] == "vanilla":
-        return "auto", f"method auto: vanilla, the bench measured every speculative configuration slower (best {speed})"
-    return "auto", f"method auto: {choice['method']}, the bench's fastest ({speed} over vanilla)"
+    return stored_choice(pipe)

@@ -45,8 +45,8 @@ class EagleStage(HeadsStage):
             prefixes, source = _auto_prefixes(ctx, hp, session)
             del session
             with ctx.reporter.stage("tree: auto from greedy decoding of held-out prompts (and its check against "
-                                    "vanilla)"):
-                auto = auto_tree(target_dir, partial, ctx.plan, hp, prefixes)
+                                    "vanilla)") as steps:
+                auto = auto_tree(target_dir, partial, ctx.plan, hp, prefixes, steps=steps)
             ctx.reporter.note(f"  tree auto: top_k {auto['top_k']}, depth {auto['depth']}, {auto['total_tokens']} "
                               f"tokens, {auto['tokens_per_pass']:.2f} tokens per target pass, predicted "
                               f"{auto['predicted_speedup']:.2f}x")
@@ -128,9 +128,11 @@ def target_features(session, target_io, tokens, weights) -> np.ndarray:
     return aux if columns is None else aux[:, columns]
 
 
-def auto_tree(target_dir, head_dir, plan, hp, prefixes) -> dict:
+def auto_tree(target_dir, head_dir, plan, hp, prefixes, steps=None) -> dict:
     """Decode AUTO_TOKENS greedy tokens after each prefix (token arrays) with each candidate tree; check
-    them against vanilla; choose by predicted speedup (module docstring)."""
+    them against vanilla; choose by predicted speedup (module docstring). steps: _console.Steps, told of
+    each decode (vanilla once per prefix, then every candidate's)."""
+    from specexport._console import Steps
     from specexport.heads.medusa_tree import greedy_continuation, verify_costs
     from specexport.runtime.backends.eagle import OrtEagleHead
     from specexport.runtime.backends.ort import OrtBackend
@@ -143,10 +145,15 @@ def auto_tree(target_dir, head_dir, plan, hp, prefixes) -> dict:
     candidates = sorted({(min(k, hp.io.top_k), d, min(t, max_nodes)) for k, d, t in AUTO_CANDIDATES})
     prefixes = [p[-(cfg.max_seq_len // 2):] for p in prefixes]             # room for the continuation
     new = min(AUTO_TOKENS, cfg.max_seq_len - 1 - max(len(p) for p in prefixes))
+    steps = steps or Steps()
+    steps.total(len(prefixes) * (1 + len(candidates)))
     with OrtBackend(target_dir, io=target.io, capacity=cfg.max_seq_len, max_tokens=max(cfg.max_verify_tokens, 64)) \
             as backend, OrtEagleHead(head_dir, io=hp.io, capacity=cfg.max_seq_len + SCRATCH_ROWS,
                                      max_tokens=max(cfg.max_verify_tokens, 64, hp.io.top_k)) as head:
-        vanilla = [greedy_continuation(backend, p, len(p) + new) for p in prefixes]
+        vanilla = []
+        for p in prefixes:
+            vanilla.append(greedy_continuation(backend, p, len(p) + new))
+            steps.advance()
         costs = verify_costs(backend, range(1, max_nodes + 2))
         source = "hidden" if w.version == 1 else "aux"
         columns = None if w.version == 1 else feature_columns(target.io.aux_hidden_layers, w.aux_layers,
@@ -171,6 +178,7 @@ def auto_tree(target_dir, head_dir, plan, hp, prefixes) -> dict:
                                       f"held-out prefix: the head graph, its proposer or the target graph is wrong")
                 passes += stats.target_passes
                 tokens += stats.emitted - 1
+                steps.advance()
                 verify += [costs[min(p + 1, max_nodes + 1)] for p, _ in stats.rounds]
             head_time = sum(sum(v) for (phase, _), v in head.timings.items() if phase == "decode")
             head.timings = None

@@ -233,7 +233,7 @@ def feature_columns(target_layers, head_layers, hidden_size: int) -> np.ndarray 
     if missing:
         raise SpecexportError(f"EAGLE-3 head reads layers {head_layers}; the target graph exports {target_layers} "
                               f"(rebuild it with the head in the model.yaml)")
-    return np.concatenate([target_layers.index(l) * hidden_size + np.arange(hidden_size) for l in head_layers])
+    return np.concatenate([target_layers.index(layer) * hidden_size + np.arange(hidden_size) for layer in head_layers])
 
 
 def _best_closed(score: np.ndarray, parent: np.ndarray, depth: np.ndarray, total: int) -> list[int]:
