@@ -45,8 +45,8 @@ def progress(console, label: str, total: int | None = None):
     """A live line for a step that takes more than a few seconds: a spinner, the label and the time spent;
     with a total (given here or later through the yielded Steps), a bar, n/N and the time left, estimated
     from the rate so far (no estimate is printed before there is one). Transient: the caller prints the
-    finished line. On a console that is not a terminal rich draws nothing live, so logs stay clean."""
-    if console is None:
+    finished line. On a console that is not a terminal (a piped log, CI) nothing is drawn at all."""
+    if console is None or not console.is_terminal:
         yield Steps()
         return
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,

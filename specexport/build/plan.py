@@ -167,20 +167,6 @@ def check_before_work(cfg: BuildConfig) -> None:
     _check_quantizers(cfg)
 
 
-def pending_conversions(cfg: BuildConfig) -> list[tuple[str, Path, Path]]:
-    """(role, GGUF file, the folder it would be converted into) for each model given as a GGUF file whose
-    conversion is not made yet: what `build --dry-run` names instead of converting."""
-    from specexport.export.gguf import converted_folder
-
-    pending = []
-    for mc in cfg.models:
-        if mc.gguf is not None and mc.path == mc.gguf:
-            dest, made = converted_folder(mc.gguf, weights=not mc.lean)
-            if not made:
-                pending.append((mc.role, mc.gguf, dest))
-    return pending
-
-
 def _with_gguf_converted(cfg: BuildConfig, console) -> BuildConfig:
     """Models given as GGUF files point at their converted checkpoint folders (made once, cached:
     export/gguf.py); `gguf` keeps the file for the manifest."""

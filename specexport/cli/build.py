@@ -43,7 +43,8 @@ def _print_pending(cfg) -> bool:
     """--dry-run with GGUF models not converted yet: check what can be checked, name what a build would
     convert and where, convert nothing. False when there is nothing pending (the full plan prints)."""
     from specexport._console import console as make_console
-    from specexport.build.plan import check_before_work, pending_conversions
+    from specexport.build.plan import check_before_work
+    from specexport.export.gguf import pending_conversions
 
     pending = pending_conversions(cfg)
     if not pending:

@@ -48,7 +48,7 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
              precision, draft_precision, threads, draft_threads, device, stop, chat, compare, verbose):
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
-    from specexport.runtime.methods import resolve_default_method
+    from specexport.runtime.methods import resolve_default_method, stored_choice
     from specexport.runtime.pipeline import MEASURED
 
     pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision,
@@ -89,8 +89,9 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
     line = (f"[{label}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.tokens_per_second:.1f} tok/s, "
             f"TTFT {s.ttft_s * 1e3:.1f} ms, TPOT {s.tpot_s * 1e3:.2f} ms")
     if s.proposed:
-        shape = (f"tree depth {s.gamma}" if method in ("medusa", "eagle") or tree is not None else
-                 f"trees up to {s.gamma} nodes" if method == "suffix" else f"γ={s.gamma}")
+        ran = (stored_choice(pipe) or {}).get("method", method) if method == "auto" else method
+        shape = (f"tree depth {s.gamma}" if ran in ("medusa", "eagle") or tree is not None else
+                 f"trees up to {s.gamma} nodes" if ran == "suffix" else f"γ={s.gamma}")
         line += (f", {shape}, acceptance {s.acceptance_rate:.2f}, "
                  f"{s.mean_accepted_tokens:.2f} tokens per target pass")
     click.secho(line, fg="cyan", err=True)

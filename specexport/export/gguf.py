@@ -101,6 +101,18 @@ def converted_folder(gguf_path, *, cache_dir=None, weights: bool = True) -> tupl
     return dest, (dest / RECORD).is_file()
 
 
+def pending_conversions(cfg) -> list[tuple[str, Path, Path]]:
+    """(role, GGUF file, the folder it would be converted into) for each model given as a GGUF file whose
+    conversion is not made yet: what `build --dry-run` names instead of converting."""
+    pending = []
+    for mc in cfg.models:
+        if mc.gguf is not None and mc.path == mc.gguf:
+            dest, made = converted_folder(mc.gguf, weights=not mc.lean)
+            if not made:
+                pending.append((mc.role, mc.gguf, dest))
+    return pending
+
+
 def _cache_root(cache_dir) -> Path:
     return gguf_cache_root(cache_dir)
 
@@ -126,7 +138,8 @@ def _convert(path: Path, out: Path, *, weights: bool = True, steps=None) -> dict
     steps: _console.Steps, told what is being read (and, with weights, each tensor written)."""
     steps = steps or Steps()
     steps.say(f"{path.name}: reading its metadata")
-    meta = _read_metadata(path)
+    reader = _require("gguf", path).GGUFReader(str(path))         # parsed once for metadata and tensor names
+    meta = _read_metadata(path, reader)
     transformers = require("transformers")
     _require("accelerate", path)                   # transformers' from_pretrained(gguf_file=) insists on it
     try:
@@ -135,7 +148,8 @@ def _convert(path: Path, out: Path, *, weights: bool = True, steps=None) -> dict
         steps.say(f"{path.name}: reading its config (transformers)")
         config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         steps.say(f"{path.name}: {'writing' if weights else 'mapping'} its tensors")
-        parameters = _write_weights(path, config, out, steps) if weights else _check_names(path, config)
+        parameters = _write_weights(path, config, out, steps, reader) if weights else \
+            _check_names(path, config, reader)
     except (ValueError, KeyError, TypeError, NotImplementedError, RuntimeError, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SpecexportError(f"{path}: transformers {transformers.__version__} cannot read this GGUF "
@@ -162,13 +176,13 @@ def _convert(path: Path, out: Path, *, weights: bool = True, steps=None) -> dict
 SHARD_BYTES = 512 * 2**20
 
 
-def _weights_of(path: Path, config):
+def _weights_of(path: Path, config, reader=None):
     """The file's tensors by HF name (export/gguf_weights.py), checked to hold every tensor the model
     needs; sets config.architectures."""
     from specexport.export.gguf_weights import GgufWeights
 
     _require("gguf", path)
-    weights = GgufWeights(path, config)
+    weights = GgufWeights(path, config, reader)
     config.architectures = [weights.model_class]
     missing = weights.missing()
     if missing:
@@ -176,20 +190,20 @@ def _weights_of(path: Path, config):
     return weights
 
 
-def _check_names(path: Path, config) -> int:
+def _check_names(path: Path, config, reader=None) -> int:
     """A folder without weights: the parameter count of the tensors the file holds for the model."""
-    weights = _weights_of(path, config)
+    weights = _weights_of(path, config, reader)
     return sum(int(np.prod(weights.shapes[hf])) for hf in weights.names)
 
 
-def _write_weights(path: Path, config, out: Path, steps) -> int:
+def _write_weights(path: Path, config, out: Path, steps, reader=None) -> int:
     """The file's tensors dequantized to float32, named and ordered as transformers loads them, written in
     safetensors shards of at most SHARD_BYTES: one tensor and one shard in memory at a time, where loading
     the whole model through transformers held about three fp32 copies (the 1.5B: 7 GB each). One file,
     model.safetensors, when it fits in one shard, as transformers writes it. Returns the parameter count."""
     from safetensors.numpy import save_file
 
-    weights = _weights_of(path, config)
+    weights = _weights_of(path, config, reader)
     tensors = [hf for hf in weights.shapes if hf in weights.names]
     shard_of, sizes = [], [0]                      # planned first: the files' names say how many there are
     for hf in tensors:
@@ -216,9 +230,8 @@ def _write_weights(path: Path, config, out: Path, steps) -> int:
     return count
 
 
-def _read_metadata(path: Path) -> dict:
-    gguf = _require("gguf", path)
-    fields = gguf.GGUFReader(str(path)).fields
+def _read_metadata(path: Path, reader=None) -> dict:
+    fields = (reader or _require("gguf", path).GGUFReader(str(path))).fields
 
     def get(key):
         return fields[key].contents() if key in fields else None

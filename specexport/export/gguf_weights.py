@@ -19,10 +19,25 @@ from specexport.errors import SpecexportError
 CHUNK_ROWS = 4096
 
 
+def _weights_map(gguf, get_map, skeleton, processor) -> dict:
+    """transformers' GGUF name map, with gguf.get_tensor_name_map memoized while it runs: transformers builds
+    that table again for every submodule it recurses into (397 times, ~20 ms each, for a 30-layer model),
+    and the table depends on the architecture and the layer count alone."""
+    import functools
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        return get_map(skeleton, processor)
+    finally:
+        gguf.get_tensor_name_map = original
+
+
 class GgufWeights:
     """`names`: HF parameter name -> GGUF tensor name, for every tensor of the file the model has."""
 
-    def __init__(self, path: Path, config):
+    def __init__(self, path: Path, config, reader=None):
+        """reader: the file's gguf.GGUFReader when the caller has one (parsing a file's fields takes seconds)."""
         torch, transformers, gguf = require("torch"), require("transformers"), require("gguf")
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS,
@@ -36,8 +51,9 @@ class GgufWeights:
         self.model_class = type(skeleton).__name__
         self.shapes = {k: tuple(v.shape) for k, v in skeleton.state_dict().items()}
         self.processor = TENSOR_PROCESSORS.get(config.model_type, TensorProcessor)(config=config.to_dict())
-        by_gguf = get_gguf_hf_weights_map(skeleton, self.processor)
-        self.tensors = {t.name: t for t in gguf.GGUFReader(str(self.path)).tensors}   # memory-mapped
+        by_gguf = _weights_map(gguf, get_gguf_hf_weights_map, skeleton, self.processor)
+        reader = reader or gguf.GGUFReader(str(self.path))
+        self.tensors = {t.name: t for t in reader.tensors}                             # memory-mapped
         self.names = {hf: name for name, hf in by_gguf.items() if hf in self.shapes and name in self.tensors}
         self._gguf = gguf
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from specexport.report.grid import VANILLA
 from specexport.report.model import choose_gamma, extend, predicted_speedup
+from specexport.runtime.methods import configuration
 
 
 def _gamma_choice(rows, costs, isolated, max_gamma: int) -> dict:
@@ -51,8 +52,7 @@ def method_choices(rows) -> dict:
             "draft_precision": row["draft_precision"] if row else None,
             "speedup": best["speedup_vs_vanilla"] if best else None,
             "speedup_ci95": best["speedup_ci95"] if best else None,
-            "best_measured": f"{best['method']} γ {best['gamma']}" + (f" tree {best['tree']}" if best["tree"] else "")
-            if best else None,
+            "best_measured": configuration(best) if best else None,
             "measured_tokens": sum(r["delivered_tokens"] for r in rows if r["precision"] == tp)}
     return choices
 

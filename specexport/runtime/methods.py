@@ -138,16 +138,25 @@ def _auto_method(pipe, suffix_scope: str = "", suffix_share: bool = True):
                         suffix_share=suffix_share)
 
 
+def configuration(choice: dict) -> str:
+    """A stored choice in words: "draft γ 4", "draft tree small", "suffix (trees up to 15 nodes)",
+    "medusa tree auto"."""
+    method, tree = choice["method"], choice.get("tree")
+    if method == "suffix":
+        return f"suffix (trees up to {choice['gamma']} nodes)"
+    if tree:
+        return f"{method} tree {tree}"
+    return f"{method} γ {choice['gamma']}"
+
+
 def auto_summary(choice: dict, output_dir) -> str:
     """What a stored `--method auto` choice says, in one line: the configuration and its measured speedup,
     or why it is vanilla (every measured configuration lost, or none was measured: then the command that
     measures them)."""
     if choice["method"] != "vanilla":
-        tree = f", tree {choice['tree']}" if choice["tree"] else ""
         ci = choice.get("speedup_ci95")
         interval = f" [95% interval {ci[0]:.2f}-{ci[1]:.2f}]" if ci else ""
-        return (f"{choice['method']} γ {choice['gamma']}{tree}: measured {choice['speedup']:.2f}x{interval} over "
-                f"vanilla")
+        return f"{configuration(choice)}: measured {choice['speedup']:.2f}x{interval} over vanilla"
     if not choice.get("best_measured"):
         return (f"vanilla: the bench that chose it measured no speculative configuration; measure them with "
                 f"`specexport bench {output_dir} --methods vanilla,lookup,suffix` (and draft, medusa, eagle where built)")
