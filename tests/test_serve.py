@@ -278,6 +278,7 @@ def test_the_cli_serves(chat_build):
         banner = proc.stdout.readline()
         stored = json.loads((chat_build / "manifest.json").read_text())["method_auto"]["fp32/fp32"]["method"]
         assert f"method auto: {stored}" in banner   # what the build's quick bench measured fastest
+        assert "(the build's bench measured this fastest)" in banner        # and its thread setting
         deadline = time.monotonic() + 60
         while True:
             try:

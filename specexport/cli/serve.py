@@ -37,11 +37,14 @@ class ByteSize(click.ParamType):
                    "request may pick another with the extension field `method`.")
 @click.option("--precision", default=None, help="The target's precision (default: fp32, or gguf in a lean build).")
 @click.option("--draft-precision", default=None, help="The draft's precision (default: --precision).")
-@click.option("--threads", default=None, type=int, help="Target's ONNX Runtime intra-op threads (default: all cores).")
+@click.option("--threads", default=None, type=int,
+              help="Target's ONNX Runtime intra-op threads (default: the threads and spinning the build's bench "
+                   "measured fastest, else all cores).")
 @click.option("--name", default=None, help="The model name clients use (default: the build's name).")
-@click.option("--spin/--no-spin", default=True, show_default=True,
-              help="Let ONNX Runtime's idle threads spin between forwards (benchmarks/serve_bench.py on the demo, "
-                   "2 cores: the server's overhead per request was 28 ms with spinning, 97 ms without).")
+@click.option("--spin/--no-spin", default=None,
+              help="Let ONNX Runtime's idle threads spin between forwards (default: as the build's bench measured "
+                   "fastest, else on; benchmarks/serve_bench.py on the demo, 2 cores: the server's overhead per "
+                   "request was 28 ms with spinning, 97 ms without).")
 @click.option("--api-key", envvar=API_KEY_ENV, default=None, show_envvar=True,
               help="Require 'Authorization: Bearer KEY' on every route but /health (401 otherwise). Prefer the "
                    f"environment variable {API_KEY_ENV}: a flag shows in the process list. Without a key, "
@@ -67,13 +70,15 @@ class ByteSize(click.ParamType):
 def serve(output_dir, host, port, method, precision, draft_precision, threads, name, spin, api_key, max_body_bytes,
           max_queue, request_timeout, shutdown_grace, suffix_cache, suffix_cache_tokens, log_level, verbose):
     """Serve the build in OUTPUT_DIR: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
+    from specexport.runtime.pipeline import MEASURED
     from specexport.serve import serve as run
     from specexport.serve.guard import Limits
 
     limits = Limits(max_body_bytes=max_body_bytes, max_queue=max_queue, request_timeout_s=request_timeout or None,
                     shutdown_grace_s=shutdown_grace)
     run(output_dir, host=host, port=port, method=method, name=name, log_level=log_level, api_key=api_key or None,
-        limits=limits, precision=precision, draft_precision=draft_precision, threads=threads, spin=spin,
+        limits=limits, precision=precision, draft_precision=draft_precision,
+        threads=MEASURED if threads is None else threads, **({} if spin is None else {"spin": spin}),
         suffix_cache=suffix_cache, suffix_cache_tokens=suffix_cache_tokens)
 
 
