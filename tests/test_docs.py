@@ -211,7 +211,7 @@ def _flag_problems(page: Page, options: dict[str, set[str]]) -> list[str]:
         units.append((number, line, False))
     units += [(number, span, True) for number, span in _inline_code(page)]
     problems = []
-    for _number, text, bare in units:
+    for number, text, bare in units:
         for command, flag, shown in _uses(text, set(options), bare):
             where = f"{page.name}:{number}: `{shown[:100]}`"
             if command not in options:
