@@ -16,6 +16,8 @@ ends with) never replaces one measured on more.
 
     manifest["method_auto"]["fp32/fp32"] = {"method": "draft", "gamma": 4, "tree": None,
         "draft_precision": "fp32", "speedup": 1.71, "speedup_ci95": [1.6, 1.8], "measured_tokens": 4608,
+        "threads": {"threads": None, "spin": True},    # the target's setting its rows ran with (the fastest for
+                                                       #   vanilla): what specexport.load opens by default
         "stages": {"target": ..., "draft": ..., "medusa": ...}, "measured": ..., "command": ...}
     method "vanilla": every configuration measured lost (or was not shown to win) against vanilla.
 """

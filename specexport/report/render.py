@@ -108,6 +108,11 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _ours(v: dict) -> str:
+    """"vanilla", or "best (draft γ 3)"."""
+    return v["which"] if v["which"] == v["row"] else f"{v['which']} ({v['row']})"
+
+
 def _peer_lines(report: dict) -> list[str]:
     lines = ["", "## Peers (same weights and prompt tokens, interleaved in the same run, each in its own process; "
              "tok/s on decode time)", ""]
@@ -116,7 +121,7 @@ def _peer_lines(report: dict) -> list[str]:
             lines.append(f"- {p['peer']}: skipped ({p['skipped']})")
             continue
         prec = p["precision"].split()[0]
-        ratio = "".join(f"; specexport {prec} {v['which']} ({v['row']}) is {v['ratio']:.2f}x "
+        ratio = "".join(f"; specexport {prec} {_ours(v)} is {v['ratio']:.2f}x "
                         f"[95% interval {v['ci95'][0]:.2f}-{v['ci95'][1]:.2f}]"
                         for v in p.get("ours_vs_peer", []) if v["ratio"] and v["ci95"])
         if any(v["ratio"] and not v["ci95"] for v in p.get("ours_vs_peer", [])):

@@ -21,7 +21,7 @@ from specexport.report.rows import _memory, _open_peers, _peer_row, _row
 from specexport.report.threads import ThreadSetting, fastest_for_vanilla
 from specexport.report.workload import expand_workload, suffix_caches
 from specexport.report.timing import _clocked, _encode, _isolated_costs, _ms, _reference_outputs, _run, _step_costs
-from specexport.runtime.methods import HEAD_METHODS
+from specexport.runtime.methods import HEAD_METHODS, configuration
 
 # A peer's thread pools (torch's OpenMP, ONNX Runtime's) spin for a while after it answers, in its own
 # process but on our cores: measured on the demo, the run right after the peers had its prefill 38%
@@ -133,7 +133,8 @@ def _ours_vs_peer(peer, peer_runs, rows, runs, configs) -> list[dict]:
         r, c = rc
         ours = acc.throughput(runs[c])
         peer_tps = acc.throughput(theirs)
-        out.append({"which": which, "row": f"{c.method} γ {c.gamma or '-'}" + (f" tree {c.tree}" if c.tree else ""),
+        out.append({"which": which, "row": "vanilla" if c.method == "vanilla" else
+                    configuration({"method": c.method, "gamma": c.gamma, "tree": c.tree}),
                     "ratio": ours / peer_tps if ours and peer_tps else None,
                     "ci95": acc.speedup_interval(runs[c], theirs) if len(runs[c]) == len(theirs) else None})
     return out
