@@ -47,6 +47,7 @@ class BenchConfig:
     precisions: tuple[str, ...] | None = None      # default: every precision built for the target
     methods: tuple[str, ...] = ("vanilla", "draft")
     gammas: tuple[int, ...] = (2, 3, 4, 5, 6)
+    lookup_gammas: tuple[int, ...] | None = None    # lookup rows' γ (None: `gammas`)
     draft_stops: tuple[float, ...] = ()             # adaptive-γ rows, at the largest γ, per value
     trees: tuple[str, ...] = ()                     # draft-tree rows (DRAFT_TREES names), per precision
     medusa_trees: tuple[str, ...] = ("auto",)       # Medusa rows ("auto" or MEDUSA_TREES names) with method medusa
@@ -102,7 +103,7 @@ def _configs(precisions, manifest, cfg, has_draft):
         if "vanilla" in cfg.methods:
             configs.append(Config(VANILLA, p, None, 0))
         if "lookup" in cfg.methods:                 # prompt lookup: the target alone, up to γ tokens per round
-            configs += [Config("lookup", p, None, g) for g in cfg.gammas]
+            configs += [Config("lookup", p, None, g) for g in cfg.lookup_gammas or cfg.gammas]
         if "suffix" in cfg.methods:                 # suffix decoding: the target alone, a tree up to the verify width
             configs.append(Config("suffix", p, None, manifest["max_verify_tokens"] - 1))
         if "medusa" in cfg.methods:

@@ -85,8 +85,10 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
         for b in pipe.opened:
             b.timings = None
     max_t = max(cfg.gammas) + 1
-    isolated = {(tp, key): _isolated_costs(pipes[tp], None if key in HEAD_METHODS else key, max_t, clock)
-                for tp, key in costs if not accuracy_only(tp, key)}   # only the γ choice uses these
+    # only the γ choice uses these, and only for draft models: timing them for every key (vanilla, lookup, heads)
+    # repeated the same target timings once per key
+    isolated = {(tp, key): _isolated_costs(pipes[tp], key, max_t, clock)
+                for tp, key in costs if key is not None and key not in HEAD_METHODS and not accuracy_only(tp, key)}
     rows = [_row(c, runs, costs) for c in configs]
     choice = _gamma_choice(rows, costs, isolated, max(cfg.gammas))
     report = {
