@@ -29,9 +29,9 @@ def _row(c: Config, runs, costs) -> dict:
     st = runs[c]
     vanilla = runs.get(Config(VANILLA, tp, None, 0))
     # the row's own forwards price its ideal (accounting.row_costs); the session's means where runs carry none
-    cost = acc.row_costs(st) or costs[(tp, c.proposer)]
-    c1 = (acc.row_costs(vanilla) or costs[(tp, c.proposer)])["target"].get(1) if vanilla else \
-        costs[(tp, c.proposer)]["target"].get(1)
+    pooled = costs[(tp, c.proposer)]
+    cost = acc.row_costs(st) or pooled
+    c1 = ((vanilla and acc.row_costs(vanilla)) or pooled)["target"].get(1)
     tps = acc.throughput(st)
     base = acc.throughput(vanilla) if vanilla else None
     speedup = tps / base if tps and base else None

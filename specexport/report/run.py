@@ -128,13 +128,12 @@ def _ours_vs_peer(peer, peer_runs, rows, runs, configs) -> list[dict]:
             and c.draft_precision in (None, precision)]
     picked = {"vanilla": next(((r, c) for r, c in mine if c.method == "vanilla"), None),
               "best": max(mine, key=lambda rc: rc[0]["tokens_per_s"], default=None)}
-    out = []
+    peer_tps, out = acc.throughput(theirs), []
     for which, rc in picked.items():
         if rc is None:
             continue
         r, c = rc
         ours = acc.throughput(runs[c])
-        peer_tps = acc.throughput(theirs)
         out.append({"which": which, "row": "vanilla" if c.method == "vanilla" else
                     configuration({"method": c.method, "gamma": c.gamma, "tree": c.tree}),
                     "ratio": ours / peer_tps if ours and peer_tps else None,
