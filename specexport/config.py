@@ -399,8 +399,12 @@ def gguf_cache_root(cache_dir=None) -> Path:
     ~/.cache/specexport/gguf."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
-    base = os.environ.get("SPECEXPORT_CACHE") or Path.home() / ".cache" / "specexport"
-    return Path(base).expanduser() / "gguf"
+    return cache_base() / "gguf"
+
+
+def cache_base() -> Path:
+    """$SPECEXPORT_CACHE, else ~/.cache/specexport: GGUF conversions, compiled CPU kernels."""
+    return Path(os.environ.get("SPECEXPORT_CACHE") or Path.home() / ".cache" / "specexport").expanduser()
 
 
 def _check_output_writable(output: Path) -> None:

@@ -1,0 +1,274 @@
+"""specexport's CPU kernels on GGUF blocks (the C++ beside this file), compiled on first use.
+
+    Y[M, N] = X[M, K] . W^T   with W the file's blocks verbatim: ONNX Runtime custom ops in the domain
+    "specexport.cpu" (GgufMatMul, GgufGather; sx_ort.cc) and a C interface for tests and benchmarks.
+
+Compiled by the system's C++ compiler into $SPECEXPORT_CACHE/kernels/<key>/ (default ~/.cache/specexport),
+the key a digest of the sources, the compiler's version and the flags, so an edit or another compiler
+builds anew and concurrent first uses build once (a file lock, an atomic rename). Why not a build backend
+at install: pip's wheel of ONNX Runtime has no C headers, and a missing compiler would fail the install;
+here a missing piece leaves the stock route (MatMulNBits) running and `status()` says why.
+
+ONNX Runtime's C API headers come from Debian's libonnxruntime-dev (1.21: the C API is versioned, so a
+library built on those headers runs in later runtimes): $SPECEXPORT_ORT_INCLUDE, else a system copy
+(/usr/include/onnxruntime), else the package fetched once (pinned digest) and unpacked with the standard
+library into the cache. Nothing of ONNX Runtime is stored in this repository.
+
+Environment: SPECEXPORT_KERNELS=off hides the library (the stock route runs); SPECEXPORT_KERNEL_PATH
+(ref, avx2) forces a kernel path; CXX names the compiler.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import io
+import os
+import platform
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specexport.config import cache_base
+from specexport.errors import SpecexportError
+
+DOMAIN = "specexport.cpu"
+HERE = Path(__file__).parent
+KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_avx2.cc")
+HEADERS = ("sx_kernels.h", "sx_blocks.h", "sx_act.h")
+ORT_SOURCE = "sx_ort.cc"
+PATHS = {"ref": 0, "avx2": 1, "neon": 3}
+# GGUF type name -> ggml's id (the ops' `type` attribute)
+TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+
+ORT_DEB = ("https://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb",
+           "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08")
+ORT_HEADER_NAMES = ("onnxruntime_c_api.h", "onnxruntime_cxx_api.h", "onnxruntime_cxx_inline.h",
+                    "onnxruntime_float16.h", "onnxruntime_lite_custom_op.h")
+
+
+class KernelsUnavailable(SpecexportError):
+    """The library could not be built or loaded here; the message says why."""
+
+
+def flags(source: str, arch: str | None = None) -> list[str]:
+    """The compiler flags of one source file. -ffp-contract=off: the float steps are the reference's,
+    never fused differently by one translation unit (bit-identical paths)."""
+    arch = arch or platform.machine()
+    out = ["-O2", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden"]
+    if source == "sx_avx2.cc":
+        out += ["-mavx2", "-mfma"]
+    return out
+
+
+def sources(arch: str | None = None) -> list[str]:
+    """The kernel sources this architecture compiles (the AVX2 file only on x86-64)."""
+    arch = arch or platform.machine()
+    return [s for s in KERNEL_SOURCES if s != "sx_avx2.cc" or arch in ("x86_64", "AMD64")]
+
+
+def compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not cxx:
+        raise KernelsUnavailable("no C++ compiler found (set CXX, or install g++)")
+    return cxx
+
+
+def _compiler_id(cxx: str) -> str:
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        raise KernelsUnavailable(f"the C++ compiler {cxx} does not run: {err}") from err
+
+
+def ort_include(fetch: bool = True) -> Path:
+    """A folder with ONNX Runtime's C/C++ API headers (see the module's docstring for the order)."""
+    env = os.environ.get("SPECEXPORT_ORT_INCLUDE")
+    candidates = [Path(env)] if env else [Path("/usr/include/onnxruntime"), cache_base() / "kernels" / "ort-1.21.0"]
+    for c in candidates:
+        if all((c / h).is_file() for h in ORT_HEADER_NAMES):
+            return c
+    if env:
+        raise KernelsUnavailable(f"SPECEXPORT_ORT_INCLUDE={env} lacks {', '.join(ORT_HEADER_NAMES)}")
+    if not fetch:
+        raise KernelsUnavailable("ONNX Runtime's C headers are not here and fetching them was not allowed")
+    return _fetch_headers(candidates[-1])
+
+
+def _fetch_headers(dest: Path) -> Path:
+    """Debian's libonnxruntime-dev, its headers unpacked into dest (an ar archive holding data.tar.xz)."""
+    url, digest = ORT_DEB
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r:
+            deb = r.read()
+    except OSError as err:
+        raise KernelsUnavailable(f"ONNX Runtime's C headers: could not fetch {url} ({err}); install Debian's "
+                                 f"libonnxruntime-dev or set SPECEXPORT_ORT_INCLUDE") from err
+    if hashlib.sha256(deb).hexdigest() != digest:
+        raise KernelsUnavailable(f"ONNX Runtime's C headers: {url} does not have the pinned sha256 {digest}")
+    data = _ar_member(deb, "data.tar.xz")
+    tmp = Path(tempfile.mkdtemp(prefix=".ort-", dir=_mkdir(dest.parent)))
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
+        for m in tar.getmembers():
+            if m.isfile() and Path(m.name).name in ORT_HEADER_NAMES and "include/onnxruntime/" in m.name:
+                (tmp / Path(m.name).name).write_bytes(tar.extractfile(m).read())
+    try:
+        tmp.rename(dest)
+    except OSError:                      # another process got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _ar_member(blob: bytes, name: str) -> bytes:
+    """One member of a Unix ar archive (a .deb): 8-byte magic, then 60-byte headers, 2-byte aligned."""
+    if not blob.startswith(b"!<arch>\n"):
+        raise KernelsUnavailable("ONNX Runtime's C headers: the package is not an ar archive")
+    at = 8
+    while at + 60 <= len(blob):
+        head = blob[at:at + 60]
+        member, size = head[:16].decode().strip().rstrip("/"), int(head[48:58].decode().strip())
+        if member == name:
+            return blob[at + 60:at + 60 + size]
+        at += 60 + size + (size & 1)
+    raise KernelsUnavailable(f"ONNX Runtime's C headers: the package has no {name}")
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def build(with_ort: bool = True, *, plant: str | None = None) -> Path:
+    """Compile (once per key) and return the shared library's path. with_ort: the ONNX Runtime ops too
+    (needs the headers); without them: the C interface only. plant: a -DSX_PLANT_<name> build with a
+    deliberate bug, for the tests that must catch it."""
+    cxx = compiler()
+    srcs = sources() + ([ORT_SOURCE] if with_ort else [])
+    include = ort_include() if with_ort else None
+    defines = [f"-DSX_PLANT_{plant.upper()}"] if plant else []
+    h = hashlib.sha256(_compiler_id(cxx).encode())
+    for s in srcs + list(HEADERS):
+        h.update(s.encode() + (HERE / s).read_bytes() + " ".join(flags(s) + defines).encode())
+    name = "libspecexport_cpu.so" if with_ort else "libspecexport_kernels.so"
+    folder = cache_base() / "kernels" / h.hexdigest()[:16]
+    lib = folder / name
+    if lib.is_file():
+        return lib
+    from filelock import FileLock
+
+    with FileLock(str(_mkdir(folder) / ".lock")):
+        if lib.is_file():
+            return lib
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            objs = []
+            for s in srcs:
+                obj = Path(tmp) / (s + ".o")
+                cmd = [cxx, *flags(s), *defines, "-I", str(HERE), *(["-I", str(include)] if include else []),
+                       "-c", str(HERE / s), "-o", str(obj)]
+                _run(cmd, s)
+                objs.append(str(obj))
+            out = Path(tmp) / name
+            _run([cxx, "-shared", "-o", str(out), *objs], "linking")
+            out.rename(lib)                          # atomic: a half-written library is never seen
+    return lib
+
+
+def _run(cmd: list[str], what: str) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-12:])
+        raise KernelsUnavailable(f"compiling specexport's CPU kernels failed at {what}:\n{tail}")
+
+
+@dataclass(frozen=True)
+class Status:
+    """Whether the kernels run here: the ONNX Runtime library's path, or why not (once per process)."""
+    library: Path | None
+    paths: str = ""                # the kernel paths this CPU runs, e.g. "ref,avx2"
+    path: str = ""                 # the one that runs (SPECEXPORT_KERNEL_PATH or the best)
+    reason: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.library is not None
+
+    def line(self) -> str:
+        if self.available:
+            return f"CPU kernels: specexport's ({self.path} path; this CPU runs {self.paths})"
+        return f"CPU kernels: ONNX Runtime's stock MatMulNBits ({self.reason})"
+
+
+@functools.cache
+def status() -> Status:
+    """Build and load the library once per process; never raises (the reason is in the Status)."""
+    if os.environ.get("SPECEXPORT_KERNELS", "").lower() in ("off", "0", "no", "stock"):
+        return Status(None, reason="SPECEXPORT_KERNELS=off")
+    try:
+        lib = build()
+        c = _load(lib)
+    except KernelsUnavailable as err:
+        return Status(None, reason=str(err))
+    path = c.sx_resolve(-1)
+    if path < 0:
+        return Status(None, reason=f"SPECEXPORT_KERNEL_PATH={os.environ.get('SPECEXPORT_KERNEL_PATH')} "
+                                   f"is not a path this CPU runs ({c.sx_paths().decode()})")
+    names = {v: k for k, v in PATHS.items()}
+    return Status(lib, c.sx_paths().decode(), names[path])
+
+
+def _load(lib: Path):
+    try:
+        c = ctypes.CDLL(str(lib))
+    except OSError as err:
+        raise KernelsUnavailable(f"{lib} does not load: {err}") from err
+    P, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    c.sx_paths.restype = ctypes.c_char_p
+    c.sx_resolve.argtypes = [i]
+    c.sx_row_bytes.restype = ctypes.c_size_t
+    c.sx_row_bytes.argtypes = [i, i64]
+    c.sx_matmul.argtypes = [i, i, i, P, i64, i64, P, i64, P]
+    c.sx_gather.restype = i64
+    c.sx_gather.argtypes = [i, P, i64, i64, P, i64, P]
+    return c
+
+
+class Kernels:
+    """The C interface through ctypes (tests, benchmarks): one call, one thread."""
+
+    def __init__(self, lib: Path | None = None):
+        self.lib = lib or build(with_ort=False)
+        self.c = _load(self.lib)
+
+    def paths(self) -> list[str]:
+        return self.c.sx_paths().decode().split(",")
+
+    def row_bytes(self, qtype: str, K: int) -> int:
+        return int(self.c.sx_row_bytes(TYPES[qtype], K))
+
+    def matmul(self, qtype: str, X: np.ndarray, W: np.ndarray, *, path: str = "ref", exact: bool = False) -> np.ndarray:
+        X = np.ascontiguousarray(X, np.float32)
+        W = np.ascontiguousarray(W, np.uint8)
+        (M, K), N = X.shape, W.shape[0]
+        if W.shape[1] != self.row_bytes(qtype, K):
+            raise ValueError(f"W: {list(W.shape)} is not [N, {self.row_bytes(qtype, K)}] for {qtype} and K={K}")
+        Y = np.empty((M, N), np.float32)
+        rc = self.c.sx_matmul(TYPES[qtype], PATHS[path], int(exact), X.ctypes.data, M, K, W.ctypes.data, N,
+                              Y.ctypes.data)
+        if rc:
+            raise ValueError(f"sx_matmul({qtype}, path {path}) refused: code {rc}")
+        return Y
+
+    def gather(self, qtype: str, W: np.ndarray, ids: np.ndarray, K: int) -> np.ndarray:
+        W = np.ascontiguousarray(W, np.uint8)
+        ids = np.ascontiguousarray(ids, np.int64)
+        out = np.empty((ids.size, K), np.float32)
+        bad = self.c.sx_gather(TYPES[qtype], W.ctypes.data, W.shape[0], K, ids.ctypes.data, ids.size, out.ctypes.data)
+        if bad >= 0:
+            raise IndexError(f"id {ids.flat[bad]} is outside [0, {W.shape[0]})")
+        return out.reshape(*ids.shape, K)

@@ -1,0 +1,53 @@
+// Activations quantized once per row per op (int8 mode): per block of the weight type (32 or 256),
+// one float scale, int8 values, and the sum of each 16 values (the min and zero-point terms).
+#pragma once
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+namespace sx {
+
+// Functions here are static: each translation unit (compiled with its own -m flags) keeps its own copy.
+struct ActRow {
+  int8_t* q;     // [K]
+  float* d;      // [K / qk]
+  int16_t* s16;  // [K / 16]
+};
+
+static inline size_t act_row_bytes(int64_t K, int qk) { return (size_t)K + 4 * (size_t)(K / qk) + 2 * (size_t)(K / 16); }
+
+static inline ActRow act_row(const void* base, int64_t m, int64_t K, int qk) {
+  uint8_t* p = (uint8_t*)base + (size_t)m * act_row_bytes(K, qk);
+  ActRow r;  // scales first: aligned for any K
+  r.d = (float*)p;
+  r.s16 = (int16_t*)(p + 4 * (K / qk));
+  r.q = (int8_t*)(p + 4 * (K / qk) + 2 * (K / 16));
+  return r;
+}
+
+// d = max|x| / 127, q = round-half-even(x / d): the same scalar code on every path.
+static inline void quantize_row(const float* x, int64_t K, int qk, ActRow r) {
+  for (int64_t b = 0; b < K / qk; ++b) {
+    const float* xb = x + b * qk;
+    float amax = 0.f;
+    bool finite = true;
+    for (int i = 0; i < qk; ++i) {
+      finite = finite && std::isfinite(xb[i]);
+      amax = std::fmax(amax, std::fabs(xb[i]));
+    }
+    const float id = finite && amax > 0.f ? 127.f / amax : 0.f;
+    r.d[b] = finite ? amax / 127.f : NAN;  // a NaN or inf input makes the block's outputs NaN
+    for (int i = 0; i < qk; ++i) {
+      float v = std::nearbyint(xb[i] * id);
+      v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+      r.q[b * qk + i] = (int8_t)v;
+    }
+  }
+  for (int64_t g = 0; g < K / 16; ++g) {
+    int s = 0;
+    for (int i = 0; i < 16; ++i) s += r.q[16 * g + i];
+    r.s16[g] = (int16_t)s;
+  }
+}
+
+}  // namespace sx

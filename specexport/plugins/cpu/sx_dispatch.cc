@@ -1,0 +1,89 @@
+// Which path runs: the best this CPU has, or the one SPECEXPORT_KERNEL_PATH (ref, avx2, neon) names.
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "sx_kernels.h"
+
+#if defined(__x86_64__)
+void sx_avx2_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+#endif
+void sx_ref_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+
+namespace {
+
+bool runnable(int path) {
+  switch (path) {
+    case SX_REF: return true;
+#if defined(__x86_64__)
+    case SX_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+    default: return false;
+  }
+}
+
+const char* name(int path) {
+  switch (path) {
+    case SX_REF: return "ref";
+    case SX_AVX2: return "avx2";
+    case SX_NEON: return "neon";
+    default: return "?";
+  }
+}
+
+}  // namespace
+
+extern "C" int sx_version(void) { return 1; }
+
+extern "C" const char* sx_paths(void) {
+  static std::string out;
+  if (out.empty()) {
+    for (int p : {SX_REF, SX_AVX2, SX_NEON}) {
+      if (!runnable(p)) continue;
+      if (!out.empty()) out += ",";
+      out += name(p);
+    }
+  }
+  return out.c_str();
+}
+
+extern "C" int sx_resolve(int forced) {
+  if (forced == SX_AUTO) {
+    const char* env = std::getenv("SPECEXPORT_KERNEL_PATH");
+    if (env && *env) {
+      for (int p : {SX_REF, SX_AVX2, SX_NEON})
+        if (!std::strcmp(env, name(p))) return runnable(p) ? p : -1;
+      return -1;
+    }
+    for (int p : {SX_NEON, SX_AVX2})
+      if (runnable(p)) return p;
+    return SX_REF;
+  }
+  return runnable(forced) ? forced : -1;
+}
+
+extern "C" void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
+                           int64_t n1, float* Y, int64_t ldy) {
+  switch (path) {
+#if defined(__x86_64__)
+    case SX_AVX2: sx_avx2_gemm(type, act, M, K, W, n0, n1, Y, ldy); return;
+#endif
+    default: sx_ref_gemm(type, act, M, K, W, n0, n1, Y, ldy);
+  }
+}
+
+extern "C" int sx_matmul(int type, int path, int exact, const float* X, int64_t M, int64_t K, const uint8_t* W,
+                         int64_t N, float* Y) {
+  if (!sx_row_bytes(type, K)) return 1;
+  if (exact) {
+    sx_gemm_exact(type, X, M, K, W, 0, N, Y, N);
+    return 0;
+  }
+  const int p = sx_resolve(path);
+  if (p < 0) return 2;
+  std::vector<uint8_t> act(sx_act_bytes(type, M, K));
+  sx_quantize(type, X, M, K, act.data());
+  sx_gemm_q8(type, p, act.data(), M, K, W, 0, N, Y, N);
+  return 0;
+}

@@ -1,0 +1,39 @@
+// specexport's CPU kernels on GGUF blocks: the C interface (ctypes, the ONNX Runtime ops, the test binary).
+//   Y[M, N] = X[M, K] . W^T, W = N rows of the file's blocks, verbatim.
+// Every output is computed by one thread in a fixed order (block by block, the same integer and float
+// operations whatever M, the other rows or the path), so a row's bits never depend on the pass.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#define SX_API __attribute__((visibility("default")))
+
+extern "C" {
+
+// Kernel paths. SX_AUTO picks the best the CPU has; every path equals SX_REF bit for bit.
+enum { SX_AUTO = -1, SX_REF = 0, SX_AVX2 = 1, SX_NEON = 3 };
+
+SX_API int sx_version(void);
+// Path names, "ref,avx2": those this CPU and this build can run.
+SX_API const char* sx_paths(void);
+// The path SX_AUTO resolves to (or `forced` if runnable; -1 if not).
+SX_API int sx_resolve(int forced);
+// Bytes per row of W for `type` and K; 0 if the type is unknown or K not a multiple of its block.
+SX_API size_t sx_row_bytes(int type, int64_t K);
+// Activation buffer bytes for M rows (int8 mode).
+SX_API size_t sx_act_bytes(int type, int64_t M, int64_t K);
+// int8 mode, step 1: quantize M rows of X into `act` (per block of the type: one scale, int8 values,
+// sums per 16).
+SX_API void sx_quantize(int type, const float* X, int64_t M, int64_t K, void* act);
+// int8 mode, step 2: columns [n0, n1) of Y for all M rows.
+SX_API void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64_t K, const uint8_t* W,
+                int64_t n0, int64_t n1, float* Y, int64_t ldy);
+// Exact mode: float activations, weights dequantized as the gguf package does, dot products in double.
+SX_API void sx_gemm_exact(int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
+                   float* Y, int64_t ldy);
+// Rows `ids` of W dequantized (an embedding's gather). Returns the first id out of [0, N), or -1.
+SX_API int64_t sx_gather(int type, const uint8_t* W, int64_t N, int64_t K, const int64_t* ids, int64_t count, float* out);
+// One call, one thread: quantize (unless exact) and multiply. For tests and the kernel curve.
+SX_API int sx_matmul(int type, int path, int exact, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t N,
+              float* Y);
+}

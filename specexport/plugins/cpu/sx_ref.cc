@@ -1,0 +1,101 @@
+// The reference path (portable C++): defines every result the SIMD paths must equal bit for bit.
+#include <cmath>
+#include <cstdlib>
+#include <vector>
+
+#include "sx_act.h"
+#include "sx_blocks.h"
+#include "sx_kernels.h"
+
+using namespace sx;
+
+extern "C" size_t sx_row_bytes(int type, int64_t K) {
+  const TypeInfo ti = type_info(type);
+  if (!ti.qk || K <= 0 || K % ti.qk) return 0;
+  return (size_t)(K / ti.qk) * ti.bytes;
+}
+
+extern "C" size_t sx_act_bytes(int type, int64_t M, int64_t K) {
+  const TypeInfo ti = type_info(type);
+  if (!ti.qk) return 0;
+  return (size_t)M * act_row_bytes(K, ti.qk);
+}
+
+extern "C" void sx_quantize(int type, const float* X, int64_t M, int64_t K, void* act) {
+  const TypeInfo ti = type_info(type);
+  for (int64_t m = 0; m < M; ++m) quantize_row(X + m * K, K, ti.qk, act_row(act, m, K, ti.qk));
+}
+
+// Column n, every row: block by block, the integer dot products per 16 weights, then two fused
+// multiply-adds per block in float (acc += I * (d * da); acc += Mn * (m * da)).
+void sx_ref_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
+                 int64_t ldy) {
+  const TypeInfo ti = type_info(type);
+  const int64_t nb = K / ti.qk;
+  const size_t rb = sx_row_bytes(type, K);
+  std::vector<float> acc(M);
+  Unpacked u;
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < M; ++m) acc[m] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      unpack(type, W + n * rb + b * ti.bytes, u);
+      const float mf = ti.kind == KMIN ? -u.m : u.m;
+      for (int64_t m = 0; m < M; ++m) {
+        const ActRow a = act_row(act, m, K, ti.qk);
+        const int8_t* q = a.q + b * ti.qk;
+        const int16_t* s16 = a.s16 + b * (ti.qk / 16);
+        int32_t I = 0, Mn = 0;
+        for (int g = 0; g < ti.qk / 16; ++g) {
+          int32_t dot = 0;
+          for (int i = 0; i < 16; ++i) dot += (int32_t)u.v[16 * g + i] * q[16 * g + i];
+          I += u.s[g] * dot;
+          Mn += u.mn[g] * s16[g];
+        }
+        const float da = a.d[b];
+        acc[m] = std::fmaf((float)I, u.d * da, acc[m]);
+        if (ti.kind != SYM) acc[m] = std::fmaf((float)Mn, mf * da, acc[m]);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = acc[m];
+  }
+}
+
+extern "C" void sx_gemm_exact(int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
+                              float* Y, int64_t ldy) {
+  const TypeInfo ti = type_info(type);
+  const int64_t nb = K / ti.qk;
+  const size_t rb = sx_row_bytes(type, K);
+  std::vector<double> acc(M);
+  Unpacked u;
+  float w[256];
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < M; ++m) acc[m] = 0.0;
+    for (int64_t b = 0; b < nb; ++b) {
+      unpack(type, W + n * rb + b * ti.bytes, u);
+      dequant(type, u, w);
+      for (int64_t m = 0; m < M; ++m) {
+        const float* x = X + m * K + b * ti.qk;
+        double s = acc[m];
+        for (int i = 0; i < ti.qk; ++i) s += (double)w[i] * (double)x[i];
+        acc[m] = s;
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = (float)acc[m];
+  }
+}
+
+extern "C" int64_t sx_gather(int type, const uint8_t* W, int64_t N, int64_t K, const int64_t* ids, int64_t count,
+                             float* out) {
+  const TypeInfo ti = type_info(type);
+  const size_t rb = sx_row_bytes(type, K);
+  Unpacked u;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t id = ids[r];
+    if (id < 0 || id >= N) return r;
+    for (int64_t b = 0; b < K / ti.qk; ++b) {
+      unpack(type, W + id * rb + b * ti.bytes, u);
+      dequant(type, u, out + r * K + b * ti.qk);
+    }
+  }
+  return -1;
+}

@@ -1,0 +1,178 @@
+"""specexport's CPU kernels on GGUF blocks (specexport/plugins/cpu), against the gguf package's own
+dequantization: every block type, the exact and the int8 mode, every kernel path equal to the reference
+bit for bit, each row's bits independent of the pass (M, row order, threads), planted bugs caught."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specexport.plugins import cpu
+from specexport.quant.gguf_blocks import SUPPORTED, random_blocks
+from tests.close import assert_close
+
+gguf = pytest.importorskip("gguf")
+
+QK = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    try:
+        return cpu.Kernels()
+    except cpu.KernelsUnavailable as err:          # no compiler: the stock route is tested elsewhere
+        pytest.skip(f"the CPU kernels do not build here: {err}")
+
+
+def blocks(rng, qtype: str, n: int, k: int) -> np.ndarray:
+    """Valid blocks, with the K types' sub-block scales over their full range (not only small ones)."""
+    w = random_blocks(rng, qtype, n, k)
+    _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+    r = w.reshape(n, -1, size)
+    if qtype == "Q6_K":
+        r[..., 192:208] = rng.integers(0, 256, size=r[..., 192:208].shape, dtype=np.uint8)
+    elif qtype in ("Q4_K", "Q5_K"):
+        r[..., 4:16] = rng.integers(0, 256, size=r[..., 4:16].shape, dtype=np.uint8)
+    return w
+
+
+def dequantized(qtype: str, w: np.ndarray, k: int) -> np.ndarray:
+    return gguf.quants.dequantize(w, gguf.GGMLQuantizationType[qtype]).reshape(w.shape[0], k)
+
+
+def quantized_activations(x: np.ndarray, qk: int):
+    """The kernels' activation quantization, in numpy: per block of qk, d = max|x| / 127 and
+    q = round-half-even(x * (127 / max|x|)), float32 throughout. Returns (q as float64, d per block)."""
+    xb = x.reshape(x.shape[0], -1, qk).astype(np.float32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv), -127, 127)
+    return q.astype(np.float64), (amax[..., 0] / np.float32(127)).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_exact_mode_is_the_gguf_dequantization_times_x(kernels, qtype):
+    rng = np.random.default_rng(1)
+    k = 2 * QK[qtype] if QK[qtype] == 256 else 160
+    w, x = blocks(rng, qtype, 21, k), rng.standard_normal((5, k)).astype(np.float32)
+    want = x.astype(np.float64) @ dequantized(qtype, w, k).astype(np.float64).T
+    assert_close(kernels.matmul(qtype, x, w, exact=True), want, rel=1e-6,
+                 why="weights dequantized as gguf does (float32), products summed in double, rounded once to float32")
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_int8_mode_is_exact_integer_dots_of_the_quantized_activations(kernels, qtype):
+    rng = np.random.default_rng(2)
+    qk = QK[qtype]
+    k = 3 * qk if qk == 256 else 192
+    w, x = blocks(rng, qtype, 19, k), rng.standard_normal((6, k)).astype(np.float32)
+    x[1, :qk] = 0.0                                                   # an all-zero activation block
+    q, d = quantized_activations(x, qk)
+    wf = dequantized(qtype, w, k).astype(np.float64).reshape(19, -1, qk)
+    want = np.einsum("mbi,nbi,mb->mn", q.reshape(6, -1, qk), wf, d.astype(np.float64))
+    for path in kernels.paths():
+        assert_close(kernels.matmul(qtype, x, w, path=path), want, rel=2e-6,
+                     why="integer dot products exact; then one float32 rounding per block step (a few per row)")
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_every_path_equals_the_reference_bit_for_bit(kernels, qtype):
+    rng = np.random.default_rng(3)
+    k = QK[qtype] * (2 if QK[qtype] == 256 else 5)
+    for n in (1, 7, 8, 13, 64 + 3):                                   # tails of the 8-column tiles
+        w = blocks(rng, qtype, n, k)
+        x = (rng.standard_normal((int(rng.integers(1, 20)), k)) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32)
+        ref = kernels.matmul(qtype, x, w, path="ref")
+        for path in kernels.paths():
+            assert np.array_equal(kernels.matmul(qtype, x, w, path=path), ref), f"{qtype} {path} n={n}"
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_gather_is_the_gguf_dequantization_bit_for_bit(kernels, qtype):
+    rng = np.random.default_rng(4)
+    k = QK[qtype] * 2
+    w = blocks(rng, qtype, 10, k)
+    ids = np.array([[3, 0, 9], [3, 3, 1]])
+    assert np.array_equal(kernels.gather(qtype, w, ids, k), dequantized(qtype, w, k)[ids])
+    with pytest.raises(IndexError, match="id 10 is outside"):
+        kernels.gather(qtype, w, np.array([10]), k)
+
+
+def test_a_k_not_a_multiple_of_the_block_is_refused(kernels):
+    w = blocks(np.random.default_rng(5), "Q4_K", 4, 256)
+    assert kernels.row_bytes("Q4_K", 300) == 0
+    with pytest.raises(ValueError, match="not \\[N, 0\\] for Q4_K and K=300"):
+        kernels.matmul("Q4_K", np.zeros((1, 300), np.float32), w)
+
+
+# -- the ONNX Runtime op: each row's bits independent of the pass ----------------------------------------
+
+def _session(qtype: str, w: np.ndarray, k: int, threads: int, exact: int = 0):
+    ort = pytest.importorskip("onnxruntime")
+    from onnx import TensorProto, helper, numpy_helper
+
+    status = cpu.status()
+    if not status.available:
+        pytest.skip(status.line())
+    node = helper.make_node("GgufMatMul", ["X", "W"], ["Y"], domain=cpu.DOMAIN, type=cpu.TYPES[qtype], K=k,
+                            N=w.shape[0], exact=exact)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["B", "T", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["B", "T", w.shape[0]])],
+                              [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(str(status.library))
+    so.intra_op_num_threads = threads
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q5_1"])
+def test_a_rows_bits_do_not_depend_on_m_order_or_threads(qtype):
+    rng = np.random.default_rng(6)
+    k = 512
+    w = blocks(rng, qtype, 200, k)                                    # > one task of columns per thread
+    sessions = {t: _session(qtype, w, k, t) for t in (1, 2, 4)}
+    rows = rng.standard_normal((40, k)).astype(np.float32)
+    alone = np.concatenate([sessions[1].run(None, {"X": rows[None, i:i + 1]})[0][0] for i in range(40)])
+    for trial in range(6):
+        m = int(rng.integers(1, 41))
+        pick = rng.permutation(40)[:m]
+        threads = (1, 2, 4)[trial % 3]
+        got = sessions[threads].run(None, {"X": rows[None, pick]})[0][0]
+        assert np.array_equal(got, alone[pick]), f"M={m}, {threads} threads"
+
+
+def test_the_op_in_a_graph_computes_what_the_c_interface_does(kernels):
+    rng = np.random.default_rng(7)
+    w, x = blocks(rng, "Q4_K", 30, 512), rng.standard_normal((2, 3, 512)).astype(np.float32)
+    for exact in (0, 1):
+        got = _session("Q4_K", w, 512, 2, exact).run(None, {"X": x})[0]
+        want = kernels.matmul("Q4_K", x.reshape(6, 512), w, path=cpu.status().path, exact=bool(exact))
+        assert np.array_equal(got.reshape(6, 30), want)
+
+
+# -- planted bugs: the checks above must fail on them ------------------------------------------------
+
+def _planted(name: str):
+    try:
+        return cpu.Kernels(cpu.build(with_ort=False, plant=name))
+    except cpu.KernelsUnavailable as err:
+        pytest.skip(f"the CPU kernels do not build here: {err}")
+
+
+def test_a_block_scale_read_off_by_one_is_caught():
+    bad = _planted("scale_off_by_one")
+    rng = np.random.default_rng(8)
+    w, x = blocks(rng, "Q4_K", 9, 256), rng.standard_normal((3, 256)).astype(np.float32)
+    want = x.astype(np.float64) @ dequantized("Q4_K", w, 256).astype(np.float64).T
+    with pytest.raises(AssertionError):
+        assert_close(bad.matmul("Q4_K", x, w, exact=True), want, rel=1e-6, why="the planted bug")
+
+
+def test_a_tile_that_drops_its_last_row_is_caught():
+    bad = _planted("drop_last_row")
+    if "avx2" not in bad.paths():
+        pytest.skip("the bug is planted in the AVX2 path, which this CPU cannot run")
+    rng = np.random.default_rng(9)
+    w, x = blocks(rng, "Q6_K", 9, 256), rng.standard_normal((3, 256)).astype(np.float32)
+    assert not np.array_equal(bad.matmul("Q6_K", x, w, path="avx2"), bad.matmul("Q6_K", x, w, path="ref"))
