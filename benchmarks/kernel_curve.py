@@ -1,9 +1,9 @@
-"""The cost of a quantized matmul as the rows of a pass grow, M = 1..16, 32, 64, 512: the baseline issue 34's
-kernels are measured against. Today's `gguf` route runs ONNX Runtime's `MatMulNBits`; this times it alone, per
-GGUF block type as that route stores it, on shapes of Qwen2.5-Coder-1.5B, against this machine's read bandwidth
-measured in the same run.
+"""The cost of a quantized matmul as the rows of a pass grow, M = 1..16, 32, 64, 512: specexport's own CPU
+kernels (specexport/plugins/cpu: GgufMatMul on the file's blocks) against ONNX Runtime's `MatMulNBits` as the
+stock `gguf` route stores each GGUF block type, timed alone on shapes of Qwen2.5-Coder-1.5B, against this
+machine's read bandwidth measured in the same run.
 
-    python benchmarks/kernel_curve.py [--threads 2] [--reps 15] [--rows 1,2,...] [--shapes qwen1.5b]
+    python benchmarks/kernel_curve.py [--threads 2] [--reps 15] [--rows 1,2,...] [--shapes qwen1.5b] [--ops ours,nbits]
 
 Per (type, shape, M): the median µs of one call (configurations interleaved per repetition), the weight bytes
 it must read divided by that time (GB/s), c(M)/c(1), and bytes per weight against the GGUF file's. The read
@@ -54,6 +54,29 @@ def matmul_nbits(K: int, N: int, bits: int, block: int, accuracy_level: int, thr
         codes.nbytes + scales.nbytes
 
 
+def gguf_matmul(K: int, N: int, qtype: str, threads: int):
+    """A session of one GgufMatMul node (our kernels) on random valid blocks; returns (session, weight bytes)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specexport.plugins import cpu
+    from specexport.quant.gguf_blocks import random_blocks
+
+    status = cpu.status()
+    if not status.available:
+        raise SystemExit(status.line())
+    w = random_blocks(np.random.default_rng(0), qtype, N, K)
+    node = helper.make_node("GgufMatMul", ["A", "W"], ["Y"], domain=cpu.DOMAIN, type=cpu.TYPES[qtype], K=K, N=N)
+    graph = helper.make_graph([node], "mm", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", K])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", N])],
+                              [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(cpu.DOMAIN, 1)])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.register_custom_ops_library(str(status.library))
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]), w.nbytes
+
+
 def read_bandwidth(threads: int, reps: int = 5) -> dict:
     """GB/s reading a 1 GiB array: numpy's integer max (one thread) and ONNX Runtime's ReduceSum (`threads`)."""
     import onnxruntime as ort
@@ -87,36 +110,47 @@ def main():
     ap.add_argument("--shapes", default="qwen1.5b", choices=list(SHAPES))
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--accuracy-level", type=int, default=4)
+    ap.add_argument("--ops", default="ours,nbits", help="ours: GgufMatMul; nbits: MatMulNBits")
     args = ap.parse_args()
     rows = [int(m) for m in args.rows.split(",")]
     bw = read_bandwidth(args.threads)
     machine = max(bw.values())
     print(f"read bandwidth: {', '.join(f'{k} {v:.1f} GB/s' for k, v in bw.items())}")
     configs = {}
-    for name in args.types.split(","):
-        bits, block, file_bpw = TYPES[name]
-        for K, N in SHAPES[args.shapes]:
-            session, nbytes = matmul_nbits(K, N, bits, block, args.accuracy_level, args.threads)
-            inputs = {m: np.random.default_rng(m).standard_normal((m, K)).astype(np.float32) for m in rows}
-            for m in rows:
-                session.run(None, {"A": inputs[m]})                   # warm-up (prepacking happens here)
-            configs[(name, K, N)] = (session, inputs, nbytes, file_bpw * K * N)
+    for op in args.ops.split(","):
+        for name in args.types.split(","):
+            bits, block, file_bpw = TYPES[name]
+            for K, N in SHAPES[args.shapes]:
+                session, nbytes = (gguf_matmul(K, N, name, args.threads) if op == "ours" else
+                                   matmul_nbits(K, N, bits, block, args.accuracy_level, args.threads))
+                inputs = {m: np.random.default_rng(m).standard_normal((m, K)).astype(np.float32) for m in rows}
+                for m in rows:
+                    session.run(None, {"A": inputs[m]})               # warm-up (prepacking happens here)
+                configs[(op, name, K, N)] = (session, inputs, nbytes, file_bpw * K * N)
     times = {(key, m): [] for key in configs for m in rows}
     for _ in range(args.reps):                                        # interleaved: one call of each per rep
         for key, (session, inputs, _, _) in configs.items():
             for m in rows:
                 times[(key, m)].append(_timed(lambda s=session, a=inputs[m]: s.run(None, {"A": a})))
-    print(f"\nMatMulNBits (accuracy_level {args.accuracy_level}), {args.threads} threads, median of {args.reps}; "
-          f"GB/s = weight bytes read / time; machine read bandwidth {machine:.1f} GB/s\n")
-    print("| type | K x N | bytes / file bytes | " + " | ".join(f"M={m}" for m in rows) + " |")
-    print("|---|---|---|" + "---|" * len(rows))
-    for (name, K, N), (_, _, nbytes, file_bytes) in configs.items():
-        c1 = statistics.median(times[((name, K, N), rows[0])])
+    print(f"\nours: GgufMatMul ({cpu_line()}); nbits: MatMulNBits (accuracy_level {args.accuracy_level}); "
+          f"{args.threads} threads, median of {args.reps}; GB/s = weight bytes read / time; machine read bandwidth "
+          f"{machine:.1f} GB/s\n")
+    print("| op | type | K x N | bytes / file bytes | " + " | ".join(f"M={m}" for m in rows) + " |")
+    print("|---|---|---|---|" + "---|" * len(rows))
+    for (op, name, K, N), (_, _, nbytes, file_bytes) in configs.items():
+        key = (op, name, K, N)
+        c1 = statistics.median(times[(key, rows[0])])
         cells = []
         for m in rows:
-            t = statistics.median(times[((name, K, N), m)])
+            t = statistics.median(times[(key, m)])
             cells.append(f"{t * 1e6:.0f} µs, {nbytes / t / 1e9:.1f} GB/s, c {t / c1:.2f}")
-        print(f"| {name} | {K} x {N} | {nbytes / file_bytes:.2f} | " + " | ".join(cells) + " |")
+        print(f"| {op} | {name} | {K} x {N} | {nbytes / file_bytes:.2f} | " + " | ".join(cells) + " |")
+
+
+def cpu_line() -> str:
+    from specexport.plugins import cpu
+
+    return cpu.status().line()
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def flags(source: str, arch: str | None = None) -> list[str]:
     arch = arch or platform.machine()
     out = ["-O2", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden"]
     if source == "sx_avx2.cc":
-        out += ["-mavx2", "-mfma"]
+        out += ["-mavx2", "-mfma", "-mf16c"]
     return out
 
 
