@@ -105,6 +105,16 @@ def test_a_k_not_a_multiple_of_the_block_is_refused(kernels):
         kernels.matmul("Q4_K", np.zeros((1, 300), np.float32), w)
 
 
+def test_the_graph_builder_refuses_a_shape_the_kernels_do_not_take_naming_the_tensor():
+    from specexport.quant.gguf_raw import RawBlocks, kernel_node
+
+    raw = RawBlocks("Q4_K", np.zeros((4, 144), np.uint8), 200)
+    with pytest.raises(ValueError, match=r"^blk.0.ffn_up.weight: Q4_K \[4, 200\] is not one the CPU kernels take"):
+        kernel_node(None, 0, None, "matmul", raw, "blk.0.ffn_up.weight")
+    with pytest.raises(ValueError, match="IQ2_XS"):
+        kernel_node(None, 0, None, "matmul", RawBlocks("IQ2_XS", np.zeros((4, 66), np.uint8), 256), "output.weight")
+
+
 # -- the ONNX Runtime op: each row's bits independent of the pass ----------------------------------------
 
 def _session(qtype: str, w: np.ndarray, k: int, threads: int, exact: int = 0):

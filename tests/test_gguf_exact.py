@@ -73,8 +73,26 @@ def _quantize(rng, name: str, arr: np.ndarray):
     return random_blocks(rng, qtype, n, k), gguf.GGMLQuantizationType[qtype]
 
 
-@pytest.mark.parametrize("level", [0, 4])
-def test_gguf_precision_builds_from_the_files_blocks(quantized_gguf, tmp_path, write_yaml, run_build, level):
+@pytest.fixture
+def kernels_route(request, monkeypatch):
+    """"ours": specexport's CPU kernels (where they build here); "stock": hidden, ONNX Runtime's ops."""
+    from specexport.plugins import cpu
+
+    if request.param == "stock":
+        monkeypatch.setenv("SPECEXPORT_KERNELS", "off")
+    cpu.status.cache_clear()
+    if request.param == "ours" and not cpu.status().available:
+        pytest.skip(cpu.status().line())
+    yield request.param
+    monkeypatch.undo()
+    cpu.status.cache_clear()
+
+
+@pytest.mark.parametrize(("level", "kernels_route"), [(0, "ours"), (4, "ours"), (4, "stock")], indirect=["kernels_route"])
+def test_gguf_precision_builds_from_the_files_blocks(quantized_gguf, tmp_path, write_yaml, run_build, level,
+                                                     kernels_route):
+    import onnx
+
     import specexport
     from specexport.manifest import read_manifest
 
@@ -95,7 +113,16 @@ def test_gguf_precision_builds_from_the_files_blocks(quantized_gguf, tmp_path, w
         assert entry["trees"] == "exact"
     weights = entry["files"][f"{entry['dir']}/model.onnx.data"]["size"]      # the graph proto aside (90 KB here)
     file_weights = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(quantized_gguf)).tensors)
-    assert weights <= 1.10 * file_weights, (weights, file_weights)     # 5/6-bit codes packed but for the largest (WIDE_BUDGET)
+    ops = {n.op_type for n in onnx.load(str(out / entry["dir"] / "model.onnx"), load_external_data=False).graph.node}
+    if kernels_route == "ours":
+        assert entry["quantization"]["kernels"]["ops"] == "specexport.cpu"
+        assert {"GgufMatMul", "GgufGather"} <= ops and "MatMulNBits" not in ops
+        assert weights <= 1.02 * file_weights, (weights, file_weights)     # the file's bytes, nothing widened
+        assert entry["min_tokens"] == 1 and entry["row_dependence"]["one_token"] <= (1e-6 if level == 0 else 0.0)
+    else:
+        assert entry["quantization"]["kernels"] == {"ops": "onnxruntime", "why": "SPECEXPORT_KERNELS=off"}
+        assert "MatMulNBits" in ops and "GgufMatMul" not in ops
+        assert weights <= 1.10 * file_weights, (weights, file_weights)  # 5/6-bit codes packed but for the largest (WIDE_BUDGET)
     with specexport.load(out, precision="fp32") as ref, specexport.load(out, precision="gguf") as got:
         for prompt in ([1, 40, 41, 42], [1, 7, 300, 5, 9]):
             want = ref.generate(prompt_ids=prompt, max_new_tokens=40, method="vanilla").token_ids

@@ -109,6 +109,9 @@ def onnx_logits(onnx_path, io: ModelIO, case: ParityCase, *, session=None, kv_ca
         # Prepacking makes a second, transient copy of every weight; the check runs each graph a few
         # times only, so it skips that and keeps the build's peak memory near two copies of the weights.
         opts.add_session_config_entry("session.disable_prepacking", "1")
+        from specexport.plugins import cpu
+
+        cpu.register(opts, onnx_path)
         session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
         from specexport.runtime.backends.ort import release_freed_heap
 

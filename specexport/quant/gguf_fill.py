@@ -18,15 +18,18 @@ from specexport.quant.gguf_graph import (
     tensor_codes,
     wide_tensors,
 )
+from specexport.quant.gguf_raw import tensor_raw
 
 
-def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: int = 4) -> GgufReport:
+def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: int = 4,
+         kernels: bool = False) -> GgufReport:
     """Write `dest` (+ dest.data): the weightless graph of export/lean.py with its weight inputs made
     of the file's tensors, found by name (`sources`: input -> ("param", HF name) | ("rows", HF name,
     rows) | ("buffer", values); `weights`: export/gguf_weights.GgufWeights). A weight that a MatMul
     reads through a Transpose, or an embedding Gather reads, keeps the file's blocks; every other one
     (norms, biases: F32 in the file) gets its values dequantized. A quantized file tensor that must
-    stay fp32 is named in kept_fp32 (a block type without a mapping: in unsupported)."""
+    stay fp32 is named in kept_fp32 (a block type without a mapping: in unsupported). kernels: our ops on
+    the file's bytes (quant/gguf_graph.py), else ONNX Runtime's."""
     onnx = require("onnx")
     from onnx import numpy_helper
 
@@ -44,7 +47,8 @@ def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: 
             uses.setdefault(node.input[0], []).append((node, "gather"))
     shapes = {i.name: tuple(d.dim_value for d in i.type.tensor_type.shape.dim) for i in graph.input}
     wide = wide_tensors(weights.tensors.values())
-    report, builder, values = GgufReport(), _Builder(model, accuracy_level, wide, _data_file(dest)), []
+    report, values = GgufReport(), []
+    builder = _Builder(model, accuracy_level, wide, _data_file(dest), kernels=kernels)
     for name, source in sources.items():
         if source[0] == "buffer":
             values.append(numpy_helper.from_array(np.ascontiguousarray(source[1]), name))
@@ -55,15 +59,17 @@ def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: 
         served = uses.get(name, [])
         rest = [n for n in readers.get(name, []) if not _served(n, served, readers)]
         if qtype in SUPPORTED and served:
-            codes = tensor_codes(t, weights.rows(hf))
+            # kernels: the file's bytes alone (nothing decoded); stock: the codes MatMulNBits reads
+            codes = tensor_raw(t, weights.rows(hf)) if kernels else tensor_codes(t, weights.rows(hf))
             prefix = tname if rows is None else f"{tname}.vocab"
             if rows is not None:
-                codes = _take_rows(codes, rows)
-            if shapes[name] != codes.codes.shape:
+                codes = codes.take_rows(rows) if kernels else _take_rows(codes, rows)
+            shape = codes.shape if kernels else codes.codes.shape
+            if shapes[name] != shape:
                 raise ValueError(f"{name}: the graph wants {list(shapes[name])}, the file's {tname} "
-                                 f"gives {list(codes.codes.shape)}")
+                                 f"gives {list(shape)}")
             for node, kind in served:
-                builder.replace(node, kind, codes, prefix=prefix)
+                builder.replace(node, kind, None if kernels else codes, prefix=prefix, raw=codes if kernels else None)
             report.replaced[name] = (prefix, qtype)
             if not rest:
                 continue

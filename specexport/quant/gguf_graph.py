@@ -1,5 +1,12 @@
 """The `gguf` precision: the fp32 graph with every weight the GGUF file quantized replaced by the file's own
-blocks (quant/gguf_blocks.py), nothing dequantized and quantized again.
+blocks, nothing dequantized and quantized again. Two routes:
+
+kernels (specexport's CPU kernels, specexport/plugins/cpu; `kernels=True`): the file's bytes verbatim
+
+    MatMul(A, W)        ->  specexport.cpu.GgufMatMul(A, blocks)       blocks: [N, row bytes] uint8, the file's
+    Gather(E, ids)      ->  specexport.cpu.GgufGather(blocks, ids)     rows in the graph's order
+
+stock (ONNX Runtime's own ops; quant/gguf_blocks.py maps each type onto them):
 
     MatMul(A, W)        ->  MatMulNBits(A, codes, scale)                                   symmetric types
                             MatMulNBits(A, codes, scale) + BlockSums(A) @ C^T               affine types
@@ -32,6 +39,7 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.quant.gguf_blocks import SUPPORTED, BlockCodes, decode
+from specexport.quant.gguf_raw import RawBlocks, kernel_node, tensor_raw
 
 
 @dataclass
@@ -67,10 +75,11 @@ def gguf_tensors(gguf_path: Path, hf_config: dict):
 
 
 def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, accuracy_level: int = 4,
-            vocab_ids=None) -> GgufReport:
+            vocab_ids=None, kernels: bool = False) -> GgufReport:
     """Write `dest` (+ dest.data): the fp32 graph with the file's blocks in place of its weights.
     vocab_ids: a reduced-vocabulary draft's output rows (its lm_head holds only those rows of the file's
-    output tensor, or of the embedding when tied): those rows' blocks are matched too."""
+    output tensor, or of the embedding when tied): those rows' blocks are matched too. kernels: our ops on
+    the file's bytes (module docstring), else ONNX Runtime's."""
     onnx = require("onnx")
     from onnx.external_data_helper import (
         load_external_data_for_tensor,
@@ -85,17 +94,21 @@ def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, a
         by_hash.setdefault(_digest(arr.T if kind == "matmul" else arr), []).append((init, node, kind))
         del arr
     reader_tensors = require("gguf").GGUFReader(str(gguf_path)).tensors
-    report, builder = GgufReport(), _Builder(model, accuracy_level, wide_tensors(reader_tensors), _data_file(dest))
+    report = GgufReport()
+    builder = _Builder(model, accuracy_level, wide_tensors(reader_tensors), _data_file(dest), kernels=kernels)
+    by_name = {t.name: t for t in reader_tensors}
     for tname, qtype, codes in gguf_tensors(gguf_path, hf_config):
         if codes is None:
             report.unsupported[tname] = qtype
             continue
-        variants = [(tname, codes)]
+        raw = tensor_raw(by_name[tname], codes.rows) if kernels else None
+        variants = [(tname, codes, raw)]
         if vocab_ids is not None and tname in ("output.weight", "token_embd.weight"):
-            variants.append((f"{tname}.vocab", _take_rows(codes, np.asarray(vocab_ids, np.int64))))
-        for name, c in variants:
+            ids = np.asarray(vocab_ids, np.int64)
+            variants.append((f"{tname}.vocab", _take_rows(codes, ids), raw.take_rows(ids) if kernels else None))
+        for name, c, r in variants:
             for init, node, kind in by_hash.pop(_digest(c.dequantize()), []):
-                builder.replace(node, "gather" if kind == "gather" else "matmul", c, prefix=name)
+                builder.replace(node, "gather" if kind == "gather" else "matmul", c, prefix=name, raw=r)
                 report.replaced[init] = (name, qtype)
     report.kept_fp32 = sorted({init for users in by_hash.values() for init, _, _ in users})
     builder.finish(report.replaced)
@@ -172,7 +185,11 @@ def tensor_codes(t, rows=None) -> BlockCodes:
     rows in the order `rows` (None: the file's)."""
     K, N = (int(x) for x in t.shape)                   # ggml order: ne0 = K (the row length)
     codes = decode(t.tensor_type.name, t.data, (N, K))
-    return codes if rows is None else _take_rows(codes, rows)
+    if rows is None:
+        return codes
+    codes = _take_rows(codes, rows)
+    codes.rows = rows                                  # tensor_raw takes the same order
+    return codes
 
 
 def _take_rows(c: BlockCodes, rows: np.ndarray) -> BlockCodes:
@@ -215,8 +232,9 @@ def wide_tensors(tensors) -> set[str]:
 class _Builder:
     """Adds the block-quantized nodes and their compact initializers; removes what they replace."""
 
-    def __init__(self, model, accuracy_level: int, wide: set[str] = frozenset(), data: Path | None = None):
-        self.model, self.level, self.wide = model, accuracy_level, wide
+    def __init__(self, model, accuracy_level: int, wide: set[str] = frozenset(), data: Path | None = None,
+                 kernels: bool = False):
+        self.model, self.level, self.wide, self.kernels = model, accuracy_level, wide, kernels
         self.data = data                           # the external data file: constants go there as made
         self.nodes: dict[int, list] = {}           # index of the replaced node -> its replacement nodes
         self.head: list = []                       # constant sub-graphs (scales, C): first in the graph
@@ -315,8 +333,10 @@ class _Builder:
             m = self._node(None, "Add", [shifted, m], [f"{prefix}.C"])
         return m
 
-    def replace(self, node, kind: str, c: BlockCodes, *, prefix: str) -> None:
+    def replace(self, node, kind: str, c: BlockCodes | None, *, prefix: str, raw: RawBlocks | None = None) -> None:
         at = list(self.model.graph.node).index(node)
+        if self.kernels:
+            return kernel_node(self, at, node, kind, raw, prefix)
         codes, scale, const = self._parts(c, prefix)
         N, K = c.codes.shape
         nb = K // c.block
@@ -375,8 +395,9 @@ class _Builder:
         keep = [t for t in graph.initializer if t.name not in replaced and t.name in used]
         del graph.initializer[:]
         graph.initializer.extend(keep + [t for t in self.inits if t.name in used])
-        if not any(o.domain == "com.microsoft" for o in self.model.opset_import):
-            self.model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+        domains = {n.domain for n in nodes} - {""}
+        for domain in sorted(domains - {o.domain for o in self.model.opset_import}):
+            self.model.opset_import.append(helper.make_opsetid(domain, 1))
 
 
 def _data_file(dest: Path) -> Path:

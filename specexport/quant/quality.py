@@ -72,11 +72,13 @@ def runtime_session(onnx_path, optimization: str = "all"):
     """An ORT CPU session configured like the runtime's (OrtBackend; `optimization` as the manifest's
     ort_optimization: "basic" for FP8 Q/DQ graphs, which full optimisation would fuse into kernels
     without FP8)."""
+    from specexport.plugins import cpu
     from specexport.runtime.backends.ort import OPTIMIZATION_LEVELS, release_freed_heap
 
     ort = require("onnxruntime")
     opts = ort.SessionOptions()
     opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[optimization])
+    cpu.register(opts, onnx_path)
     session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
     release_freed_heap()
     return session

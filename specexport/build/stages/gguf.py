@@ -33,16 +33,19 @@ from specexport.errors import ParityError
 @dataclass(frozen=True)
 class GgufStage(ModelStage):
     def run(self, ctx) -> dict:
+        from specexport.plugins import cpu
         from specexport.quant.quality import runtime_session, tree_rows_for
 
         mp, cfg = ctx.model(self.role), ctx.config
         level = mp.config.quantization["gguf"]["accuracy_level"]
         lean = mp.config.lean
+        kernels = cpu.status()                  # our kernels where they build and load here, else the stock ops
+        ctx.reporter.note(f"  {self.role} gguf: {kernels.line()}")
         partial, final = ctx.folders.new(self.role, self.precision)
         start = time.perf_counter()
         try:
             graph = partial / "model.onnx"
-            report, source = (_lean_graph if lean else _rewritten_graph)(ctx, mp, graph, level)
+            report, source = (_lean_graph if lean else _rewritten_graph)(ctx, mp, graph, level, kernels.available)
             if report.kept_fp32:
                 why = (f"are quantized in {mp.config.gguf.name} but read where no block kernel serves them" if lean
                        else f"equal no tensor of {mp.config.gguf.name}: the file and the graph disagree")
@@ -79,7 +82,11 @@ class GgufStage(ModelStage):
                                  "unmapped_tensors": report.unsupported,
                                  "route": "lean: a weightless graph filled from the file by name" if lean else
                                           "the fp32 graph's weights replaced by the file's blocks",
-                                 "tool": "quant/gguf_graph.py (MatMulNBits, GatherBlockQuantized)"},
+                                 "tool": "quant/gguf_graph.py (" + ("specexport.cpu GgufMatMul, GgufGather"
+                                                                    if kernels.available else
+                                                                    "MatMulNBits, GatherBlockQuantized") + ")",
+                                 "kernels": {"ops": "specexport.cpu", "path": kernels.path, "cpu_runs": kernels.paths}
+                                 if kernels.available else {"ops": "onnxruntime", "why": kernels.reason}},
                 "gguf_file_bytes": mp.config.gguf.stat().st_size,
                 "row_dependence": rows, "min_tokens": min_tokens if mp.role == "target" else 1,
                 "trees": tree_rows_for(rows, "gguf") if mp.role == "target" else "exact",
@@ -96,7 +103,7 @@ class GgufStage(ModelStage):
                 "build_seconds": round(time.perf_counter() - start, 2)}
 
 
-def _rewritten_graph(ctx, mp, graph, level):
+def _rewritten_graph(ctx, mp, graph, level, kernels: bool):
     """The fp32 graph with the file's blocks in place of its weights (matched by content)."""
     from specexport.quant.gguf_graph import rewrite
 
@@ -104,11 +111,11 @@ def _rewritten_graph(ctx, mp, graph, level):
     with ctx.reporter.stage(f"{mp.role} gguf: the weights from {mp.config.gguf.name}'s own blocks"):
         hf_config = json.loads((mp.config.path / "config.json").read_text())
         report = rewrite(source, mp.config.gguf, graph, hf_config=hf_config, accuracy_level=level,
-                         vocab_ids=mp.vocab_ids)
+                         vocab_ids=mp.vocab_ids, kernels=kernels)
     return report, source
 
 
-def _lean_graph(ctx, mp, graph, level):
+def _lean_graph(ctx, mp, graph, level, kernels: bool):
     """A weightless export filled from the file by name; the parity source is the file itself."""
     import transformers
 
@@ -123,7 +130,7 @@ def _lean_graph(ctx, mp, graph, level):
         sources = export_skeleton(mp, hf_config, skeleton)
     weights = GgufWeights(mp.config.gguf, hf_config)
     with ctx.reporter.stage(f"{mp.role} gguf: fill the graph from {mp.config.gguf.name}'s own blocks"):
-        report = fill(skeleton, sources, weights, graph, accuracy_level=level)
+        report = fill(skeleton, sources, weights, graph, accuracy_level=level, kernels=kernels)
     skeleton.unlink()
     check_graph_io(graph, mp.io)
     return report, weights
@@ -156,8 +163,8 @@ def _measure_lean(ctx, mp, graph: Path, twin: Path, twin_case: dict, level: int)
 
 
 def _twin(graph: Path, level: int) -> Path:
-    """The graph computed in fp32: itself at accuracy_level 0, else a twin at level 0 that shares its
-    weights file (the caller removes it)."""
+    """The graph computed in fp32: itself at accuracy_level 0 (stock ops), else a twin that shares its
+    weights file (the caller removes it): MatMulNBits at accuracy_level 0, our GgufMatMul in its exact mode."""
     import onnx
 
     if level == 0:
@@ -167,6 +174,8 @@ def _twin(graph: Path, level: int) -> Path:
         for attr in node.attribute:
             if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
                 attr.i = 0
+            if node.op_type == "GgufMatMul" and attr.name == "exact":
+                attr.i = 1
     twin = graph.with_name("parity-twin.onnx")
     onnx.save(proto, str(twin))               # its initializers still name model.onnx.data
     return twin

@@ -46,6 +46,7 @@ ORT_SOURCE = "sx_ort.cc"
 PATHS = {"ref": 0, "avx2": 1, "neon": 3}
 # GGUF type name -> ggml's id (the ops' `type` attribute)
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+BLOCK = {t: 256 if t.endswith("_K") else 32 for t in TYPES}   # weights per (super-)block along K
 
 ORT_DEB = ("https://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb",
            "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08")
@@ -220,6 +221,28 @@ def status() -> Status:
                                    f"is not a path this CPU runs ({c.sx_paths().decode()})")
     names = {v: k for k, v in PATHS.items()}
     return Status(lib, c.sx_paths().decode(), names[path])
+
+
+def uses_kernels(graph: Path) -> bool:
+    """Whether an ONNX file calls our ops (its opset imports name the domain; weights live in the data
+    file, so the graph file is small)."""
+    try:
+        return DOMAIN.encode() in Path(graph).read_bytes()
+    except OSError:
+        return False
+
+
+def register(opts, graph: Path) -> None:
+    """Register the library with ONNX Runtime SessionOptions `opts` when `graph` needs it; raise
+    KernelsUnavailable (saying why, and what to do) when it needs it and it cannot load here."""
+    if not uses_kernels(graph):
+        return
+    st = status()
+    if not st.available:
+        raise KernelsUnavailable(f"{graph}: this graph runs specexport's CPU kernels, which do not load here "
+                                 f"({st.reason}); build it again with SPECEXPORT_KERNELS=off for ONNX Runtime's "
+                                 "stock ops")
+    opts.register_custom_ops_library(str(st.library))
 
 
 def _load(lib: Path):

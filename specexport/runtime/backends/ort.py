@@ -17,6 +17,7 @@ from specexport._optional import require
 from specexport.errors import SpecexportError
 from specexport.io_spec import (ATTENTION_MASK, AUX_HIDDEN_STATES, HIDDEN_STATES, INPUT_IDS, LOGITS, LOGITS_ROWS,
                                 POSITION_IDS, ModelIO)
+from specexport.plugins import cpu
 from specexport.runtime.backends.base import Backend, StepOutput
 from specexport.runtime.backends.buffers import ModelBuffers
 
@@ -99,6 +100,7 @@ def open_session(path: Path, *, threads: int | None, spin: bool, session_options
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     for key, value in (session_options or {}).items():
         setattr(opts, key, value)
+    cpu.register(opts, path)
     try:
         session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as err:        # onnxruntime raises its own Fail/InvalidProtobuf/... types

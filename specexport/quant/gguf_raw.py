@@ -1,0 +1,52 @@
+"""The kernels route of the `gguf` precision (quant/gguf_graph.py): a weight as the file's blocks verbatim,
+and the node of ours (specexport/plugins/cpu) that multiplies or gathers with them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class RawBlocks:
+    """One [N, K] weight as the file's blocks, verbatim: raw [N, row bytes] uint8, rows in the graph's order."""
+    qtype: str
+    raw: np.ndarray
+    K: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.raw.shape[0], self.K)
+
+    def take_rows(self, rows: np.ndarray) -> RawBlocks:
+        return RawBlocks(self.qtype, np.ascontiguousarray(self.raw[rows]), self.K)
+
+
+def tensor_raw(t, rows=None) -> RawBlocks:
+    """A quantized 2-D file tensor's blocks (the gguf package's ReaderTensor), rows in the order `rows`."""
+    K, N = (int(x) for x in t.shape)
+    raw = RawBlocks(t.tensor_type.name, np.asarray(t.data, dtype=np.uint8).reshape(N, -1), K)
+    return raw if rows is None else raw.take_rows(rows)
+
+
+def kernel_node(builder, at: int, node, kind: str, raw: RawBlocks, prefix: str) -> None:
+    """In quant/gguf_graph.py's _Builder: GgufMatMul / GgufGather on the file's bytes in place of `node`,
+    one constant per GGUF tensor (an embedding tied to the lm_head serves both)."""
+    from specexport.plugins import cpu
+
+    N, K = raw.shape
+    if raw.qtype not in cpu.TYPES or K % cpu.BLOCK[raw.qtype]:
+        raise ValueError(f"{prefix}: {raw.qtype} [{N}, {K}] is not one the CPU kernels take (types "
+                         f"{', '.join(cpu.TYPES)}, K a multiple of the type's block)")
+    key = f"{prefix}#blocks"
+    if key not in builder.shared:
+        builder.shared[key] = builder._const(f"{prefix}.blocks", raw.raw)
+    blocks, out = builder.shared[key], node.output[0]
+    attrs = {"type": cpu.TYPES[raw.qtype], "K": K, "N": N}
+    if kind == "matmul":
+        builder._node(at, "GgufMatMul", [node.input[0], blocks], [out], domain=cpu.DOMAIN,
+                      exact=int(builder.level == 0), **attrs)     # level 0: float activations, as MatMulNBits's
+    else:
+        builder._node(at, "GgufGather", [blocks, node.input[1]], [out], domain=cpu.DOMAIN, **attrs)
+    builder.removed.add(at)
+
