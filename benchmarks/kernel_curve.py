@@ -23,6 +23,7 @@ import numpy as np
 # file's bytes per weight. 5- and 6-bit codes are widened to 8 bits; Q6_K keeps its 16-weight sub-blocks.
 TYPES = {
     "Q4_0": (4, 32, 18 / 32),
+    "Q4_1": (4, 32, 20 / 32),          # + a block-sum correction product in the graph, not timed here
     "Q4_K": (4, 32, 144 / 256),        # + a block-sum correction product in the graph, not timed here
     "Q6_K": (8, 16, 210 / 256),
     "Q8_0": (8, 32, 34 / 32),
@@ -30,6 +31,7 @@ TYPES = {
 SHAPES = {   # (K, N): Qwen2.5-Coder-1.5B's attention q/o, MLP up/gate, MLP down
     "qwen1.5b": [(1536, 1536), (1536, 8960), (8960, 1536)],
     "small": [(576, 1536)],
+    "smollm2": [(576, 576), (576, 1536), (1536, 576), (576, 49152)],   # q/o, up/gate, down, the tied lm_head
 }
 
 

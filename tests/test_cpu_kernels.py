@@ -56,8 +56,9 @@ def test_exact_mode_is_the_gguf_dequantization_times_x(kernels, qtype):
     k = 2 * QK[qtype] if QK[qtype] == 256 else 160
     w, x = blocks(rng, qtype, 21, k), rng.standard_normal((5, k)).astype(np.float32)
     want = x.astype(np.float64) @ dequantized(qtype, w, k).astype(np.float64).T
-    assert_close(kernels.matmul(qtype, x, w, exact=True), want, rel=1e-6,
-                 why="weights dequantized as gguf does (float32), products summed in double, rounded once to float32")
+    for path in kernels.paths():
+        assert_close(kernels.matmul(qtype, x, w, path=path, exact=True), want, rel=1e-6,
+                     why="weights dequantized as gguf does (float32), products summed in double, rounded once to float32")
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED)
@@ -82,9 +83,11 @@ def test_every_path_equals_the_reference_bit_for_bit(kernels, qtype):
     for n in (1, 7, 8, 13, 64 + 3):                                   # tails of the 8-column tiles
         w = blocks(rng, qtype, n, k)
         x = (rng.standard_normal((int(rng.integers(1, 20)), k)) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32)
-        ref = kernels.matmul(qtype, x, w, path="ref")
-        for path in kernels.paths():
-            assert np.array_equal(kernels.matmul(qtype, x, w, path=path), ref), f"{qtype} {path} n={n}"
+        for exact in (False, True):
+            ref = kernels.matmul(qtype, x, w, path="ref", exact=exact)
+            for path in kernels.paths():
+                got = kernels.matmul(qtype, x, w, path=path, exact=exact)
+                assert np.array_equal(got, ref), f"{qtype} {path} n={n} exact={exact}"
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED)
@@ -113,6 +116,24 @@ def test_the_graph_builder_refuses_a_shape_the_kernels_do_not_take_naming_the_te
         kernel_node(None, 0, None, "matmul", raw, "blk.0.ffn_up.weight")
     with pytest.raises(ValueError, match="IQ2_XS"):
         kernel_node(None, 0, None, "matmul", RawBlocks("IQ2_XS", np.zeros((4, 66), np.uint8), 256), "output.weight")
+
+
+def test_attention_is_softmax_attention_and_a_hidden_key_is_as_if_absent(kernels):
+    rng = np.random.default_rng(10)
+    for d in (8, 64, 80):
+        q, K, V = rng.standard_normal(d), rng.standard_normal((37, d)), rng.standard_normal((37, d))
+        bias = np.zeros(37, np.float32)
+        hidden = rng.random(37) < 0.3
+        bias[hidden] = np.finfo(np.float32).min                      # the graph's mask value
+        bias[~hidden] += rng.standard_normal((~hidden).sum()).astype(np.float32)
+        s = (K[~hidden] @ q) * 0.125 + bias[~hidden]
+        p = np.exp(s - s.max())
+        want = (p / p.sum()) @ V[~hidden]
+        ref = kernels.attend(q, K, V, bias, 0.125)
+        assert_close(ref, want, rel=1e-5, why="float32 dot products and softmax against float64")
+        for path in kernels.paths():
+            assert np.array_equal(kernels.attend(q, K, V, bias, 0.125, path=path), ref), (path, d)
+            assert np.array_equal(kernels.attend(q, K[~hidden], V[~hidden], bias[~hidden], 0.125, path=path), ref)
 
 
 # -- the ONNX Runtime op: each row's bits independent of the pass ----------------------------------------

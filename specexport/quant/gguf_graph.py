@@ -39,7 +39,7 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.quant.gguf_blocks import SUPPORTED, BlockCodes, decode
-from specexport.quant.gguf_raw import RawBlocks, kernel_node, tensor_raw
+from specexport.quant.gguf_raw import RawBlocks, kernel_attention, kernel_node, tensor_raw
 
 
 @dataclass
@@ -382,6 +382,8 @@ class _Builder:
         nodes = list(self.head)
         for i, node in enumerate(graph.node):
             nodes += self.nodes.get(i, []) if i in self.removed else [node]
+        if self.kernels:
+            kernel_attention(nodes)
         outputs = {o.name for o in graph.output}
         while True:                                   # unused nodes, until none is left
             used = {x for n in nodes for x in n.input} | outputs

@@ -1,5 +1,7 @@
 """The kernels route of the `gguf` precision (quant/gguf_graph.py): a weight as the file's blocks verbatim,
-and the node of ours (specexport/plugins/cpu) that multiplies or gathers with them."""
+the node of ours (specexport/plugins/cpu) that multiplies or gathers with them, and our attention in place
+of ONNX Runtime's GroupQueryAttention (the same contract; each row computed alone, so a row's bits do not
+depend on its pass)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -50,3 +52,20 @@ def kernel_node(builder, at: int, node, kind: str, raw: RawBlocks, prefix: str) 
         builder._node(at, "GgufGather", [blocks, node.input[1]], [out], domain=cpu.DOMAIN, **attrs)
     builder.removed.add(at)
 
+
+
+def kernel_attention(nodes: list) -> None:
+    """com.microsoft GroupQueryAttention nodes (export/gqa.py: no rotary inside, an additive bias) become
+    specexport.cpu GroupQueryAttention, in place. Their head size must be a multiple of 8 (the op says so)."""
+    from specexport.plugins import cpu
+
+    for node in nodes:
+        if node.domain != "com.microsoft" or node.op_type != "GroupQueryAttention":
+            continue
+        ins = list(node.input) + [""] * (11 - len(node.input))
+        if any(ins[7:10]) or not ins[10]:
+            raise ValueError(f"{node.name}: GroupQueryAttention with rotary or position inputs, or without a bias, "
+                             "is not the contract the CPU kernels' attention takes (export/gqa.py)")
+        del node.input[:]
+        node.input.extend(ins[:7] + [ins[10]])
+        node.domain = cpu.DOMAIN

@@ -40,6 +40,8 @@ class GgufStage(ModelStage):
         level = mp.config.quantization["gguf"]["accuracy_level"]
         lean = mp.config.lean
         kernels = cpu.status()                  # our kernels where they build and load here, else the stock ops
+        if kernels.available and mp.io.head_dim % 8:
+            kernels = cpu.Status(None, reason=f"head_dim {mp.io.head_dim} is not a multiple of 8 (the kernels' attention)")
         ctx.reporter.note(f"  {self.role} gguf: {kernels.line()}")
         partial, final = ctx.folders.new(self.role, self.precision)
         start = time.perf_counter()

@@ -258,6 +258,7 @@ def _load(lib: Path):
     c.sx_matmul.argtypes = [i, i, i, P, i64, i64, P, i64, P]
     c.sx_gather.restype = i64
     c.sx_gather.argtypes = [i, P, i64, i64, P, i64, P]
+    c.sx_attend.argtypes = [i, P, P, P, P, i64, i64, ctypes.c_float, P, P]
     return c
 
 
@@ -286,6 +287,16 @@ class Kernels:
         if rc:
             raise ValueError(f"sx_matmul({qtype}, path {path}) refused: code {rc}")
         return Y
+
+    def attend(self, q: np.ndarray, K: np.ndarray, V: np.ndarray, bias: np.ndarray | None, scale: float, *,
+               path: str = "ref") -> np.ndarray:
+        """One query row q [D] over keys K, V [total, D] (cache order); bias [total] or None."""
+        q, K, V = (np.ascontiguousarray(a, np.float32) for a in (q, K, V))
+        b = None if bias is None else np.ascontiguousarray(bias, np.float32)
+        out, scratch = np.empty(q.shape[0], np.float32), np.empty(K.shape[0], np.float32)
+        self.c.sx_attend(PATHS[path], q.ctypes.data, K.ctypes.data, V.ctypes.data, None if b is None else b.ctypes.data,
+                         K.shape[0], q.shape[0], scale, out.ctypes.data, scratch.ctypes.data)
+        return out
 
     def gather(self, qtype: str, W: np.ndarray, ids: np.ndarray, K: int) -> np.ndarray:
         W = np.ascontiguousarray(W, np.uint8)

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "sx_act.h"
+#include "sx_attn.h"
 #include "sx_blocks.h"
 #include "sx_kernels.h"
 
@@ -124,28 +125,63 @@ struct Q8_0L {
   void chunks(F&& f) const { f(0, _mm256_loadu_si256((const __m256i*)(b + 2))); }
 };
 
-// Any other type: unpacked by the reference's code into codes v + Z (slower; the results are the same).
-template <int TYPE, int QK, int ZP>
-struct Generic {
-  static constexpr int qk = QK, Z = ZP;
+struct Q4_1L {  // codes as stored (v >= 0); the min m applies through the row sums
+  static constexpr int qk = 32, Z = 0;
   static constexpr bool sgn = false;
-  alignas(32) uint8_t c[256];
-  __m256i sv[QK / 32], s16, mn16;
+  const uint8_t* b;
+  __m256i sv[1], s16, mn16;
   float d, m;
-  explicit Generic(const uint8_t* blk) {
-    Unpacked u;
-    unpack(TYPE, blk, u);
-    for (int k = 0; k < QK; ++k) c[k] = (uint8_t)(u.v[k] + Z);
-    for (int j = 0; j < QK / 32; ++j)
-      sv[j] = _mm256_set_m128i(_mm_set1_epi16(u.s[2 * j + 1]), _mm_set1_epi16(u.s[2 * j]));
-    s16 = _mm256_loadu_si256((const __m256i*)u.s);
-    mn16 = _mm256_loadu_si256((const __m256i*)u.mn);
-    d = u.d;
-    m = u.m;
+  explicit Q4_1L(const uint8_t* blk) : b(blk), d(half(blk)), m(half(blk + 2)) { sv[0] = _mm256_set1_epi16(1); }
+  template <class F>
+  void chunks(F&& f) const {
+    const __m128i x = _mm_loadu_si128((const __m128i*)(b + 4)), m4 = _mm_set1_epi8(0xF);
+    f(0, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4), _mm_and_si128(x, m4)));
+  }
+};
+
+// 32 bits -> 32 bytes, byte i = 0x10 where bit i is set (the fifth bit of Q5_0 / Q5_1 codes).
+inline __m256i bits_to_0x10(uint32_t h) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
+                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                               0x0101010101010101, 0x0000000000000000));
+  const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+template <int TYPE>
+struct Q5L {  // Q5_0 (v = code - 16) and Q5_1 (codes as stored, a min)
+  static constexpr int qk = 32, Z = TYPE == Q5_0 ? 16 : 0;
+  static constexpr bool sgn = false;
+  static constexpr int off = TYPE == Q5_0 ? 2 : 4;
+  const uint8_t* b;
+  __m256i sv[1], s16, mn16;
+  float d, m;
+  explicit Q5L(const uint8_t* blk) : b(blk), d(half(blk)), m(TYPE == Q5_1 ? half(blk + 2) : 0.f) {
+    sv[0] = _mm256_set1_epi16(1);
   }
   template <class F>
   void chunks(F&& f) const {
-    for (int j = 0; j < QK / 32; ++j) f(j, _mm256_load_si256((const __m256i*)(c + 32 * j)));
+    uint32_t h;
+    std::memcpy(&h, b + off, 4);
+    const __m128i x = _mm_loadu_si128((const __m128i*)(b + off + 4)), m4 = _mm_set1_epi8(0xF);
+    const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4), _mm_and_si128(x, m4));
+    f(0, _mm256_or_si256(low, bits_to_0x10(h)));
+  }
+};
+
+struct Q5K : Q4K {  // Q4_K's scales and mins; a fifth bit per code from qh
+  explicit Q5K(const uint8_t* blk) : Q4K(blk) {}
+  template <class F>
+  void chunks(F&& f) const {
+    const __m256i m4 = _mm256_set1_epi8(0xF), one = _mm256_set1_epi8(1);
+    const __m256i hb = _mm256_loadu_si256((const __m256i*)(b + 16));
+    for (int c = 0; c < 4; ++c) {
+      const __m256i x = _mm256_loadu_si256((const __m256i*)(b + 48 + 32 * c));
+      const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), one), 4);
+      const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), one), 4);
+      f(2 * c, _mm256_or_si256(_mm256_and_si256(x, m4), h0));
+      f(2 * c + 1, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x, 4), m4), h1));
+    }
   }
 };
 
@@ -225,6 +261,7 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
           int64_t ldy) {
   const int64_t nb = K / L::qk;
   const size_t rb = (size_t)nb * ti.bytes;
+  const int64_t ahead = PREFETCH;
   std::vector<ActRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = act_row(act, m, K, L::qk);
   std::vector<float> accv(8 * M);  // row m's eight lanes at 8 m
@@ -237,8 +274,8 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
       const uint8_t* blk[8];
       for (int i = 0; i < 8; ++i) {
         blk[i] = col[i] + b * ti.bytes;
-        if (b + PREFETCH < nb)
-          for (int l = 0; l < ti.bytes; l += 64) _mm_prefetch((const char*)(blk[i] + PREFETCH * ti.bytes + l), _MM_HINT_T0);
+        if (b + ahead < nb)
+          for (int l = 0; l < ti.bytes; l += 64) _mm_prefetch((const char*)(blk[i] + ahead * ti.bytes + l), _MM_HINT_T0);
       }
 #ifdef SX_PLANT_DROP_LAST_ROW  // a planted bug the tests must catch: a tile that drops its last row
       const int64_t rows_done = M - (M > 1);
@@ -269,9 +306,53 @@ void sx_avx2_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t
     case Q6_K: return gemm<Q6K>(ti, act, M, K, W, n0, n1, Y, ldy);
     case Q4_0: return gemm<Q4_0L>(ti, act, M, K, W, n0, n1, Y, ldy);
     case Q8_0: return gemm<Q8_0L>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q5_K: return gemm<Generic<Q5_K, 256, 0>>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q4_1: return gemm<Generic<Q4_1, 32, 0>>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q5_0: return gemm<Generic<Q5_0, 32, 16>>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q5_1: return gemm<Generic<Q5_1, 32, 0>>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q5_K: return gemm<Q5K>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_1: return gemm<Q4_1L>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q5_0: return gemm<Q5L<Q5_0>>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q5_1: return gemm<Q5L<Q5_1>>(ti, act, M, K, W, n0, n1, Y, ldy);
   }
+}
+
+// Attention (sx_attn.h): the reference's operations, eight lanes at a time.
+static inline float dot_avx2(const float* q, const float* k, int64_t D) {
+  __m256 a = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a);
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // (0+4, 1+5, 2+6, 3+7)
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));                                 // ((0+4)+(2+6), (1+5)+(3+7))
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+
+static inline void accumulate_avx2(const AttnRow& r, float den) {
+  for (int64_t d0 = 0; d0 < r.D; d0 += 64) {  // 8 accumulators in registers
+    const int64_t n = std::min<int64_t>(8, (r.D - d0) / 8);
+    __m256 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < r.total; ++j) {
+      if (r.scores[j] == -INFINITY) continue;
+      const __m256 e = _mm256_set1_ps(r.scores[j]);
+      const float* v = r.V + j * r.D + d0;
+      for (int i = 0; i < n; ++i) acc[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * i), acc[i]);
+    }
+    const __m256 dv = _mm256_set1_ps(den);
+    for (int i = 0; i < n; ++i) _mm256_storeu_ps(r.out + d0 + 8 * i, _mm256_div_ps(acc[i], dv));
+  }
+}
+
+void sx_avx2_attend(const AttnRow& row) { attend_row(row, dot_avx2, accumulate_avx2); }
+
+// Exact mode (sx_ref.cc's gemm_exact): the reference's double lanes, four at a time.
+void sx_ref_gemm_exact_with(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t,
+                            double (*)(const float*, const float*, int));
+
+static double block_dot_avx2(const float* w, const float* x, int qk) {
+  __m256d p = _mm256_setzero_pd();
+  for (int i = 0; i < qk; i += 4)
+    p = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_load_ps(w + i)), _mm256_cvtps_pd(_mm_loadu_ps(x + i)), p);
+  const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(p), _mm256_extractf128_pd(p, 1));  // (0+2, 1+3)
+  return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
+}
+
+void sx_avx2_gemm_exact(int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
+                        float* Y, int64_t ldy) {
+  sx_ref_gemm_exact_with(type, X, M, K, W, n0, n1, Y, ldy, block_dot_avx2);
 }

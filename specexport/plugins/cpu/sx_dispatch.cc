@@ -4,12 +4,17 @@
 #include <string>
 #include <vector>
 
+#include "sx_attn.h"
 #include "sx_kernels.h"
 
 #if defined(__x86_64__)
 void sx_avx2_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+void sx_avx2_attend(const sx::AttnRow&);
+void sx_avx2_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 #endif
+void sx_ref_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 void sx_ref_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+void sx_ref_attend(const sx::AttnRow&);
 
 namespace {
 
@@ -73,15 +78,36 @@ extern "C" void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64
   }
 }
 
+extern "C" void sx_gemm_exact(int type, int path, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
+                              int64_t n1, float* Y, int64_t ldy) {
+  switch (path) {
+#if defined(__x86_64__)
+    case SX_AVX2: sx_avx2_gemm_exact(type, X, M, K, W, n0, n1, Y, ldy); return;
+#endif
+    default: sx_ref_gemm_exact(type, X, M, K, W, n0, n1, Y, ldy);
+  }
+}
+
+extern "C" void sx_attend(int path, const float* q, const float* K, const float* V, const float* bias, int64_t total,
+                          int64_t D, float scale, float* out, float* scratch) {
+  const sx::AttnRow row{q, K, V, bias, total, D, scale, out, scratch};
+  switch (path) {
+#if defined(__x86_64__)
+    case SX_AVX2: sx_avx2_attend(row); return;
+#endif
+    default: sx_ref_attend(row);
+  }
+}
+
 extern "C" int sx_matmul(int type, int path, int exact, const float* X, int64_t M, int64_t K, const uint8_t* W,
                          int64_t N, float* Y) {
   if (!sx_row_bytes(type, K)) return 1;
-  if (exact) {
-    sx_gemm_exact(type, X, M, K, W, 0, N, Y, N);
-    return 0;
-  }
   const int p = sx_resolve(path);
   if (p < 0) return 2;
+  if (exact) {
+    sx_gemm_exact(type, p, X, M, K, W, 0, N, Y, N);
+    return 0;
+  }
   std::vector<uint8_t> act(sx_act_bytes(type, M, K));
   sx_quantize(type, X, M, K, act.data());
   sx_gemm_q8(type, p, act.data(), M, K, W, 0, N, Y, N);

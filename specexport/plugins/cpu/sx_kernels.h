@@ -28,11 +28,16 @@ SX_API void sx_quantize(int type, const float* X, int64_t M, int64_t K, void* ac
 // int8 mode, step 2: columns [n0, n1) of Y for all M rows.
 SX_API void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64_t K, const uint8_t* W,
                 int64_t n0, int64_t n1, float* Y, int64_t ldy);
-// Exact mode: float activations, weights dequantized as the gguf package does, dot products in double.
-SX_API void sx_gemm_exact(int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
-                   float* Y, int64_t ldy);
+// Exact mode: float activations, weights dequantized as the gguf package does, dot products in double
+// (per block in four lanes, sx_ref.cc).
+SX_API void sx_gemm_exact(int type, int path, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
+                          int64_t n1, float* Y, int64_t ldy);
 // Rows `ids` of W dequantized (an embedding's gather). Returns the first id out of [0, N), or -1.
 SX_API int64_t sx_gather(int type, const uint8_t* W, int64_t N, int64_t K, const int64_t* ids, int64_t count, float* out);
+// Attention for one query row over its KV head's rows in cache order (sx_attn.h): out [D], scratch [total].
+// bias [total] (null: none); a bias <= -1e30 hides the key. D a multiple of 8.
+SX_API void sx_attend(int path, const float* q, const float* K, const float* V, const float* bias, int64_t total,
+                      int64_t D, float scale, float* out, float* scratch);
 // One call, one thread: quantize (unless exact) and multiply. For tests and the kernel curve.
 SX_API int sx_matmul(int type, int path, int exact, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t N,
               float* Y);

@@ -3,6 +3,7 @@
 // runtimes):
 //   GgufMatMul(X float [..., K], W uint8 [N, row bytes]) -> Y float [..., N]   attributes: type, K, N, exact
 //   GgufGather(W uint8 [N, row bytes], ids int64 [...]) -> Y float [..., K]    attributes: type, K, N
+//   GroupQueryAttention: ONNX Runtime's contract, each row computed alone (below)
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
@@ -17,7 +18,14 @@
 
 namespace {
 
-constexpr int64_t COLS_PER_TASK = 64;  // a multiple of 8 (the SIMD tiles)
+// Columns are shared out in a few contiguous ranges (a multiple of 8: the SIMD tiles): ONNX Runtime's
+// ParallelFor schedules each index as a task of its own, so many small ones cost more than they compute.
+constexpr int64_t MAX_TASKS = 16, MIN_COLS = 64;
+
+int64_t task_cols(int64_t N) {
+  const int64_t tasks = std::max<int64_t>(1, std::min(MAX_TASKS, N / MIN_COLS));
+  return ((N + tasks - 1) / tasks + 7) / 8 * 8;
+}
 
 struct Attrs {
   int64_t type, K, N, exact;
@@ -46,6 +54,7 @@ struct Attrs {
 
 struct Task {
   const Attrs* a;
+  int64_t cols;
   const void* act;
   const float* X;
   const uint8_t* W;
@@ -55,9 +64,9 @@ struct Task {
 
 void run_task(void* p, size_t i) {
   const Task& t = *(const Task*)p;
-  const int64_t n0 = (int64_t)i * COLS_PER_TASK, n1 = std::min(n0 + COLS_PER_TASK, t.a->N);
+  const int64_t n0 = (int64_t)i * t.cols, n1 = std::min(n0 + t.cols, t.a->N);
   if (t.a->exact)
-    sx_gemm_exact((int)t.a->type, t.X, t.M, t.a->K, t.W, n0, n1, t.Y, t.a->N);
+    sx_gemm_exact((int)t.a->type, t.a->path, t.X, t.M, t.a->K, t.W, n0, n1, t.Y, t.a->N);
   else
     sx_gemm_q8((int)t.a->type, t.a->path, t.act, t.M, t.a->K, t.W, n0, n1, t.Y, t.a->N);
 }
@@ -82,8 +91,8 @@ struct GgufMatMul : Attrs {
       act.resize(sx_act_bytes((int)type, M, K));
       sx_quantize((int)type, X.Data(), M, K, act.data());
     }
-    Task task{this, act.data(), X.Data(), W.Data(), y, M};
-    const size_t tasks = (size_t)((N + COLS_PER_TASK - 1) / COLS_PER_TASK);
+    Task task{this, task_cols(N), act.data(), X.Data(), W.Data(), y, M};
+    const size_t tasks = (size_t)((N + task.cols - 1) / task.cols);
     Ort::KernelContext(ctx).ParallelFor(run_task, tasks, 0, &task);
     return Ort::Status{nullptr};
   }
@@ -106,6 +115,94 @@ struct GgufGather : Attrs {
   }
 };
 
+// GroupQueryAttention's contract (ONNX Runtime's com.microsoft op, as export/gqa.py uses it: no rotary
+// inside, an additive bias) with rows computed one at a time in a fixed order (sx_attn.h):
+//   query [B, T, Hq*D], key/value [B, T, Hkv*D], past_key/past_value [B, Hkv, C, D], seqlens_k int32 [B]
+//   (P+T-1), total_sequence_length int32 [], attention_bias [B, 1, T, >= P+T]
+//   -> output [B, T, Hq*D], present_key/present_value [B, Hkv, max(C, P+T), D]: the runtime binds each
+//   present to its past buffer (rows P.. written in place); otherwise the past rows are copied over.
+struct Attention {
+  int64_t Hq, Hkv;
+  float scale;
+  int path;
+  Attention(const OrtApi*, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    Hq = ki.GetAttribute<int64_t>("num_heads");
+    Hkv = ki.GetAttribute<int64_t>("kv_num_heads");
+    scale = ki.GetAttribute<float>("scale");
+    path = sx_resolve(SX_AUTO);
+  }
+
+  struct Job {
+    const Attention* op;
+    const float *q, *K, *V, *bias;
+    float* out;
+    const int32_t* seqlens;
+    int64_t B, T, D, C, W;
+  };
+
+  static void run(void* p, size_t i) {
+    const Job& j = *(const Job*)p;
+    const int64_t h = (int64_t)i % j.op->Hq, b = (int64_t)i / j.op->Hq, g = h / (j.op->Hq / j.op->Hkv);
+    const int64_t total = (int64_t)j.seqlens[b] + 1;
+    thread_local std::vector<float> scratch;
+    if ((int64_t)scratch.size() < total) scratch.resize(total);
+    const float* K = j.K + ((b * j.op->Hkv + g) * j.C) * j.D;
+    const float* V = j.V + ((b * j.op->Hkv + g) * j.C) * j.D;
+    for (int64_t t = 0; t < j.T; ++t) {
+      const float* q = j.q + ((b * j.T + t) * j.op->Hq + h) * j.D;
+      const float* bias = j.bias ? j.bias + (b * j.T + t) * j.W : nullptr;
+      sx_attend(j.op->path, q, K, V, bias, total, j.D, j.op->scale, j.out + ((b * j.T + t) * j.op->Hq + h) * j.D,
+                scratch.data());
+    }
+  }
+
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q, const Ort::Custom::Tensor<float>& k,
+                      const Ort::Custom::Tensor<float>& v, const Ort::Custom::Tensor<float>& pk,
+                      const Ort::Custom::Tensor<float>& pv, const Ort::Custom::Tensor<int32_t>& seqlens,
+                      const Ort::Custom::Tensor<int32_t>& total_len, const Ort::Custom::Tensor<float>& bias,
+                      Ort::Custom::Tensor<float>& out, Ort::Custom::Tensor<float>& presk,
+                      Ort::Custom::Tensor<float>& presv) {
+    const auto qs = q.Shape(), ps = pk.Shape(), bs = bias.Shape();
+    if (qs.size() != 3 || ps.size() != 4 || bs.size() != 4 || ps[1] != Hkv || Hq % Hkv)
+      return Ort::Status("specexport.cpu GroupQueryAttention: unexpected input ranks or head counts", ORT_INVALID_ARGUMENT);
+    const int64_t B = qs[0], T = qs[1], D = ps[3], C = ps[2], W = bs[3];
+    if (qs[2] != Hq * D || D % 8)
+      return Ort::Status("specexport.cpu GroupQueryAttention: query is not [B, T, num_heads * D] with D a multiple of 8",
+                         ORT_INVALID_ARGUMENT);
+    const int64_t total = total_len.Data()[0];
+    int64_t cap = C;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t tb = (int64_t)seqlens.Data()[b] + 1;
+      if (tb < T || tb > W) return Ort::Status("specexport.cpu GroupQueryAttention: seqlens_k out of range", ORT_INVALID_ARGUMENT);
+      cap = std::max(cap, tb);
+    }
+    cap = std::max(cap, total);
+    const std::vector<int64_t> present{B, Hkv, cap, D};
+    float* K = presk.Allocate(present);
+    float* V = presv.Allocate(present);
+    float* y = out.Allocate({B, T, Hq * D});
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t P = (int64_t)seqlens.Data()[b] + 1 - T;
+      for (int64_t g = 0; g < Hkv; ++g) {
+        float* kd = K + (b * Hkv + g) * cap * D;
+        float* vd = V + (b * Hkv + g) * cap * D;
+        if (K != pk.Data())  // not bound in place: the committed rows first
+          std::copy(pk.Data() + (b * Hkv + g) * C * D, pk.Data() + ((b * Hkv + g) * C + std::min(P, C)) * D, kd);
+        if (V != pv.Data())
+          std::copy(pv.Data() + (b * Hkv + g) * C * D, pv.Data() + ((b * Hkv + g) * C + std::min(P, C)) * D, vd);
+        for (int64_t t = 0; t < T; ++t) {
+          std::copy_n(k.Data() + ((b * T + t) * Hkv + g) * D, D, kd + (P + t) * D);
+          std::copy_n(v.Data() + ((b * T + t) * Hkv + g) * D, D, vd + (P + t) * D);
+        }
+      }
+    }
+    Job job{this, q.Data(), K, V, bias.Data(), y, seqlens.Data(), B, T, D, cap, W};
+    Ort::KernelContext(ctx).ParallelFor(run, (size_t)(B * Hq), 0, &job);
+    return Ort::Status{nullptr};
+  }
+};
+
 }  // namespace
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
@@ -116,10 +213,13 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   static Ort::CustomOpDomain domain{"specexport.cpu"};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> matmul{Ort::Custom::CreateLiteCustomOp<GgufMatMul>("GgufMatMul", "CPUExecutionProvider")};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> gather{Ort::Custom::CreateLiteCustomOp<GgufGather>("GgufGather", "CPUExecutionProvider")};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> attention{
+      Ort::Custom::CreateLiteCustomOp<Attention>("GroupQueryAttention", "CPUExecutionProvider")};
   static bool added = false;
   if (!added) {
     domain.Add(matmul.get());
     domain.Add(gather.get());
+    domain.Add(attention.get());
     added = true;
   }
   try {

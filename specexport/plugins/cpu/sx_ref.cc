@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "sx_act.h"
+#include "sx_attn.h"
 #include "sx_blocks.h"
 #include "sx_kernels.h"
 
@@ -60,28 +61,43 @@ void sx_ref_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t*
   }
 }
 
-extern "C" void sx_gemm_exact(int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
-                              float* Y, int64_t ldy) {
+// Exact mode: per block, the weights dequantized as gguf does (float32), products with x summed in double
+// in four lanes (i mod 4), the lanes reduced (0+2)+(1+3); the blocks' sums added in order, in double.
+template <class BlockDot>
+static void gemm_exact(int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
+                       float* Y, int64_t ldy, BlockDot block_dot) {
   const TypeInfo ti = type_info(type);
   const int64_t nb = K / ti.qk;
   const size_t rb = sx_row_bytes(type, K);
   std::vector<double> acc(M);
   Unpacked u;
-  float w[256];
+  alignas(32) float w[256];
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t m = 0; m < M; ++m) acc[m] = 0.0;
     for (int64_t b = 0; b < nb; ++b) {
       unpack(type, W + n * rb + b * ti.bytes, u);
       dequant(type, u, w);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* x = X + m * K + b * ti.qk;
-        double s = acc[m];
-        for (int i = 0; i < ti.qk; ++i) s += (double)w[i] * (double)x[i];
-        acc[m] = s;
-      }
+      for (int64_t m = 0; m < M; ++m) acc[m] += block_dot(w, X + m * K + b * ti.qk, ti.qk);
     }
     for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = (float)acc[m];
   }
+}
+
+static double block_dot_ref(const float* w, const float* x, int qk) {
+  double p[4] = {0, 0, 0, 0};
+  for (int i = 0; i < qk; i += 4)
+    for (int l = 0; l < 4; ++l) p[l] = std::fma((double)w[i + l], (double)x[i + l], p[l]);
+  return (p[0] + p[2]) + (p[1] + p[3]);
+}
+
+void sx_ref_gemm_exact_with(int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
+                            float* Y, int64_t ldy, double (*block_dot)(const float*, const float*, int)) {
+  gemm_exact(type, X, M, K, W, n0, n1, Y, ldy, block_dot);  // the SIMD paths pass their block dot (same result)
+}
+
+void sx_ref_gemm_exact(int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
+                       float* Y, int64_t ldy) {
+  gemm_exact(type, X, M, K, W, n0, n1, Y, ldy, block_dot_ref);
 }
 
 extern "C" int64_t sx_gather(int type, const uint8_t* W, int64_t N, int64_t K, const int64_t* ids, int64_t count,
@@ -99,3 +115,5 @@ extern "C" int64_t sx_gather(int type, const uint8_t* W, int64_t N, int64_t K, c
   }
   return -1;
 }
+
+void sx_ref_attend(const AttnRow& row) { attend_row(row, dot_ref, accumulate_ref); }
