@@ -15,7 +15,7 @@ library built on those headers runs in later runtimes): $SPECEXPORT_ORT_INCLUDE,
 library into the cache. Nothing of ONNX Runtime is stored in this repository.
 
 Environment: SPECEXPORT_KERNELS=off hides the library (the stock route runs); SPECEXPORT_KERNEL_PATH
-(ref, avx2) forces a kernel path; CXX names the compiler.
+(ref, avx2, neon) forces a kernel path; CXX names the compiler.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from specexport.errors import SpecexportError
 
 DOMAIN = "specexport.cpu"
 HERE = Path(__file__).parent
-KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_avx2.cc")
+KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_avx2.cc", "sx_neon.cc")
 HEADERS = ("sx_kernels.h", "sx_blocks.h", "sx_act.h")
 ORT_SOURCE = "sx_ort.cc"
 PATHS = {"ref": 0, "avx2": 1, "neon": 3}
@@ -65,13 +65,16 @@ def flags(source: str, arch: str | None = None) -> list[str]:
     out = ["-O2", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden"]
     if source == "sx_avx2.cc":
         out += ["-mavx2", "-mfma", "-mf16c"]
+    if source == "sx_neon.cc":
+        out += ["-march=armv8.2-a+dotprod"]
     return out
 
 
 def sources(arch: str | None = None) -> list[str]:
-    """The kernel sources this architecture compiles (the AVX2 file only on x86-64)."""
+    """The kernel sources this architecture compiles (the AVX2 file on x86-64, the NEON one on AArch64)."""
     arch = arch or platform.machine()
-    return [s for s in KERNEL_SOURCES if s != "sx_avx2.cc" or arch in ("x86_64", "AMD64")]
+    only = {"sx_avx2.cc": ("x86_64", "AMD64"), "sx_neon.cc": ("aarch64", "arm64")}
+    return [s for s in KERNEL_SOURCES if arch in only.get(s, (arch,))]
 
 
 def compiler() -> str:

@@ -1,5 +1,11 @@
 // Which path runs: the best this CPU has, or the one SPECEXPORT_KERNEL_PATH (ref, avx2, neon) names.
 #include <cstdlib>
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#endif
 #include <cstring>
 #include <string>
 #include <vector>
@@ -13,6 +19,11 @@ void sx_avx2_attend(const sx::AttnRow&);
 void sx_avx2_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 #endif
 void sx_ref_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+#if defined(__aarch64__)
+void sx_neon_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+void sx_neon_attend(const sx::AttnRow&);
+void sx_neon_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+#endif
 void sx_ref_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 void sx_ref_attend(const sx::AttnRow&);
 
@@ -23,6 +34,9 @@ bool runnable(int path) {
     case SX_REF: return true;
 #if defined(__x86_64__)
     case SX_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+    case SX_NEON: return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
 #endif
     default: return false;
   }
@@ -74,6 +88,9 @@ extern "C" void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64
 #if defined(__x86_64__)
     case SX_AVX2: sx_avx2_gemm(type, act, M, K, W, n0, n1, Y, ldy); return;
 #endif
+#if defined(__aarch64__)
+    case SX_NEON: sx_neon_gemm(type, act, M, K, W, n0, n1, Y, ldy); return;
+#endif
     default: sx_ref_gemm(type, act, M, K, W, n0, n1, Y, ldy);
   }
 }
@@ -83,6 +100,9 @@ extern "C" void sx_gemm_exact(int type, int path, const float* X, int64_t M, int
   switch (path) {
 #if defined(__x86_64__)
     case SX_AVX2: sx_avx2_gemm_exact(type, X, M, K, W, n0, n1, Y, ldy); return;
+#endif
+#if defined(__aarch64__)
+    case SX_NEON: sx_neon_gemm_exact(type, X, M, K, W, n0, n1, Y, ldy); return;
 #endif
     default: sx_ref_gemm_exact(type, X, M, K, W, n0, n1, Y, ldy);
   }
@@ -94,6 +114,9 @@ extern "C" void sx_attend(int path, const float* q, const float* K, const float*
   switch (path) {
 #if defined(__x86_64__)
     case SX_AVX2: sx_avx2_attend(row); return;
+#endif
+#if defined(__aarch64__)
+    case SX_NEON: sx_neon_attend(row); return;
 #endif
     default: sx_ref_attend(row);
   }
