@@ -83,6 +83,8 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
     click.echo("")                      # the text's last line ends before any note
     if pipe.auto_note:
         notes.append(f"--{'method' if method == 'auto' else 'gamma'} auto: {pipe.auto_note}")
+    if pipe.kernel_note:
+        notes.append(pipe.kernel_note)
     for note in notes:
         click.secho(note, fg="yellow", err=True)
     label = method if s.gamma or method == "vanilla" else "vanilla (auto)"

@@ -52,6 +52,14 @@ def inspect(output_dir, as_json, verify, verbose):
         for precision, e in h["precisions"].items():
             table.add_row(kind, *what, precision, "\n".join(e["files"]), f"{e['size_bytes'] / 2**20:.1f} MiB")
     console.print(table)
+    from specexport.plugins import cpu
+
+    for role, mm in m["models"].items():
+        for precision, e in mm["precisions"].items():
+            line = cpu.describe(e)
+            if line:
+                console.print(f"{role} {precision}: {line}; rows {e.get('trees', '?')} (trees), min_tokens "
+                              f"{e.get('min_tokens', '?')}")
     console.print(checks_table(m, title="checks"))
     if verbose:
         for role, mm in m["models"].items():

@@ -109,6 +109,13 @@ class Pipeline:
             f"threads: {count}, spinning {'on' if spin else 'off'} (the build's bench measured this fastest)")
 
     @property
+    def kernel_note(self) -> str | None:
+        """Which CPU kernels the target's matmuls run on here and why (None: not a gguf graph)."""
+        from specexport.plugins import cpu
+
+        return cpu.describe(self.manifest["models"]["target"]["precisions"][self.precision])
+
+    @property
     def methods(self) -> tuple[str, ...]:
         """What this build can decode with: prompt lookup needs only the target."""
         built = {"vanilla", "lookup", "suffix", *self.manifest["models"], *self.manifest.get("heads", {})}

@@ -226,6 +226,17 @@ def status() -> Status:
     return Status(lib, c.sx_paths().decode(), names[path])
 
 
+def describe(entry: dict) -> str | None:
+    """What a built precision's matmuls run on here, in one line (None: not a gguf graph). `entry`: the
+    manifest's precision entry."""
+    built = (entry.get("quantization") or {}).get("kernels")
+    if built is None:
+        return None
+    if built.get("ops") == DOMAIN:
+        return status().line()
+    return f"CPU kernels: ONNX Runtime's stock MatMulNBits (at build: {built.get('why', 'not recorded')})"
+
+
 def uses_kernels(graph: Path) -> bool:
     """Whether an ONNX file calls our ops (its opset imports name the domain; weights live in the data
     file, so the graph file is small)."""
