@@ -182,6 +182,29 @@ def test_the_op_in_a_graph_computes_what_the_c_interface_does(kernels):
         assert np.array_equal(got.reshape(6, 30), want)
 
 
+def test_a_kernels_graph_where_the_library_is_hidden_says_why_and_what_to_do(tmp_path, monkeypatch):
+    from onnx import TensorProto, helper, numpy_helper, save
+
+    from specexport.runtime.backends.ort import open_session
+
+    w = blocks(np.random.default_rng(13), "Q8_0", 4, 32)
+    node = helper.make_node("GgufMatMul", ["X", "W"], ["Y"], domain=cpu.DOMAIN, type=cpu.TYPES["Q8_0"], K=32, N=4)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [1, 32])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 4])],
+                              [numpy_helper.from_array(w, "W")])
+    path = tmp_path / "model.onnx"
+    save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu.DOMAIN, 1)]), path)
+    monkeypatch.setenv("SPECEXPORT_KERNELS", "off")
+    cpu.status.cache_clear()
+    try:
+        with pytest.raises(cpu.KernelsUnavailable, match=r"runs specexport's CPU kernels, which do not load here "
+                                                          r"\(SPECEXPORT_KERNELS=off\); build it again with"):
+            open_session(path, threads=1, spin=False)
+    finally:
+        monkeypatch.undo()
+        cpu.status.cache_clear()
+
+
 # -- planted bugs: the checks above must fail on them ------------------------------------------------
 
 def _planted(name: str):

@@ -33,6 +33,8 @@ def render_markdown(report: dict) -> str:
              "acceptance and tokens per pass are what the GPU engine gets, its time is not.", "",
              f"Threads: {threads} (the fastest for vanilla of those tried; speculative rows use the same "
              f"session); draft {st['draft_threads']} thread.", "",
+             *([f"Kernels: {'; '.join(f'{tp} target: {k}' for tp, k in st['kernels'].items())}.", ""]
+               if st.get("kernels") else []),
              "| target | draft | method | γ | tok/s | TTFT ms | TPOT p50 | TPOT p90 | acceptance | tokens/pass "
              "| speedup [95% CI] | ideal | efficiency | vs fp32 vanilla [95% CI] |", "|" + "---|" * 14]
     for r in report["rows"]:

@@ -340,17 +340,11 @@ static inline void accumulate_avx2(const AttnRow& r, float den) {
 
 void sx_avx2_attend(const AttnRow& row) { attend_row(row, dot_avx2, accumulate_avx2); }
 
-// Exact mode (sx_ref.cc's gemm_exact): the reference's double lanes, four at a time.
+// Exact mode (sx_ref.cc's gemm_exact): the attention's dot product over each block.
 void sx_ref_gemm_exact_with(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t,
                             double (*)(const float*, const float*, int));
 
-static double block_dot_avx2(const float* w, const float* x, int qk) {
-  __m256d p = _mm256_setzero_pd();
-  for (int i = 0; i < qk; i += 4)
-    p = _mm256_fmadd_pd(_mm256_cvtps_pd(_mm_load_ps(w + i)), _mm256_cvtps_pd(_mm_loadu_ps(x + i)), p);
-  const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(p), _mm256_extractf128_pd(p, 1));  // (0+2, 1+3)
-  return _mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h)));
-}
+static double block_dot_avx2(const float* w, const float* x, int qk) { return dot_avx2(w, x, qk); }
 
 void sx_avx2_gemm_exact(int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
                         float* Y, int64_t ldy) {

@@ -50,16 +50,8 @@ void sx_neon_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t
 void sx_ref_gemm_exact_with(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t,
                             double (*)(const float*, const float*, int));
 
-static double block_dot_neon(const float* w, const float* x, int qk) {
-  float64x2_t p01 = vdupq_n_f64(0), p23 = vdupq_n_f64(0);
-  for (int i = 0; i < qk; i += 4) {
-    const float32x4_t wv = vld1q_f32(w + i), xv = vld1q_f32(x + i);
-    p01 = vfmaq_f64(p01, vcvt_f64_f32(vget_low_f32(wv)), vcvt_f64_f32(vget_low_f32(xv)));
-    p23 = vfmaq_f64(p23, vcvt_high_f64_f32(wv), vcvt_high_f64_f32(xv));
-  }
-  const float64x2_t h = vaddq_f64(p01, p23);  // (0+2, 1+3)
-  return vgetq_lane_f64(h, 0) + vgetq_lane_f64(h, 1);
-}
+static inline float dot_neon(const float* q, const float* k, int64_t D);
+static double block_dot_neon(const float* w, const float* x, int qk) { return dot_neon(w, x, qk); }
 
 void sx_neon_gemm_exact(int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
                         float* Y, int64_t ldy) {

@@ -61,8 +61,9 @@ void sx_ref_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t*
   }
 }
 
-// Exact mode: per block, the weights dequantized as gguf does (float32), products with x summed in double
-// in four lanes (i mod 4), the lanes reduced (0+2)+(1+3); the blocks' sums added in order, in double.
+// Exact mode: per block, the weights dequantized as gguf does (float32), products with x summed in eight
+// float lanes (i mod 8, fused multiply-adds), the lanes reduced ((0+4)+(2+6)) + ((1+5)+(3+7)) (sx_attn.h's
+// tree); the blocks' sums added in order in double.
 template <class BlockDot>
 static void gemm_exact(int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
                        float* Y, int64_t ldy, BlockDot block_dot) {
@@ -83,12 +84,7 @@ static void gemm_exact(int type, const float* X, int64_t M, int64_t K, const uin
   }
 }
 
-static double block_dot_ref(const float* w, const float* x, int qk) {
-  double p[4] = {0, 0, 0, 0};
-  for (int i = 0; i < qk; i += 4)
-    for (int l = 0; l < 4; ++l) p[l] = std::fma((double)w[i + l], (double)x[i + l], p[l]);
-  return (p[0] + p[2]) + (p[1] + p[3]);
-}
+static double block_dot_ref(const float* w, const float* x, int qk) { return dot_ref(w, x, qk); }
 
 void sx_ref_gemm_exact_with(int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
                             float* Y, int64_t ldy, double (*block_dot)(const float*, const float*, int)) {
