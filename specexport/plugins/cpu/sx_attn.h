@@ -10,13 +10,15 @@ namespace sx {
 
 constexpr float MASKED = -1e30f;  // a bias at or below this hides the key (the graph's is float32's lowest)
 
-// q . k over D (a multiple of 8): eight lane sums (fused multiply-adds along d = l mod 8), then the
-// reduction tree ((0+4)+(2+6)) + ((1+5)+(3+7)).
+// Eight float lanes reduced in the order every path uses: ((0+4)+(2+6)) + ((1+5)+(3+7)).
+static inline float tree8(const float* a) { return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7])); }
+
+// q . k over D (a multiple of 8): eight lane sums (fused multiply-adds along d = l mod 8), then tree8.
 static inline float dot_ref(const float* q, const float* k, int64_t D) {
   float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int64_t d = 0; d < D; d += 8)
     for (int l = 0; l < 8; ++l) a[l] = std::fmaf(q[d + l], k[d + l], a[l]);
-  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+  return tree8(a);
 }
 
 struct AttnRow {

@@ -1,7 +1,8 @@
 // The AVX2 path (x86-64 with AVX2 + FMA; compiled with -mavx2 -mfma). Equal to sx_ref.cc bit for bit: the
 // integer sums are exact whatever their order, and the float steps are the reference's, in its order.
-// Eight output columns at a time: each block is unpacked in registers once per four rows and dotted against
-// them; the eight columns' integer sums are reduced into one vector, so the float steps run lane-wise.
+// One column at a time, eight blocks at a time: each block is unpacked in registers once per four rows and
+// dotted against them; the eight blocks' integer sums are reduced into one vector, so the float steps run
+// lane-wise (the reference's lanes: block b in lane b mod 8).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -18,7 +19,6 @@ using namespace sx;
 
 namespace {
 
-constexpr int64_t PREFETCH = 4;  // blocks ahead, per column: eight interleaved streams outrun the prefetcher
 constexpr int R = 4;             // rows per weight pass
 
 inline float half(const uint8_t* p) {  // exact, as sx::f16 (F16C converts every finite half alike)
@@ -223,33 +223,42 @@ inline void block_rows(const L& blk, const ActRow* rows, int64_t b, __m256i* par
   }
 }
 
+// Eight consecutive blocks of one column (`cnt` of them real, the rest zero lanes) against NR rows: the
+// reference's lanes (block b in lane b mod 8), a fused multiply-add or two per lane.
 template <class L, int NR>
-void rows_pass(const TypeInfo& ti, const uint8_t* const* blk, const ActRow* rows, int64_t b, float* acc) {
+void rows_pass(const TypeInfo& ti, const uint8_t* col, int64_t g0, int cnt, const ActRow* rows, float* acc) {
   __m256i part[NR][8], mins[NR][8];
   alignas(32) float d[8], m[8];
-  for (int i = 0; i < 8; ++i) {
-    const L l(blk[i]);
-    d[i] = l.d;
-    m[i] = l.m;
+  for (int j = 0; j < 8; ++j) {
+    if (j >= cnt) {
+      d[j] = m[j] = 0.f;
+      for (int r = 0; r < NR; ++r) part[r][j] = mins[r][j] = _mm256_setzero_si256();
+      continue;
+    }
+    const L l(col + (g0 + j) * ti.bytes);
+    d[j] = l.d;
+    m[j] = l.m;
     __m256i p[NR], q[NR];
-    block_rows<L, NR>(l, rows, b, p, q);
+    block_rows<L, NR>(l, rows, g0 + j, p, q);
     for (int r = 0; r < NR; ++r) {
-      part[r][i] = p[r];
-      mins[r][i] = q[r];
+      part[r][j] = p[r];
+      mins[r][j] = q[r];
     }
   }
+  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   const __m256 dv = _mm256_load_ps(d);
   const __m256 mf = ti.kind == KMIN ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_load_ps(m)) : _mm256_load_ps(m);
   for (int r = 0; r < NR; ++r) {
     __m256i I = reduce8(part[r]), Mn;
-    if (L::qk == 32) {
-      const int32_t asum = rows[r].s16[2 * b] + rows[r].s16[2 * b + 1];
-      I = _mm256_sub_epi32(I, _mm256_set1_epi32(L::Z * asum));
-      Mn = _mm256_set1_epi32(asum);  // Q4_1 / Q5_1: mn = 1
+    if (L::qk == 32) {  // the block's activation sum: its two 16-sums, one int32 per block
+      const __m256i pairs = _mm256_maskload_epi32((const int*)(rows[r].s16 + 2 * g0), live);
+      const __m256i asum = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+      I = _mm256_sub_epi32(I, _mm256_mullo_epi32(asum, _mm256_set1_epi32(L::Z)));
+      Mn = asum;  // Q4_1 / Q5_1: mn = 1
     } else {
       Mn = reduce8(mins[r]);
     }
-    const __m256 da = _mm256_set1_ps(rows[r].d[b]);
+    const __m256 da = _mm256_maskload_ps(rows[r].d + g0, live);
     __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(dv, da), _mm256_loadu_ps(acc + 8 * r));
     if (ti.kind != SYM) y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(mf, da), y);
     _mm256_storeu_ps(acc + 8 * r, y);
@@ -261,22 +270,17 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
           int64_t ldy) {
   const int64_t nb = K / L::qk;
   const size_t rb = (size_t)nb * ti.bytes;
-  const int64_t ahead = PREFETCH;
   std::vector<ActRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = act_row(act, m, K, L::qk);
   std::vector<float> accv(8 * M);  // row m's eight lanes at 8 m
   float* acc = accv.data();
-  for (int64_t n = n0; n < n1; n += 8) {
-    const uint8_t* col[8];
-    for (int i = 0; i < 8; ++i) col[i] = W + (n + i < n1 ? n + i : n1 - 1) * rb;  // a short tile repeats its last column
-    for (int64_t m = 0; m < 8 * M; ++m) acc[m] = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk[8];
-      for (int i = 0; i < 8; ++i) {
-        blk[i] = col[i] + b * ti.bytes;
-        if (b + ahead < nb)
-          for (int l = 0; l < ti.bytes; l += 64) _mm_prefetch((const char*)(blk[i] + ahead * ti.bytes + l), _MM_HINT_T0);
-      }
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* col = W + n * rb;  // one column at a time: each thread reads one sequential stream
+    for (int64_t i = 0; i < 8 * M; ++i) acc[i] = 0.f;
+    for (int64_t g0 = 0; g0 < nb; g0 += 8) {
+      const int cnt = (int)std::min<int64_t>(8, nb - g0);
+      for (int64_t l = 0; l < 8 * ti.bytes; l += 64)  // the next group (the next column's first, at the end)
+        _mm_prefetch((const char*)(col + (g0 + 8) * ti.bytes + l), _MM_HINT_T0);
 #ifdef SX_PLANT_DROP_LAST_ROW  // a planted bug the tests must catch: a tile that drops its last row
       const int64_t rows_done = M - (M > 1);
 #else
@@ -284,15 +288,14 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
 #endif
       for (int64_t r = 0; r < rows_done; r += R) {
         switch (std::min<int64_t>(R, rows_done - r)) {
-          case 1: rows_pass<L, 1>(ti, blk, rows.data() + r, b, acc + 8 * r); break;
-          case 2: rows_pass<L, 2>(ti, blk, rows.data() + r, b, acc + 8 * r); break;
-          case 3: rows_pass<L, 3>(ti, blk, rows.data() + r, b, acc + 8 * r); break;
-          default: rows_pass<L, 4>(ti, blk, rows.data() + r, b, acc + 8 * r);
+          case 1: rows_pass<L, 1>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
+          case 2: rows_pass<L, 2>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
+          case 3: rows_pass<L, 3>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
+          default: rows_pass<L, 4>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r);
         }
       }
     }
-    for (int64_t m = 0; m < M; ++m)
-      for (int i = 0; i < 8 && n + i < n1; ++i) Y[m * ldy + n + i] = acc[8 * m + i];
+    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = tree8(acc + 8 * m);
   }
 }
 

@@ -16,15 +16,23 @@ using namespace sx;
 void sx_neon_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
                   int64_t ldy) {
   const TypeInfo ti = type_info(type);
-  const int64_t nb = K / ti.qk;
+  const int64_t nb = K / ti.qk, padded = (nb + 7) / 8 * 8;
   const size_t rb = (size_t)nb * ti.bytes;
-  std::vector<float> acc(M);
+  std::vector<float> acc(8 * M);
   std::vector<ActRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = act_row(act, m, K, ti.qk);
   Unpacked u;
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t m = 0; m < M; ++m) acc[m] = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t i = 0; i < 8 * M; ++i) acc[i] = 0.f;
+    for (int64_t b = 0; b < padded; ++b) {
+      if (b >= nb) {  // padding: zero lanes, as the reference
+        for (int64_t m = 0; m < M; ++m) {
+          float& lane = acc[8 * m + b % 8];
+          lane = std::fmaf(0.f, 0.f, lane);
+          if (ti.kind != SYM) lane = std::fmaf(0.f, 0.f, lane);
+        }
+        continue;
+      }
       unpack(type, W + n * rb + b * ti.bytes, u);
       const float mf = ti.kind == KMIN ? -u.m : u.m;
       for (int64_t m = 0; m < M; ++m) {
@@ -38,11 +46,12 @@ void sx_neon_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t
           Mn += u.mn[g] * s16[g];
         }
         const float da = rows[m].d[b];
-        acc[m] = std::fmaf((float)vaddvq_s32(I), u.d * da, acc[m]);
-        if (ti.kind != SYM) acc[m] = std::fmaf((float)Mn, mf * da, acc[m]);
+        float& lane = acc[8 * m + b % 8];
+        lane = std::fmaf((float)vaddvq_s32(I), u.d * da, lane);
+        if (ti.kind != SYM) lane = std::fmaf((float)Mn, mf * da, lane);
       }
     }
-    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = acc[m];
+    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = tree8(&acc[8 * m]);
   }
 }
 

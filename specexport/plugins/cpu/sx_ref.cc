@@ -28,20 +28,29 @@ extern "C" void sx_quantize(int type, const float* X, int64_t M, int64_t K, void
 }
 
 // Column n, every row: block by block, the integer dot products per 16 weights, then two fused
-// multiply-adds per block in float (acc += I * (d * da); acc += Mn * (m * da)).
+// multiply-adds per block in float into one of eight lanes (block b: lane b mod 8; acc += I * (d * da);
+// acc += Mn * (m * da)), the blocks padded with zeros to a multiple of 8; then the lanes reduced
+// ((0+4)+(2+6)) + ((1+5)+(3+7)). Eight lanes: the SIMD paths run eight blocks of one column at a time, so
+// each thread reads its columns as one sequential stream.
 void sx_ref_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
                  int64_t ldy) {
   const TypeInfo ti = type_info(type);
-  const int64_t nb = K / ti.qk;
+  const int64_t nb = K / ti.qk, padded = (nb + 7) / 8 * 8;
   const size_t rb = sx_row_bytes(type, K);
-  std::vector<float> acc(M);
+  std::vector<float> acc(8 * M);
   Unpacked u;
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t m = 0; m < M; ++m) acc[m] = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      unpack(type, W + n * rb + b * ti.bytes, u);
+    for (int64_t i = 0; i < 8 * M; ++i) acc[i] = 0.f;
+    for (int64_t b = 0; b < padded; ++b) {
+      if (b < nb) unpack(type, W + n * rb + b * ti.bytes, u);
       const float mf = ti.kind == KMIN ? -u.m : u.m;
       for (int64_t m = 0; m < M; ++m) {
+        float& lane = acc[8 * m + b % 8];
+        if (b >= nb) {  // padding: the SIMD paths' zero lanes
+          lane = std::fmaf(0.f, 0.f, lane);
+          if (ti.kind != SYM) lane = std::fmaf(0.f, 0.f, lane);
+          continue;
+        }
         const ActRow a = act_row(act, m, K, ti.qk);
         const int8_t* q = a.q + b * ti.qk;
         const int16_t* s16 = a.s16 + b * (ti.qk / 16);
@@ -53,11 +62,11 @@ void sx_ref_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t*
           Mn += u.mn[g] * s16[g];
         }
         const float da = a.d[b];
-        acc[m] = std::fmaf((float)I, u.d * da, acc[m]);
-        if (ti.kind != SYM) acc[m] = std::fmaf((float)Mn, mf * da, acc[m]);
+        lane = std::fmaf((float)I, u.d * da, lane);
+        if (ti.kind != SYM) lane = std::fmaf((float)Mn, mf * da, lane);
       }
     }
-    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = acc[m];
+    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = tree8(&acc[8 * m]);
   }
 }
 
