@@ -100,16 +100,20 @@ struct Q6K {
   }
 };
 
-struct Q4_0L {
-  static constexpr int qk = 32, Z = 8;
+// Q4_0 (v = code - 8) and Q4_1 (codes as stored, a min applied through the row sums): 16 bytes of nibbles.
+template <int TYPE>
+struct Q4L {
+  static constexpr int qk = 32, Z = TYPE == Q4_0 ? 8 : 0, off = TYPE == Q4_0 ? 2 : 4;
   static constexpr bool sgn = false;
   const uint8_t* b;
   __m256i sv[1], s16, mn16;
-  float d, m = 0.f;
-  explicit Q4_0L(const uint8_t* blk) : b(blk), d(half(blk)) { sv[0] = _mm256_set1_epi16(1); }
+  float d, m;
+  explicit Q4L(const uint8_t* blk) : b(blk), d(half(blk)), m(TYPE == Q4_1 ? half(blk + 2) : 0.f) {
+    sv[0] = _mm256_set1_epi16(1);
+  }
   template <class F>
   void chunks(F&& f) const {
-    const __m128i x = _mm_loadu_si128((const __m128i*)(b + 2)), m4 = _mm_set1_epi8(0xF);
+    const __m128i x = _mm_loadu_si128((const __m128i*)(b + off)), m4 = _mm_set1_epi8(0xF);
     f(0, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4), _mm_and_si128(x, m4)));
   }
 };
@@ -123,20 +127,6 @@ struct Q8_0L {
   explicit Q8_0L(const uint8_t* blk) : b(blk), d(half(blk)) { sv[0] = _mm256_set1_epi16(1); }
   template <class F>
   void chunks(F&& f) const { f(0, _mm256_loadu_si256((const __m256i*)(b + 2))); }
-};
-
-struct Q4_1L {  // codes as stored (v >= 0); the min m applies through the row sums
-  static constexpr int qk = 32, Z = 0;
-  static constexpr bool sgn = false;
-  const uint8_t* b;
-  __m256i sv[1], s16, mn16;
-  float d, m;
-  explicit Q4_1L(const uint8_t* blk) : b(blk), d(half(blk)), m(half(blk + 2)) { sv[0] = _mm256_set1_epi16(1); }
-  template <class F>
-  void chunks(F&& f) const {
-    const __m128i x = _mm_loadu_si128((const __m128i*)(b + 4)), m4 = _mm_set1_epi8(0xF);
-    f(0, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4), _mm_and_si128(x, m4)));
-  }
 };
 
 // 32 bits -> 32 bytes, byte i = 0x10 where bit i is set (the fifth bit of Q5_0 / Q5_1 codes).
@@ -307,10 +297,10 @@ void sx_avx2_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t
   switch (type) {
     case Q4_K: return gemm<Q4K>(ti, act, M, K, W, n0, n1, Y, ldy);
     case Q6_K: return gemm<Q6K>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q4_0: return gemm<Q4_0L>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_0: return gemm<Q4L<Q4_0>>(ti, act, M, K, W, n0, n1, Y, ldy);
     case Q8_0: return gemm<Q8_0L>(ti, act, M, K, W, n0, n1, Y, ldy);
     case Q5_K: return gemm<Q5K>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q4_1: return gemm<Q4_1L>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_1: return gemm<Q4L<Q4_1>>(ti, act, M, K, W, n0, n1, Y, ldy);
     case Q5_0: return gemm<Q5L<Q5_0>>(ti, act, M, K, W, n0, n1, Y, ldy);
     case Q5_1: return gemm<Q5L<Q5_1>>(ti, act, M, K, W, n0, n1, Y, ldy);
   }

@@ -82,44 +82,42 @@ extern "C" int sx_resolve(int forced) {
   return runnable(forced) ? forced : -1;
 }
 
-extern "C" void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
-                           int64_t n1, float* Y, int64_t ldy) {
+namespace {
+
+// Each path's kernels; a path without its own (or not built for this architecture) runs the reference's.
+struct Kernels {
+  void (*gemm)(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+  void (*exact)(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+  void (*attend)(const sx::AttnRow&);
+};
+
+Kernels kernels(int path) {
   switch (path) {
 #if defined(__x86_64__)
-    case SX_AVX2: sx_avx2_gemm(type, act, M, K, W, n0, n1, Y, ldy); return;
+    case SX_AVX2: return {sx_avx2_gemm, sx_avx2_gemm_exact, sx_avx2_attend};
 #endif
 #if defined(__aarch64__)
-    case SX_NEON: sx_neon_gemm(type, act, M, K, W, n0, n1, Y, ldy); return;
+    case SX_NEON: return {sx_neon_gemm, sx_neon_gemm_exact, sx_neon_attend};
 #endif
-    default: sx_ref_gemm(type, act, M, K, W, n0, n1, Y, ldy);
+    default: return {sx_ref_gemm, sx_ref_gemm_exact, sx_ref_attend};
   }
+}
+
+}  // namespace
+
+extern "C" void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
+                           int64_t n1, float* Y, int64_t ldy) {
+  kernels(path).gemm(type, act, M, K, W, n0, n1, Y, ldy);
 }
 
 extern "C" void sx_gemm_exact(int type, int path, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
                               int64_t n1, float* Y, int64_t ldy) {
-  switch (path) {
-#if defined(__x86_64__)
-    case SX_AVX2: sx_avx2_gemm_exact(type, X, M, K, W, n0, n1, Y, ldy); return;
-#endif
-#if defined(__aarch64__)
-    case SX_NEON: sx_neon_gemm_exact(type, X, M, K, W, n0, n1, Y, ldy); return;
-#endif
-    default: sx_ref_gemm_exact(type, X, M, K, W, n0, n1, Y, ldy);
-  }
+  kernels(path).exact(type, X, M, K, W, n0, n1, Y, ldy);
 }
 
 extern "C" void sx_attend(int path, const float* q, const float* K, const float* V, const float* bias, int64_t total,
                           int64_t D, float scale, float* out, float* scratch) {
-  const sx::AttnRow row{q, K, V, bias, total, D, scale, out, scratch};
-  switch (path) {
-#if defined(__x86_64__)
-    case SX_AVX2: sx_avx2_attend(row); return;
-#endif
-#if defined(__aarch64__)
-    case SX_NEON: sx_neon_attend(row); return;
-#endif
-    default: sx_ref_attend(row);
-  }
+  kernels(path).attend(sx::AttnRow{q, K, V, bias, total, D, scale, out, scratch});
 }
 
 extern "C" int sx_matmul(int type, int path, int exact, const float* X, int64_t M, int64_t K, const uint8_t* W,
