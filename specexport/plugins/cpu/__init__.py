@@ -109,7 +109,7 @@ def _fetch_headers(dest: Path) -> Path:
     """Debian's libonnxruntime-dev, its headers unpacked into dest (an ar archive holding data.tar.xz)."""
     url, digest = ORT_DEB
     try:
-        with urllib.request.urlopen(url, timeout=60) as r:
+        with urllib.request.urlopen(url, timeout=20) as r:
             deb = r.read()
     except OSError as err:
         raise KernelsUnavailable(f"ONNX Runtime's C headers: could not fetch {url} ({err}); install Debian's "
