@@ -19,7 +19,7 @@ using namespace sx;
 
 namespace {
 
-constexpr int R = 4;             // rows per weight pass
+constexpr int R = 8;             // rows per weight pass (8: 8-13% faster than 4 at M >= 8, measured)
 
 inline float half(const uint8_t* p) {  // exact, as sx::f16 (F16C converts every finite half alike)
   uint16_t h;
@@ -188,21 +188,21 @@ template <class L, int NR>
 inline void block_rows(const L& blk, const ActRow* rows, int64_t b, __m256i* part, __m256i* mins) {
   __m256i acc[NR];
   const int8_t* q[NR];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < NR; ++r) {
     acc[r] = _mm256_setzero_si256();
     q[r] = rows[r].q + b * L::qk;
   }
   blk.chunks([&](int j, __m256i w) {
     const __m256i aw = L::sgn ? _mm256_sign_epi8(w, w) : w;
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       __m256i a = _mm256_loadu_si256((const __m256i*)(q[r] + 32 * j));
       if (L::sgn) a = _mm256_sign_epi8(a, w);  // |w| x sign(a, w): maddubs' unsigned operand; exact, |a| <= 127
       acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a), blk.sv[j]));
     }
   });
-#pragma GCC unroll 4
+#pragma GCC unroll 8
   for (int r = 0; r < NR; ++r) {
     if (L::qk == 256) {
       const __m256i as = _mm256_loadu_si256((const __m256i*)(rows[r].s16 + b * 16));
@@ -281,7 +281,11 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
           case 1: rows_pass<L, 1>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
           case 2: rows_pass<L, 2>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
           case 3: rows_pass<L, 3>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
-          default: rows_pass<L, 4>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r);
+          case 4: rows_pass<L, 4>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
+          case 5: rows_pass<L, 5>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
+          case 6: rows_pass<L, 6>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
+          case 7: rows_pass<L, 7>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
+          default: rows_pass<L, 8>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r);
         }
       }
     }
