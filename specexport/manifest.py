@@ -26,7 +26,9 @@ from pathlib import Path
 
 from specexport.errors import SpecexportError
 
-SCHEMA_VERSION = 2          # 2: stage folders named in the manifest, tokenizer files hashed, γ keyed by (target, draft)
+SCHEMA_VERSION = 3          # 2: stage folders named in the manifest, tokenizer files hashed, γ keyed by (target, draft)
+                            # 3: gguf graphs may call specexport's CPU kernels (quantization.kernels says)
+READABLE = (2, 3)           # a version-2 build is a version-3 one without kernels: read as it is
 MANIFEST_NAME = "manifest.json"
 
 
@@ -102,9 +104,9 @@ def read_manifest(output_dir: str | os.PathLike) -> dict:
     if not isinstance(data, dict):
         raise SpecexportError(f"{path}: expected a JSON object at the top level")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if version not in READABLE:
         raise SpecexportError(f"{path}: schema_version {version!r} is not supported; this specexport reads "
-                              f"{SCHEMA_VERSION} (rebuild with `specexport build`)")
+                              f"{', '.join(map(str, READABLE))} (rebuild with `specexport build`)")
     validate_manifest(data, where=str(path))
     if "heads" in data:                     # optional: builds with Medusa heads or an EAGLE head
         _check(data["heads"], dict, str(path), "heads")

@@ -242,8 +242,13 @@ def test_bad_output_folders(built_long, tmp_path):
     m = json.loads((built_long / "manifest.json").read_text())
     m["schema_version"] = 99
     (tmp_path / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(SpecexportError, match="schema_version 99 is not supported"):
+    with pytest.raises(SpecexportError, match="schema_version 99 is not supported; this specexport reads 2, 3"):
         specexport.load(tmp_path)
+    from specexport.manifest import read_manifest
+
+    m["schema_version"] = 2                      # a build from before the CPU kernels: read as it is
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    assert read_manifest(tmp_path)["schema_version"] == 2
     with pytest.raises(SpecexportError, match=r"precision: 'int8' was not built for the target; built: fp32"):
         specexport.load(built_long, precision="int8")
 
