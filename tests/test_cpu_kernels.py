@@ -12,7 +12,7 @@ from tests.close import assert_close
 
 gguf = pytest.importorskip("gguf")
 
-QK = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
+QK = cpu.BLOCK                      # weights per (super-)block along K, per type
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ def driver(tmp_path_factory) -> Path:
     objs = []
     for src in cpu.sources("aarch64"):
         obj = out / (src + ".o")
-        subprocess.run([CXX, *cpu.flags(src, "aarch64"), "-c", str(cpu.HERE / src), "-o", str(obj)], check=True)
+        subprocess.run([CXX, *cpu.flags(src), "-c", str(cpu.HERE / src), "-o", str(obj)], check=True)
         objs.append(str(obj))
     driver_src = Path(__file__).parent / "cpu" / "driver.cc"
     subprocess.run([CXX, "-O2", "-std=c++17", "-I", str(cpu.HERE), str(driver_src), *objs, "-static",

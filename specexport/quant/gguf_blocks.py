@@ -55,7 +55,6 @@ class BlockCodes:
     c_sign: float = 1.0            # -1 for the K-quants' "- dmin*m"
     info_bits: int = 0             # bits each code carries (5 or 6 for the 5/6-bit types stored as 8); 0: `bits`
     offset: int = 0                # code = q + offset, q in 0..2**info_bits - 1 (8-bit codes of 5/6-bit types)
-    rows: np.ndarray | None = None  # the file's rows in this order (None: the file's own)
 
     @property
     def zero_point(self) -> int:

@@ -56,10 +56,10 @@ class GgufReport:
         return out
 
 
-def gguf_tensors(gguf_path: Path, hf_config: dict):
-    """Yield (name, type, BlockCodes) per quantized 2-D tensor of the file, rows in the HF checkpoint's
-    order (llama's q/k rows unpermuted with transformers' own processor), and (name, type, None) for a
-    quantized type without an exact mapping."""
+def gguf_tensors(gguf_path: Path, hf_config: dict, *, raw: bool = False):
+    """Yield (name, type, BlockCodes, RawBlocks or None) per quantized 2-D tensor of the file, rows in the HF
+    checkpoint's order (llama's q/k rows unpermuted with transformers' own processor; the file's bytes too
+    when `raw`), and (name, type, None, None) for a quantized type without an exact mapping."""
     gguf = require("gguf")
     reader = gguf.GGUFReader(str(gguf_path))
     arch = _field(reader, "general.architecture")
@@ -69,9 +69,10 @@ def gguf_tensors(gguf_path: Path, hf_config: dict):
         if qtype in ("F32", "F16", "BF16") or len(t.shape) != 2:
             continue
         if qtype not in SUPPORTED:
-            yield t.name, qtype, None
+            yield t.name, qtype, None, None
             continue
-        yield t.name, qtype, tensor_codes(t, processor(t.name, int(t.shape[1])))
+        rows = processor(t.name, int(t.shape[1]))
+        yield t.name, qtype, tensor_codes(t, rows), tensor_raw(t, rows) if raw else None
 
 
 def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, accuracy_level: int = 4,
@@ -96,12 +97,10 @@ def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, a
     reader_tensors = require("gguf").GGUFReader(str(gguf_path)).tensors
     report = GgufReport()
     builder = _Builder(model, accuracy_level, wide_tensors(reader_tensors), _data_file(dest), kernels=kernels)
-    by_name = {t.name: t for t in reader_tensors}
-    for tname, qtype, codes in gguf_tensors(gguf_path, hf_config):
+    for tname, qtype, codes, raw in gguf_tensors(gguf_path, hf_config, raw=kernels):
         if codes is None:
             report.unsupported[tname] = qtype
             continue
-        raw = tensor_raw(by_name[tname], codes.rows) if kernels else None
         variants = [(tname, codes, raw)]
         if vocab_ids is not None and tname in ("output.weight", "token_embd.weight"):
             ids = np.asarray(vocab_ids, np.int64)
@@ -185,11 +184,7 @@ def tensor_codes(t, rows=None) -> BlockCodes:
     rows in the order `rows` (None: the file's)."""
     K, N = (int(x) for x in t.shape)                   # ggml order: ne0 = K (the row length)
     codes = decode(t.tensor_type.name, t.data, (N, K))
-    if rows is None:
-        return codes
-    codes = _take_rows(codes, rows)
-    codes.rows = rows                                  # tensor_raw takes the same order
-    return codes
+    return codes if rows is None else _take_rows(codes, rows)
 
 
 def _take_rows(c: BlockCodes, rows: np.ndarray) -> BlockCodes:

@@ -53,7 +53,6 @@ def kernel_node(builder, at: int, node, kind: str, raw: RawBlocks, prefix: str) 
     builder.removed.add(at)
 
 
-
 def kernel_attention(nodes: list) -> None:
     """com.microsoft GroupQueryAttention nodes (export/gqa.py: no rotary inside, an additive bias) become
     specexport.cpu GroupQueryAttention, in place. Their head size must be a multiple of 8 (the op says so)."""

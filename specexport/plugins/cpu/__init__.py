@@ -58,10 +58,9 @@ class KernelsUnavailable(SpecexportError):
     """The library could not be built or loaded here; the message says why."""
 
 
-def flags(source: str, arch: str | None = None) -> list[str]:
+def flags(source: str) -> list[str]:
     """The compiler flags of one source file. -ffp-contract=off: the float steps are the reference's,
     never fused differently by one translation unit (bit-identical paths)."""
-    arch = arch or platform.machine()
     out = ["-O2", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden"]
     if source == "sx_avx2.cc":
         out += ["-mavx2", "-mfma", "-mf16c"]
@@ -118,14 +117,16 @@ def _fetch_headers(dest: Path) -> Path:
         raise KernelsUnavailable(f"ONNX Runtime's C headers: {url} does not have the pinned sha256 {digest}")
     data = _ar_member(deb, "data.tar.xz")
     tmp = Path(tempfile.mkdtemp(prefix=".ort-", dir=_mkdir(dest.parent)))
-    with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
-        for m in tar.getmembers():
-            if m.isfile() and Path(m.name).name in ORT_HEADER_NAMES and "include/onnxruntime/" in m.name:
-                (tmp / Path(m.name).name).write_bytes(tar.extractfile(m).read())
-    try:
+    try:                                 # unpacked beside dest, renamed whole: never a half-filled dest
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
+            for m in tar.getmembers():
+                if m.isfile() and Path(m.name).name in ORT_HEADER_NAMES and "include/onnxruntime/" in m.name:
+                    (tmp / Path(m.name).name).write_bytes(tar.extractfile(m).read())
         tmp.rename(dest)
-    except OSError:                      # another process got there first
+    except (OSError, tarfile.TarError) as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not all((dest / h).is_file() for h in ORT_HEADER_NAMES):     # else another process got there first
+            raise KernelsUnavailable(f"ONNX Runtime's C headers: unpacking {url} failed ({err})") from err
     return dest
 
 

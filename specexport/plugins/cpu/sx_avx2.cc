@@ -100,24 +100,6 @@ struct Q6K {
   }
 };
 
-// Q4_0 (v = code - 8) and Q4_1 (codes as stored, a min applied through the row sums): 16 bytes of nibbles.
-template <int TYPE>
-struct Q4L {
-  static constexpr int qk = 32, Z = TYPE == Q4_0 ? 8 : 0, off = TYPE == Q4_0 ? 2 : 4;
-  static constexpr bool sgn = false;
-  const uint8_t* b;
-  __m256i sv[1], s16, mn16;
-  float d, m;
-  explicit Q4L(const uint8_t* blk) : b(blk), d(half(blk)), m(TYPE == Q4_1 ? half(blk + 2) : 0.f) {
-    sv[0] = _mm256_set1_epi16(1);
-  }
-  template <class F>
-  void chunks(F&& f) const {
-    const __m128i x = _mm_loadu_si128((const __m128i*)(b + off)), m4 = _mm_set1_epi8(0xF);
-    f(0, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4), _mm_and_si128(x, m4)));
-  }
-};
-
 struct Q8_0L {
   static constexpr int qk = 32, Z = 0;
   static constexpr bool sgn = true;
@@ -138,23 +120,26 @@ inline __m256i bits_to_0x10(uint32_t h) {
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
+// The 32-weight 4- and 5-bit types: Q4_0 / Q5_0 (v = code - 8 / 16) and Q4_1 / Q5_1 (codes as stored, a
+// min applied through the row sums): fp16 d [and m], [32 fifth bits,] 16 bytes of nibbles.
 template <int TYPE>
-struct Q5L {  // Q5_0 (v = code - 16) and Q5_1 (codes as stored, a min)
-  static constexpr int qk = 32, Z = TYPE == Q5_0 ? 16 : 0;
+struct Small {
+  static constexpr bool affine = TYPE == Q4_1 || TYPE == Q5_1, five = TYPE == Q5_0 || TYPE == Q5_1;
+  static constexpr int qk = 32, Z = affine ? 0 : (five ? 16 : 8), off = affine ? 4 : 2;
   static constexpr bool sgn = false;
-  static constexpr int off = TYPE == Q5_0 ? 2 : 4;
   const uint8_t* b;
   __m256i sv[1], s16, mn16;
   float d, m;
-  explicit Q5L(const uint8_t* blk) : b(blk), d(half(blk)), m(TYPE == Q5_1 ? half(blk + 2) : 0.f) {
+  explicit Small(const uint8_t* blk) : b(blk), d(half(blk)), m(affine ? half(blk + 2) : 0.f) {
     sv[0] = _mm256_set1_epi16(1);
   }
   template <class F>
   void chunks(F&& f) const {
+    const __m128i x = _mm_loadu_si128((const __m128i*)(b + off + (five ? 4 : 0))), m4 = _mm_set1_epi8(0xF);
+    const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4), _mm_and_si128(x, m4));
+    if (!five) return f(0, low);
     uint32_t h;
     std::memcpy(&h, b + off, 4);
-    const __m128i x = _mm_loadu_si128((const __m128i*)(b + off + 4)), m4 = _mm_set1_epi8(0xF);
-    const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4), _mm_and_si128(x, m4));
     f(0, _mm256_or_si256(low, bits_to_0x10(h)));
   }
 };
@@ -301,12 +286,12 @@ void sx_avx2_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t
   switch (type) {
     case Q4_K: return gemm<Q4K>(ti, act, M, K, W, n0, n1, Y, ldy);
     case Q6_K: return gemm<Q6K>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q4_0: return gemm<Q4L<Q4_0>>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_0: return gemm<Small<Q4_0>>(ti, act, M, K, W, n0, n1, Y, ldy);
     case Q8_0: return gemm<Q8_0L>(ti, act, M, K, W, n0, n1, Y, ldy);
     case Q5_K: return gemm<Q5K>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q4_1: return gemm<Q4L<Q4_1>>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q5_0: return gemm<Q5L<Q5_0>>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q5_1: return gemm<Q5L<Q5_1>>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_1: return gemm<Small<Q4_1>>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q5_0: return gemm<Small<Q5_0>>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q5_1: return gemm<Small<Q5_1>>(ti, act, M, K, W, n0, n1, Y, ldy);
   }
 }
 
