@@ -79,15 +79,17 @@ def test_int8_mode_is_exact_integer_dots_of_the_quantized_activations(kernels, q
 @pytest.mark.parametrize("qtype", SUPPORTED)
 def test_every_path_equals_the_reference_bit_for_bit(kernels, qtype):
     rng = np.random.default_rng(3)
-    k = QK[qtype] * (2 if QK[qtype] == 256 else 5)
-    for n in (1, 7, 8, 13, 64 + 3):                                   # tails of the 8-column tiles
+    cases = [(n, 2 if QK[qtype] == 256 else 5) for n in (1, 7, 8, 13, 64 + 3)]   # tails of the 8-column tiles
+    cases += [(5, 9 if QK[qtype] == 256 else 19)]           # full groups of eight blocks, then a tail group
+    for n, nb in cases:
+        k = QK[qtype] * nb
         w = blocks(rng, qtype, n, k)
         x = (rng.standard_normal((int(rng.integers(1, 20)), k)) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32)
         for exact in (False, True):
             ref = kernels.matmul(qtype, x, w, path="ref", exact=exact)
             for path in kernels.paths():
                 got = kernels.matmul(qtype, x, w, path=path, exact=exact)
-                assert np.array_equal(got, ref), f"{qtype} {path} n={n} exact={exact}"
+                assert np.array_equal(got, ref), f"{qtype} {path} n={n} k={k} exact={exact}"
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED)

@@ -29,35 +29,42 @@ inline float half(const uint8_t* p) {  // exact, as sx::f16 (F16C converts every
 
 // A block's codes in 32-weight chunks (unsigned, v + Z; or signed for Q8_0), the chunks' int16 scale
 // vectors, and per-16 scale/min vectors. One loader per type; Generic unpacks with sx_blocks.h.
+// Q4_K's 8 six-bit scales and mins from their 12 bytes, in vector registers: bytes [s0..s7, m0..m7].
+inline __m128i k4_scales(const uint8_t* sc) {
+  const __m128i x = _mm_loadu_si128((const __m128i*)sc);  // 12 scale bytes, then 4 code bytes (unused)
+  const __m128i lo = _mm_shuffle_epi8(x, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i v = _mm_and_si128(_mm_blend_epi32(lo, _mm_srli_epi16(lo, 4), 0x8),  // m4..m7: the high nibbles
+                                  _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15));
+  const __m128i hi = _mm_shuffle_epi8(x, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  __m128i o = _mm_or_si128(v, _mm_and_si128(_mm_srli_epi16(hi, 2), _mm_set1_epi8(0x30)));  // top two bits of 4..7
+#ifdef SX_PLANT_SCALE_OFF_BY_ONE
+  o = _mm_shuffle_epi8(o, _mm_setr_epi8(1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11, 12, 13, 14, 15, 8));  // as sx_blocks.h's
+#endif
+  return o;
+}
+
+// A block's codes in 32-weight chunks (unsigned, v + Z; or signed for Q8_0), chunk j's int16 scale vector
+// (scale(j)), and per-16 scale/min vectors. One loader per type.
 struct Q4K {
   static constexpr int qk = 256, Z = 0;
   static constexpr bool sgn = false;
   const uint8_t* b;
-  __m256i sv[8], s16, mn16;
+  __m256i sb, mn16;
   float d, m;
   explicit Q4K(const uint8_t* blk) : b(blk) {
-    uint32_t w[3], o[4];  // 8 six-bit scales and mins from 12 bytes, as bytes: scales 0..7, mins 8..15
-    std::memcpy(w, b + 4, 12);
-    o[0] = w[0] & 0x3f3f3f3f;
-    o[1] = (w[2] & 0x0f0f0f0f) | (((w[0] >> 6) & 0x03030303) << 4);
-    o[2] = w[1] & 0x3f3f3f3f;
-    o[3] = ((w[2] >> 4) & 0x0f0f0f0f) | (((w[1] >> 6) & 0x03030303) << 4);
-#ifdef SX_PLANT_SCALE_OFF_BY_ONE
-    o[0] = (o[0] >> 8) | (o[1] << 24);
-    o[1] = (o[1] >> 8) | (o[0] << 24);
-#endif
-    const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)o));
-    const __m128i s = _mm256_castsi256_si128(sm16), mn = _mm256_extracti128_si256(sm16, 1);
-    s16 = _mm256_set_m128i(_mm_unpackhi_epi16(s, s), _mm_unpacklo_epi16(s, s));
-    mn16 = _mm256_set_m128i(_mm_unpackhi_epi16(mn, mn), _mm_unpacklo_epi16(mn, mn));
-    const __m256i sb = _mm256_broadcastsi128_si256(s);
-    for (int j = 0; j < 8; ++j) sv[j] = _mm256_shuffle_epi8(sb, _mm256_set1_epi16((int16_t)((2 * j + 1) << 8 | 2 * j)));
+    const __m256i sm16 = _mm256_cvtepu8_epi16(k4_scales(b + 4));  // s0..s7, m0..m7 as int16
+    sb = _mm256_permute4x64_epi64(sm16, 0x44);                      // s0..s7 in both halves
+    mn16 = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(sm16, 0xFA),  // m0,m0,..,m3,m3 | m4,m4,..,m7,m7
+                               _mm256_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7,
+                                                0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7));
     d = half(b);
     m = half(b + 2);
   }
+  __m256i scale(int j) const { return _mm256_shuffle_epi8(sb, _mm256_set1_epi16((int16_t)((2 * j + 1) << 8 | 2 * j))); }
   template <class F>
   void chunks(F&& f) const {
     const __m256i m4 = _mm256_set1_epi8(0xF);
+#pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       const __m256i x = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * c));
       f(2 * c, _mm256_and_si256(x, m4));
@@ -70,32 +77,34 @@ struct Q6K {
   static constexpr int qk = 256, Z = 32;
   static constexpr bool sgn = false;
   const uint8_t* b;
-  __m256i sv[8], s16, mn16;
+  __m256i lo, hi, s16, mn16;
   float d, m = 0.f;
   explicit Q6K(const uint8_t* blk) : b(blk) {
     s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192)));  // s0..s15
     mn16 = _mm256_setzero_si256();
-    const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00), hi = _mm256_permute2x128_si256(s16, s16, 0x11);
-    for (int j = 0; j < 8; ++j) {  // lanes 0..7: s_{2j}, lanes 8..15: s_{2j+1}
-      const int a = (2 * j) % 8, c = (2 * j + 1) % 8;
-      const __m256i idx = _mm256_set_m128i(_mm_set1_epi16((int16_t)((2 * c + 1) << 8 | 2 * c)),
-                                           _mm_set1_epi16((int16_t)((2 * a + 1) << 8 | 2 * a)));
-      sv[j] = _mm256_shuffle_epi8(j < 4 ? lo : hi, idx);
-    }
+    lo = _mm256_permute2x128_si256(s16, s16, 0x00);
+    hi = _mm256_permute2x128_si256(s16, s16, 0x11);
     d = half(b + 208);
   }
+  __m256i scale(int j) const {  // lanes 0..7: s_{2j}, lanes 8..15: s_{2j+1}
+    const int a = (2 * j) % 8, c = (2 * j + 1) % 8;
+    const __m256i idx = _mm256_set_m128i(_mm_set1_epi16((int16_t)((2 * c + 1) << 8 | 2 * c)),
+                                         _mm_set1_epi16((int16_t)((2 * a + 1) << 8 | 2 * a)));
+    return _mm256_shuffle_epi8(j < 4 ? lo : hi, idx);
+  }
   template <class F>
-  void chunks(F&& f) const {  // codes 0..63 as stored are v + 32
-    const __m256i m4 = _mm256_set1_epi8(0xF), m2 = _mm256_set1_epi8(3);
+  void chunks(F&& f) const {  // codes 0..63 as stored are v + 32; the two high bits of each from hb
+    const __m256i m4 = _mm256_set1_epi8(0xF), m30 = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m256i l0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
       const __m256i l1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
       const __m256i hb = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
-      auto hi = [&](int shift) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, shift), m2), 4); };
-      f(4 * h, _mm256_or_si256(_mm256_and_si256(l0, m4), hi(0)));
-      f(4 * h + 1, _mm256_or_si256(_mm256_and_si256(l1, m4), hi(2)));
-      f(4 * h + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hi(4)));
-      f(4 * h + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hi(6)));
+      f(4 * h, _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30)));
+      f(4 * h + 1, _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30)));
+      f(4 * h + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hb, m30)));
+      f(4 * h + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30)));
     }
   }
 };
@@ -104,9 +113,10 @@ struct Q8_0L {
   static constexpr int qk = 32, Z = 0;
   static constexpr bool sgn = true;
   const uint8_t* b;
-  __m256i sv[1], s16, mn16;
+  __m256i s16, mn16;
   float d, m = 0.f;
-  explicit Q8_0L(const uint8_t* blk) : b(blk), d(half(blk)) { sv[0] = _mm256_set1_epi16(1); }
+  explicit Q8_0L(const uint8_t* blk) : b(blk), d(half(blk)) {}
+  __m256i scale(int) const { return _mm256_set1_epi16(1); }
   template <class F>
   void chunks(F&& f) const { f(0, _mm256_loadu_si256((const __m256i*)(b + 2))); }
 };
@@ -128,11 +138,10 @@ struct Small {
   static constexpr int qk = 32, Z = affine ? 0 : (five ? 16 : 8), off = affine ? 4 : 2;
   static constexpr bool sgn = false;
   const uint8_t* b;
-  __m256i sv[1], s16, mn16;
+  __m256i s16, mn16;
   float d, m;
-  explicit Small(const uint8_t* blk) : b(blk), d(half(blk)), m(affine ? half(blk + 2) : 0.f) {
-    sv[0] = _mm256_set1_epi16(1);
-  }
+  explicit Small(const uint8_t* blk) : b(blk), d(half(blk)), m(affine ? half(blk + 2) : 0.f) {}
+  __m256i scale(int) const { return _mm256_set1_epi16(1); }
   template <class F>
   void chunks(F&& f) const {
     const __m128i x = _mm_loadu_si128((const __m128i*)(b + off + (five ? 4 : 0))), m4 = _mm_set1_epi8(0xF);
@@ -184,14 +193,15 @@ inline void block_rows(const L& blk, const ActRow* rows, int64_t b, __m256i* par
     for (int r = 0; r < NR; ++r) {
       __m256i a = _mm256_loadu_si256((const __m256i*)(q[r] + 32 * j));
       if (L::sgn) a = _mm256_sign_epi8(a, w);  // |w| x sign(a, w): maddubs' unsigned operand; exact, |a| <= 127
-      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a), blk.sv[j]));
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a), blk.scale(j)));
     }
   });
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r) {
     if (L::qk == 256) {
       const __m256i as = _mm256_loadu_si256((const __m256i*)(rows[r].s16 + b * 16));
-      if (L::Z) acc[r] = _mm256_sub_epi32(acc[r], _mm256_mullo_epi32(_mm256_madd_epi16(blk.s16, as), _mm256_set1_epi32(L::Z)));
+      if constexpr (L::Z != 0)  // Z = 32: Q6_K's codes are v + 32
+        acc[r] = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(_mm256_madd_epi16(blk.s16, as), 5));
       mins[r] = _mm256_madd_epi16(blk.mn16, as);
     }
     part[r] = acc[r];
@@ -240,6 +250,66 @@ void rows_pass(const TypeInfo& ti, const uint8_t* col, int64_t g0, int cnt, cons
   }
 }
 
+// The 32-weight types, eight blocks at a time (`cnt` real, the rest zero lanes as in rows_pass): each block
+// unpacked once into a register, then every row against all eight (no arrays between steps). The same
+// integer and float operations as the reference, so the same bits.
+inline __m128i half8(const uint8_t* b, size_t stride, int cnt) {  // fp16 at b + j * stride, zero past cnt
+  if (cnt < 8) {  // in registers: a store then a wide load would stall on store forwarding
+    uint64_t part[2] = {0, 0};
+    for (int j = 0; j < cnt; ++j) part[j / 4] |= (uint64_t)(*(const uint16_t*)(b + j * stride)) << (16 * (j % 4));
+    return _mm_set_epi64x((int64_t)part[1], (int64_t)part[0]);
+  }
+  __m128i h = _mm_setzero_si128();
+  h = _mm_insert_epi16(h, *(const uint16_t*)b, 0);
+  h = _mm_insert_epi16(h, *(const uint16_t*)(b + stride), 1);
+  h = _mm_insert_epi16(h, *(const uint16_t*)(b + 2 * stride), 2);
+  h = _mm_insert_epi16(h, *(const uint16_t*)(b + 3 * stride), 3);
+  h = _mm_insert_epi16(h, *(const uint16_t*)(b + 4 * stride), 4);
+  h = _mm_insert_epi16(h, *(const uint16_t*)(b + 5 * stride), 5);
+  h = _mm_insert_epi16(h, *(const uint16_t*)(b + 6 * stride), 6);
+  h = _mm_insert_epi16(h, *(const uint16_t*)(b + 7 * stride), 7);
+  return h;
+}
+
+template <class L, bool FULL>
+void group32(const TypeInfo& ti, const uint8_t* col, int64_t g0, int cnt, const ActRow* rows, int64_t M, float* acc) {
+  const uint8_t* b0 = col + g0 * ti.bytes;
+  __m256i W[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    W[j] = _mm256_setzero_si256();
+    if (FULL || j < cnt) L(b0 + j * ti.bytes).chunks([&](int, __m256i w) { W[j] = w; });
+  }
+  const __m256 dv = _mm256_cvtph_ps(half8(b0, ti.bytes, cnt));
+  __m256 mf = _mm256_setzero_ps();
+  if (ti.kind == PLUS) mf = _mm256_cvtph_ps(half8(b0 + 2, ti.bytes, cnt));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int64_t r = 0; r < M; ++r) {
+    const int8_t* q = rows[r].q + g0 * 32;
+    __m256i v[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      v[j] = _mm256_setzero_si256();
+      if (!FULL && j >= cnt) continue;
+      __m256i a = _mm256_loadu_si256((const __m256i*)(q + 32 * j)), w = W[j];
+      if (L::sgn) {
+        a = _mm256_sign_epi8(a, w);
+        w = _mm256_sign_epi8(w, w);
+      }
+      v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
+    }
+    __m256i I = reduce8(v);
+    const int* pairs = (const int*)(rows[r].s16 + 2 * g0);  // block j's two 16-sums
+    const __m256i asum = _mm256_madd_epi16(FULL ? _mm256_loadu_si256((const __m256i*)pairs) : _mm256_maskload_epi32(pairs, live), ones);
+    if (L::Z) I = _mm256_sub_epi32(I, _mm256_slli_epi32(asum, L::Z == 8 ? 3 : 4));  // Z * asum, Z = 8 or 16
+    const __m256 da = FULL ? _mm256_loadu_ps(rows[r].d + g0) : _mm256_maskload_ps(rows[r].d + g0, live);
+    __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(dv, da), _mm256_loadu_ps(acc + 8 * r));
+    if (ti.kind != SYM) y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(asum), _mm256_mul_ps(mf, da), y);
+    _mm256_storeu_ps(acc + 8 * r, y);
+  }
+}
+
 template <class L>
 void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
           int64_t ldy) {
@@ -261,6 +331,13 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
 #else
       const int64_t rows_done = M;
 #endif
+      if constexpr (L::qk == 32) {
+        if (cnt == 8)
+          group32<L, true>(ti, col, g0, 8, rows.data(), rows_done, acc);
+        else
+          group32<L, false>(ti, col, g0, cnt, rows.data(), rows_done, acc);
+        continue;
+      }
       for (int64_t r = 0; r < rows_done; r += R) {
         switch (std::min<int64_t>(R, rows_done - r)) {
           case 1: rows_pass<L, 1>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
