@@ -1,8 +1,9 @@
 // The AVX2 path (x86-64 with AVX2 + FMA; compiled with -mavx2 -mfma). Equal to sx_ref.cc bit for bit: the
 // integer sums are exact whatever their order, and the float steps are the reference's, in its order.
-// One column at a time, eight blocks at a time: each block is unpacked in registers once per four rows and
-// dotted against them; the eight blocks' integer sums are reduced into one vector, so the float steps run
-// lane-wise (the reference's lanes: block b in lane b mod 8).
+// One column at a time (each thread reads one sequential stream). The 32-weight types: eight blocks at a
+// time, unpacked into registers once for all rows, their integer sums reduced into one vector so the float
+// steps run lane-wise (block b in lane b mod 8). The K types: a block at a time, unpacked once per eight
+// rows, its eight integer lanes (one madd register) straight into the row's eight float lanes.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -47,7 +48,7 @@ inline __m128i k4_scales(const uint8_t* sc) {
 // (scale(j)), and per-16 scale/min vectors. One loader per type.
 struct Q4K {
   static constexpr int qk = 256, Z = 0;
-  static constexpr bool sgn = false;
+  static constexpr bool sgn = false, kmin = true;
   const uint8_t* b;
   __m256i sb, mn16;
   float d, m;
@@ -75,7 +76,7 @@ struct Q4K {
 
 struct Q6K {
   static constexpr int qk = 256, Z = 32;
-  static constexpr bool sgn = false;
+  static constexpr bool sgn = false, kmin = false;
   const uint8_t* b;
   __m256i lo, hi, s16, mn16;
   float d, m = 0.f;
@@ -113,10 +114,8 @@ struct Q8_0L {
   static constexpr int qk = 32, Z = 0;
   static constexpr bool sgn = true;
   const uint8_t* b;
-  __m256i s16, mn16;
   float d, m = 0.f;
   explicit Q8_0L(const uint8_t* blk) : b(blk), d(half(blk)) {}
-  __m256i scale(int) const { return _mm256_set1_epi16(1); }
   template <class F>
   void chunks(F&& f) const { f(0, _mm256_loadu_si256((const __m256i*)(b + 2))); }
 };
@@ -138,10 +137,8 @@ struct Small {
   static constexpr int qk = 32, Z = affine ? 0 : (five ? 16 : 8), off = affine ? 4 : 2;
   static constexpr bool sgn = false;
   const uint8_t* b;
-  __m256i s16, mn16;
   float d, m;
   explicit Small(const uint8_t* blk) : b(blk), d(half(blk)), m(affine ? half(blk + 2) : 0.f) {}
-  __m256i scale(int) const { return _mm256_set1_epi16(1); }
   template <class F>
   void chunks(F&& f) const {
     const __m128i x = _mm_loadu_si128((const __m128i*)(b + off + (five ? 4 : 0))), m4 = _mm_set1_epi8(0xF);
@@ -169,6 +166,13 @@ struct Q5K : Q4K {  // Q4_K's scales and mins; a fifth bit per code from qh
   }
 };
 
+// sx_attn.h's tree8 on a vector: ((0+4)+(2+6)) + ((1+5)+(3+7)), the same additions in the same order.
+inline float tree8v(__m256 a) {
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // (0+4, 1+5, 2+6, 3+7)
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));                                 // ((0+4)+(2+6), (1+5)+(3+7))
+  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+}
+
 // Eight int32 vectors -> one: lane i = the sum of v[i]'s lanes. Exact (integer adds).
 inline __m256i reduce8(const __m256i* v) {
   const __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
@@ -177,7 +181,8 @@ inline __m256i reduce8(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(e, f, 0x20), _mm256_permute2x128_si256(e, f, 0x31));
 }
 
-// One block of column i against NR rows: part[r] = I's partial lanes, mins[r] = Mn's (sx_ref.cc's sums).
+// A K block's integer lanes against NR rows: part[r] = I's eight lanes, mins[r] = Mn's (sx_blocks.h's
+// k_lanes). The codes are unsigned (maddubs' first operand); Q6_K's zero point is taken out per lane.
 template <class L, int NR>
 inline void block_rows(const L& blk, const ActRow* rows, int64_t b, __m256i* part, __m256i* mins) {
   __m256i acc[NR];
@@ -188,66 +193,48 @@ inline void block_rows(const L& blk, const ActRow* rows, int64_t b, __m256i* par
     q[r] = rows[r].q + b * L::qk;
   }
   blk.chunks([&](int j, __m256i w) {
-    const __m256i aw = L::sgn ? _mm256_sign_epi8(w, w) : w;
+    const __m256i sc = blk.scale(j);
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
-      __m256i a = _mm256_loadu_si256((const __m256i*)(q[r] + 32 * j));
-      if (L::sgn) a = _mm256_sign_epi8(a, w);  // |w| x sign(a, w): maddubs' unsigned operand; exact, |a| <= 127
-      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, a), blk.scale(j)));
+      const __m256i a = _mm256_loadu_si256((const __m256i*)(q[r] + 32 * j));
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), sc));
+      asm("" : "+x"(acc[r]));  // keeps the sum in its register: GCC otherwise spills every product to sum later
     }
   });
 #pragma GCC unroll 8
   for (int r = 0; r < NR; ++r) {
-    if (L::qk == 256) {
-      const __m256i as = _mm256_loadu_si256((const __m256i*)(rows[r].s16 + b * 16));
-      if constexpr (L::Z != 0)  // Z = 32: Q6_K's codes are v + 32
-        acc[r] = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(_mm256_madd_epi16(blk.s16, as), 5));
-      mins[r] = _mm256_madd_epi16(blk.mn16, as);
-    }
+    const __m256i as = _mm256_loadu_si256((const __m256i*)(rows[r].s16 + b * 16));
+    if constexpr (L::Z != 0)  // Z = 32: Q6_K's codes are v + 32
+      acc[r] = _mm256_sub_epi32(acc[r], _mm256_slli_epi32(_mm256_madd_epi16(blk.s16, as), 5));
+    if constexpr (L::kmin) mins[r] = _mm256_madd_epi16(blk.mn16, as);
     part[r] = acc[r];
   }
 }
 
-// Eight consecutive blocks of one column (`cnt` of them real, the rest zero lanes) against NR rows: the
-// reference's lanes (block b in lane b mod 8), a fused multiply-add or two per lane.
+// One column's K blocks (256 weights) against NR rows: each block's eight integer lanes (sx_blocks.h's
+// k_lanes) into the row's eight float lanes (acc += I * (d * da); acc += Mn * (-m * da)), as the
+// reference; the float lanes stay in registers along the column.
 template <class L, int NR>
-void rows_pass(const TypeInfo& ti, const uint8_t* col, int64_t g0, int cnt, const ActRow* rows, float* acc) {
-  __m256i part[NR][8], mins[NR][8];
-  alignas(32) float d[8], m[8];
-  for (int j = 0; j < 8; ++j) {
-    if (j >= cnt) {
-      d[j] = m[j] = 0.f;
-      for (int r = 0; r < NR; ++r) part[r][j] = mins[r][j] = _mm256_setzero_si256();
-      continue;
-    }
-    const L l(col + (g0 + j) * ti.bytes);
-    d[j] = l.d;
-    m[j] = l.m;
-    __m256i p[NR], q[NR];
-    block_rows<L, NR>(l, rows, g0 + j, p, q);
+inline void kcolumn(const TypeInfo& ti, const uint8_t* col, int64_t nb, const ActRow* rows, float* out) {
+  __m256 acc[NR];
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t l = 0; l < ti.bytes; l += 64)  // eight blocks ahead
+      _mm_prefetch((const char*)(col + (b + 8) * ti.bytes + l), _MM_HINT_T0);
+    const L blk(col + b * ti.bytes);
+    __m256i part[NR], mins[NR] = {};
+    block_rows<L, NR>(blk, rows, b, part, mins);
+    const __m256 dv = _mm256_set1_ps(blk.d), mv = _mm256_set1_ps(-blk.m);
+#pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
-      part[r][j] = p[r];
-      mins[r][j] = q[r];
+      const __m256 da = _mm256_set1_ps(rows[r].d[b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[r]), _mm256_mul_ps(dv, da), acc[r]);
+      if constexpr (L::kmin) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(mv, da), acc[r]);
     }
   }
-  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  const __m256 dv = _mm256_load_ps(d);
-  const __m256 mf = ti.kind == KMIN ? _mm256_sub_ps(_mm256_setzero_ps(), _mm256_load_ps(m)) : _mm256_load_ps(m);
-  for (int r = 0; r < NR; ++r) {
-    __m256i I = reduce8(part[r]), Mn;
-    if (L::qk == 32) {  // the block's activation sum: its two 16-sums, one int32 per block
-      const __m256i pairs = _mm256_maskload_epi32((const int*)(rows[r].s16 + 2 * g0), live);
-      const __m256i asum = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-      I = _mm256_sub_epi32(I, _mm256_mullo_epi32(asum, _mm256_set1_epi32(L::Z)));
-      Mn = asum;  // Q4_1 / Q5_1: mn = 1
-    } else {
-      Mn = reduce8(mins[r]);
-    }
-    const __m256 da = _mm256_maskload_ps(rows[r].d + g0, live);
-    __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(dv, da), _mm256_loadu_ps(acc + 8 * r));
-    if (ti.kind != SYM) y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Mn), _mm256_mul_ps(mf, da), y);
-    _mm256_storeu_ps(acc + 8 * r, y);
-  }
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
 // The 32-weight types, eight blocks at a time (`cnt` real, the rest zero lanes as in rows_pass): each block
@@ -319,39 +306,41 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
   for (int64_t m = 0; m < M; ++m) rows[m] = act_row(act, m, K, L::qk);
   std::vector<float> accv(8 * M);  // row m's eight lanes at 8 m
   float* acc = accv.data();
+#ifdef SX_PLANT_DROP_LAST_ROW  // a planted bug the tests must catch: a tile that drops its last row
+  const int64_t rows_done = M - (M > 1);
+#else
+  const int64_t rows_done = M;
+#endif
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* col = W + n * rb;  // one column at a time: each thread reads one sequential stream
     for (int64_t i = 0; i < 8 * M; ++i) acc[i] = 0.f;
-    for (int64_t g0 = 0; g0 < nb; g0 += 8) {
-      const int cnt = (int)std::min<int64_t>(8, nb - g0);
-      for (int64_t l = 0; l < 8 * ti.bytes; l += 64)  // the next group (the next column's first, at the end)
-        _mm_prefetch((const char*)(col + (g0 + 8) * ti.bytes + l), _MM_HINT_T0);
-#ifdef SX_PLANT_DROP_LAST_ROW  // a planted bug the tests must catch: a tile that drops its last row
-      const int64_t rows_done = M - (M > 1);
-#else
-      const int64_t rows_done = M;
-#endif
-      if constexpr (L::qk == 32) {
+    if constexpr (L::qk == 32) {
+      for (int64_t g0 = 0; g0 < nb; g0 += 8) {
+        const int cnt = (int)std::min<int64_t>(8, nb - g0);
+        for (int64_t l = 0; l < 8 * ti.bytes; l += 64)  // the next group (the next column's first, at the end)
+          _mm_prefetch((const char*)(col + (g0 + 8) * ti.bytes + l), _MM_HINT_T0);
         if (cnt == 8)
           group32<L, true>(ti, col, g0, 8, rows.data(), rows_done, acc);
         else
           group32<L, false>(ti, col, g0, cnt, rows.data(), rows_done, acc);
-        continue;
       }
-      for (int64_t r = 0; r < rows_done; r += R) {
+    } else {
+      for (int64_t r = 0; r < rows_done; r += R) {  // R rows at a time, each block unpacked once per R rows
+        const ActRow* rs = rows.data() + r;
+        float* ar = acc + 8 * r;
         switch (std::min<int64_t>(R, rows_done - r)) {
-          case 1: rows_pass<L, 1>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
-          case 2: rows_pass<L, 2>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
-          case 3: rows_pass<L, 3>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
-          case 4: rows_pass<L, 4>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
-          case 5: rows_pass<L, 5>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
-          case 6: rows_pass<L, 6>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
-          case 7: rows_pass<L, 7>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r); break;
-          default: rows_pass<L, 8>(ti, col, g0, cnt, rows.data() + r, acc + 8 * r);
+          case 1: kcolumn<L, 1>(ti, col, nb, rs, ar); break;
+          case 2: kcolumn<L, 2>(ti, col, nb, rs, ar); break;
+          case 3: kcolumn<L, 3>(ti, col, nb, rs, ar); break;
+          case 4: kcolumn<L, 4>(ti, col, nb, rs, ar); break;
+          case 5: kcolumn<L, 5>(ti, col, nb, rs, ar); break;
+          case 6: kcolumn<L, 6>(ti, col, nb, rs, ar); break;
+          case 7: kcolumn<L, 7>(ti, col, nb, rs, ar); break;
+          default: kcolumn<L, 8>(ti, col, nb, rs, ar);
         }
       }
     }
-    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = tree8(acc + 8 * m);
+    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = tree8v(_mm256_loadu_ps(acc + 8 * m));
   }
 }
 
@@ -376,9 +365,7 @@ void sx_avx2_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t
 static inline float dot_avx2(const float* q, const float* k, int64_t D) {
   __m256 a = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a);
-  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));  // (0+4, 1+5, 2+6, 3+7)
-  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));                                 // ((0+4)+(2+6), (1+5)+(3+7))
-  return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+  return tree8v(a);
 }
 
 static inline void accumulate_avx2(const AttnRow& r, float den) {

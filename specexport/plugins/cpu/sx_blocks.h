@@ -176,6 +176,27 @@ static inline void unpack(int t, const uint8_t* b, Unpacked& u) {
   }
 }
 
+// The K types' zero point in the stored codes (code = v + Z): Q6_K's 6-bit codes are v + 32.
+static inline int k_zero(int t) { return t == Q6_K ? 32 : 0; }
+
+// The K types in int8 mode: eight integer lanes per block, as one 256-bit multiply-add register holds them
+// on x86 and two sdot registers on Arm. Lane l: bytes 4l..4l+3 of each 32-weight chunk, s * code * q summed
+// over the chunks, less the zero point's share Z * (s * a16) of 16-weight groups 2l and 2l+1; Mn[l] the
+// mins' share of the same groups. Exact integers: the order inside a lane does not matter.
+static inline void k_lanes(int t, const Unpacked& u, const int8_t* q, const int16_t* a16, int32_t* I, int32_t* Mn) {
+  const int z = k_zero(t);
+  for (int l = 0; l < 8; ++l) {
+    int32_t acc = 0;
+    for (int j = 0; j < 8; ++j)
+      for (int i = 4 * l; i < 4 * l + 4; ++i) {
+        const int k = 32 * j + i;
+        acc += (int32_t)u.s[k / 16] * ((int32_t)u.v[k] + z) * q[k];
+      }
+    I[l] = acc - z * ((int32_t)u.s[2 * l] * a16[2 * l] + (int32_t)u.s[2 * l + 1] * a16[2 * l + 1]);
+    Mn[l] = (int32_t)u.mn[2 * l] * a16[2 * l] + (int32_t)u.mn[2 * l + 1] * a16[2 * l + 1];
+  }
+}
+
 // The block's float weights, computed as the gguf package's dequantization computes them (float32).
 static inline void dequant(int t, const Unpacked& u, float* w) {
   const TypeInfo ti = type_info(t);

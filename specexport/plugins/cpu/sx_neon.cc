@@ -1,6 +1,6 @@
 // The NEON path (AArch64 with the dot-product extension, e.g. Jetson Orin's Cortex-A78AE; compiled with
 // -march=armv8.2-a+dotprod). Equal to sx_ref.cc bit for bit: the integer dot products are exact (sdot on
-// v = code - zero point and the int8 activations), the float steps the reference's, in its order.
+// the codes and the int8 activations), the float steps the reference's, in its order.
 // Not tuned yet: one column at a time, blocks unpacked by the shared scalar code.
 #include <arm_neon.h>
 
@@ -16,7 +16,7 @@ using namespace sx;
 void sx_neon_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
                   int64_t ldy) {
   const TypeInfo ti = type_info(type);
-  const int64_t nb = K / ti.qk, padded = (nb + 7) / 8 * 8;
+  const int64_t nb = K / ti.qk, padded = ti.qk == 256 ? nb : (nb + 7) / 8 * 8;
   const size_t rb = (size_t)nb * ti.bytes;
   std::vector<float> acc(8 * M);
   std::vector<ActRow> rows(M);
@@ -35,6 +35,40 @@ void sx_neon_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t
       }
       unpack(type, W + n * rb + b * ti.bytes, u);
       const float mf = ti.kind == KMIN ? -u.m : u.m;
+      if (ti.qk == 256) {  // the K types: the reference's eight integer lanes (k_lanes) as two sdot registers
+        const int z = k_zero(type);
+        int8_t code[256];
+        for (int i = 0; i < 256; ++i) code[i] = (int8_t)(u.v[i] + z);  // <= 63: an int8 still
+        for (int64_t m = 0; m < M; ++m) {
+          const int8_t* q = rows[m].q + b * 256;
+          const int16_t* s16 = rows[m].s16 + b * 16;
+          int32x4_t lo = vdupq_n_s32(0), hi = vdupq_n_s32(0);  // lanes 0..3: bytes 0..15 of each chunk; 4..7: 16..31
+          for (int j = 0; j < 8; ++j) {
+            lo = vmlaq_n_s32(lo, vdotq_s32(vdupq_n_s32(0), vld1q_s8(code + 32 * j), vld1q_s8(q + 32 * j)), u.s[2 * j]);
+            hi = vmlaq_n_s32(hi, vdotq_s32(vdupq_n_s32(0), vld1q_s8(code + 32 * j + 16), vld1q_s8(q + 32 * j + 16)),
+                             u.s[2 * j + 1]);
+          }
+          int32_t zc[8], mn[8];
+          for (int l = 0; l < 8; ++l) {
+            zc[l] = z * ((int32_t)u.s[2 * l] * s16[2 * l] + (int32_t)u.s[2 * l + 1] * s16[2 * l + 1]);
+            mn[l] = (int32_t)u.mn[2 * l] * s16[2 * l] + (int32_t)u.mn[2 * l + 1] * s16[2 * l + 1];
+          }
+          lo = vsubq_s32(lo, vld1q_s32(zc));
+          hi = vsubq_s32(hi, vld1q_s32(zc + 4));
+          const float da = rows[m].d[b];
+          const float32x4_t dd = vdupq_n_f32(u.d * da), mm = vdupq_n_f32(mf * da);
+          float32x4_t a0 = vld1q_f32(&acc[8 * m]), a1 = vld1q_f32(&acc[8 * m + 4]);
+          a0 = vfmaq_f32(a0, vcvtq_f32_s32(lo), dd);
+          a1 = vfmaq_f32(a1, vcvtq_f32_s32(hi), dd);
+          if (ti.kind != SYM) {
+            a0 = vfmaq_f32(a0, vcvtq_f32_s32(vld1q_s32(mn)), mm);
+            a1 = vfmaq_f32(a1, vcvtq_f32_s32(vld1q_s32(mn + 4)), mm);
+          }
+          vst1q_f32(&acc[8 * m], a0);
+          vst1q_f32(&acc[8 * m + 4], a1);
+        }
+        continue;
+      }
       for (int64_t m = 0; m < M; ++m) {
         const int8_t* q = rows[m].q + b * ti.qk;
         const int16_t* s16 = rows[m].s16 + b * (ti.qk / 16);

@@ -27,15 +27,17 @@ extern "C" void sx_quantize(int type, const float* X, int64_t M, int64_t K, void
   for (int64_t m = 0; m < M; ++m) quantize_row(X + m * K, K, ti.qk, act_row(act, m, K, ti.qk));
 }
 
-// Column n, every row: block by block, the integer dot products per 16 weights, then two fused
-// multiply-adds per block in float into one of eight lanes (block b: lane b mod 8; acc += I * (d * da);
-// acc += Mn * (m * da)), the blocks padded with zeros to a multiple of 8; then the lanes reduced
-// ((0+4)+(2+6)) + ((1+5)+(3+7)). Eight lanes: the SIMD paths run eight blocks of one column at a time, so
-// each thread reads its columns as one sequential stream.
+// Column n, every row, block by block. The 32-weight types: the integer dot product per 16 weights, then
+// one or two fused multiply-adds per block in float into one of eight lanes (block b: lane b mod 8;
+// acc += I * (d * da); acc += Mn * (m * da)), the blocks padded with zeros to a multiple of 8. The K types
+// (256 weights): eight integer lanes per block (sx_blocks.h's k_lanes), each into its own float lane with
+// the same two steps. Then the lanes reduced ((0+4)+(2+6)) + ((1+5)+(3+7)). Eight lanes: the SIMD paths
+// run eight blocks of a column (or a K block's eight lanes) at a time, one column after another, so each
+// thread reads its columns as one sequential stream.
 void sx_ref_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
                  int64_t ldy) {
   const TypeInfo ti = type_info(type);
-  const int64_t nb = K / ti.qk, padded = (nb + 7) / 8 * 8;
+  const int64_t nb = K / ti.qk, padded = ti.qk == 256 ? nb : (nb + 7) / 8 * 8;
   const size_t rb = sx_row_bytes(type, K);
   std::vector<float> acc(8 * M);
   Unpacked u;
@@ -45,17 +47,28 @@ void sx_ref_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t*
       if (b < nb) unpack(type, W + n * rb + b * ti.bytes, u);
       const float mf = ti.kind == KMIN ? -u.m : u.m;
       for (int64_t m = 0; m < M; ++m) {
+        const ActRow a = act_row(act, m, K, ti.qk);
+        const int8_t* q = a.q + b * ti.qk;
+        const int16_t* s16 = a.s16 + b * (ti.qk / 16);
+        if (ti.qk == 256) {
+          int32_t I[8], Mn[8];
+          k_lanes(type, u, q, s16, I, Mn);
+          const float da = a.d[b];
+          for (int l = 0; l < 8; ++l) {
+            float& lane = acc[8 * m + l];
+            lane = std::fmaf((float)I[l], u.d * da, lane);
+            if (ti.kind != SYM) lane = std::fmaf((float)Mn[l], mf * da, lane);
+          }
+          continue;
+        }
         float& lane = acc[8 * m + b % 8];
         if (b >= nb) {  // padding: the SIMD paths' zero lanes
           lane = std::fmaf(0.f, 0.f, lane);
           if (ti.kind != SYM) lane = std::fmaf(0.f, 0.f, lane);
           continue;
         }
-        const ActRow a = act_row(act, m, K, ti.qk);
-        const int8_t* q = a.q + b * ti.qk;
-        const int16_t* s16 = a.s16 + b * (ti.qk / 16);
         int32_t I = 0, Mn = 0;
-        for (int g = 0; g < ti.qk / 16; ++g) {
+        for (int g = 0; g < 2; ++g) {
           int32_t dot = 0;
           for (int i = 0; i < 16; ++i) dot += (int32_t)u.v[16 * g + i] * q[16 * g + i];
           I += u.s[g] * dot;
