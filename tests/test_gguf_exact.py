@@ -133,6 +133,92 @@ def test_gguf_precision_builds_from_the_files_blocks(quantized_gguf, tmp_path, w
             assert trees == plain                       # trees too (as chains where sibling rows differ)
             if level == 0:
                 assert plain == want                    # the file's weights in fp32: the fp32 graph's output
+    if kernels_route == "ours" and level == 4:
+        _sampling_through_the_loop_is_the_targets(out)
+
+
+class _Sharpened:
+    """A draft at eight times the target's logit scale: q piles onto p's first choice, so rejections are common
+    and the residual max(p - q, 0) is far from p."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def forward(self, tokens, **kw):
+        from specexport.runtime.backends.base import StepOutput
+
+        out = self.inner.forward(tokens, **kw)
+        return StepOutput(out.logits * 8.0, out.hidden)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _resample_from_p(proposal, draft_probs, target_probs, uniforms, draws=None):
+    """accept_chain with a planted bug: a rejected token is replaced by a draw from p, not from max(p - q, 0)."""
+    from specexport.runtime.accept import Verdict
+    from specexport.runtime.sampling import sample
+
+    gamma = len(proposal)
+    for i in range(gamma):
+        x, p, q = proposal[i], target_probs[i], draft_probs[i]
+        if uniforms[i] * q[x] >= p[x]:
+            token = sample(p, draws[i])                                             # BUG
+            return Verdict(np.arange(i + 1), np.append(proposal[:i], token).astype(np.int64))
+    return Verdict(np.arange(gamma + 1), np.append(proposal, sample(target_probs[gamma], draws[gamma])).astype(np.int64))
+
+
+def _sampling_through_the_loop_is_the_targets(out):
+    """A G-test through the whole loop, sampling (top-k 3) on the kernels graph: the first three tokens
+    of a draft-chain decode follow the target's own distribution, computed from its logits context by context
+    (rows independent of the pass, so a context's logits are the same in prefill and in verification); a
+    planted bug in the rejection step fails the same test."""
+    from fakes import decode_many, goodness_of_fit
+
+    import specexport
+    from specexport.runtime import loop
+    from specexport.runtime.backends.base import prefill
+    from specexport.runtime.proposers import DraftChain
+    from specexport.runtime.sampling import SamplingParams, warp
+
+    prompt, k = [1, 40, 41, 42], 3
+    with specexport.load(out, precision="gguf") as tgt, specexport.load(out, precision="gguf") as drf:
+        target = tgt.target
+        target.reset()
+        top = np.sort(prefill(target, np.asarray(prompt), 64))[-3:]
+        # random blocks make peaky logits: a temperature of the top three's spread keeps three live outcomes
+        params = SamplingParams(temperature=max(1.0, float(top[-1] - top[0])), top_k=3)
+
+        def probs(ids):
+            target.reset()
+            return warp(prefill(target, np.asarray(ids), 64), params)
+
+        exact = {}                                                  # (t1, t2, t3) -> probability: 27 cells
+        p1 = probs(prompt)
+        for a in np.flatnonzero(p1):
+            p2 = probs(prompt + [a])
+            for b in np.flatnonzero(p2):
+                p3 = probs(prompt + [a, b])
+                exact.update({(a, b, c): p1[a] * p2[b] * p3[c] for c in np.flatnonzero(p3)})
+        cells = list(exact)
+
+        def fit(tokens):                                            # a last cell, probability 0, for anything else
+            counts = np.zeros(len(cells) + 1)
+            for row in map(tuple, tokens.tolist()):
+                counts[cells.index(row) if row in exact else -1] += 1
+            return goodness_of_fit(counts, np.array([*exact.values(), 0.0]))
+
+        chain = DraftChain(_Sharpened(drf.target), 3)
+        tokens, proposed, accepted = decode_many(target, chain, prompt, params, 1500, max_new=k, seed=3)
+        assert fit(tokens).pvalue > 1e-4, fit(tokens)
+        assert 0 < accepted < proposed                              # both the accept and the reject paths ran
+        original = loop.accept_chain
+        loop.accept_chain = _resample_from_p
+        try:
+            bad, _, _ = decode_many(target, chain, prompt, params, 1500, max_new=k, seed=4)
+        finally:
+            loop.accept_chain = original
+        assert fit(bad).pvalue < 1e-6, f"the planted bug was not detected: {fit(bad)}"
 
 
 def test_gguf_precision_needs_a_gguf_model(tiny_checkpoints, tmp_path, write_yaml, run_build, capsys):
