@@ -298,6 +298,23 @@ void group32(const TypeInfo& ti, const uint8_t* col, int64_t g0, int cnt, const 
 }
 
 template <class L>
+using KColumn = void (*)(const TypeInfo&, const uint8_t*, int64_t, const ActRow*, float*);
+
+template <class L>
+KColumn<L> kcolumn_for(int64_t rows) {
+  switch (rows) {
+    case 1: return kcolumn<L, 1>;
+    case 2: return kcolumn<L, 2>;
+    case 3: return kcolumn<L, 3>;
+    case 4: return kcolumn<L, 4>;
+    case 5: return kcolumn<L, 5>;
+    case 6: return kcolumn<L, 6>;
+    case 7: return kcolumn<L, 7>;
+    default: return kcolumn<L, 8>;
+  }
+}
+
+template <class L>
 void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
           int64_t ldy) {
   const int64_t nb = K / L::qk;
@@ -311,34 +328,35 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
 #else
   const int64_t rows_done = M;
 #endif
+  if constexpr (L::qk == 256) {
+    // R rows at a time, each block unpacked once per R rows. Past R rows, columns in chunks of ~96 KB of
+    // weights, every row tile over a chunk before the next: the chunk stays in L2 across the tiles and a
+    // tile's activations in L1/L2 across the chunk's columns (one pass over DRAM, whatever M).
+    const int64_t chunk = rows_done <= R ? n1 - n0 : std::max<int64_t>(1, (int64_t)((96 << 10) / rb));
+    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+      const int64_t c1 = std::min(n1, c0 + chunk);
+      for (int64_t r = 0; r < rows_done; r += R) {
+        const int64_t nr = std::min<int64_t>(R, rows_done - r);
+        const KColumn<L> run = kcolumn_for<L>(nr);
+        for (int64_t n = c0; n < c1; ++n) {  // one column at a time: each thread reads one sequential stream
+          run(ti, W + n * rb, nb, rows.data() + r, acc);
+          for (int64_t m = 0; m < nr; ++m) Y[(r + m) * ldy + n] = tree8v(_mm256_loadu_ps(acc + 8 * m));
+        }
+      }
+    }
+    return;
+  }
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* col = W + n * rb;  // one column at a time: each thread reads one sequential stream
     for (int64_t i = 0; i < 8 * M; ++i) acc[i] = 0.f;
-    if constexpr (L::qk == 32) {
-      for (int64_t g0 = 0; g0 < nb; g0 += 8) {
-        const int cnt = (int)std::min<int64_t>(8, nb - g0);
-        for (int64_t l = 0; l < 8 * ti.bytes; l += 64)  // the next group (the next column's first, at the end)
-          _mm_prefetch((const char*)(col + (g0 + 8) * ti.bytes + l), _MM_HINT_T0);
-        if (cnt == 8)
-          group32<L, true>(ti, col, g0, 8, rows.data(), rows_done, acc);
-        else
-          group32<L, false>(ti, col, g0, cnt, rows.data(), rows_done, acc);
-      }
-    } else {
-      for (int64_t r = 0; r < rows_done; r += R) {  // R rows at a time, each block unpacked once per R rows
-        const ActRow* rs = rows.data() + r;
-        float* ar = acc + 8 * r;
-        switch (std::min<int64_t>(R, rows_done - r)) {
-          case 1: kcolumn<L, 1>(ti, col, nb, rs, ar); break;
-          case 2: kcolumn<L, 2>(ti, col, nb, rs, ar); break;
-          case 3: kcolumn<L, 3>(ti, col, nb, rs, ar); break;
-          case 4: kcolumn<L, 4>(ti, col, nb, rs, ar); break;
-          case 5: kcolumn<L, 5>(ti, col, nb, rs, ar); break;
-          case 6: kcolumn<L, 6>(ti, col, nb, rs, ar); break;
-          case 7: kcolumn<L, 7>(ti, col, nb, rs, ar); break;
-          default: kcolumn<L, 8>(ti, col, nb, rs, ar);
-        }
-      }
+    for (int64_t g0 = 0; g0 < nb; g0 += 8) {
+      const int cnt = (int)std::min<int64_t>(8, nb - g0);
+      for (int64_t l = 0; l < 8 * ti.bytes; l += 64)  // the next group (the next column's first, at the end)
+        _mm_prefetch((const char*)(col + (g0 + 8) * ti.bytes + l), _MM_HINT_T0);
+      if (cnt == 8)
+        group32<L, true>(ti, col, g0, 8, rows.data(), rows_done, acc);
+      else
+        group32<L, false>(ti, col, g0, cnt, rows.data(), rows_done, acc);
     }
     for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = tree8v(_mm256_loadu_ps(acc + 8 * m));
   }
