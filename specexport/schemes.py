@@ -34,8 +34,10 @@ SCHEMES = {
     "smoothquant": (("int8_sq",), {"smooth_alpha": (0.5, ALPHAS), "calibrate": ("max", ("max", "entropy")),
                                    "lm_head": ("fp32", ("fp32", "quantized")), "keep": ("none", ("none", "mlp_down"))}),
     # the GGUF file's blocks as they are (quant/gguf_blocks.py); accuracy_level 4 multiplies in int8 with
-    # activations quantized per block (as llama.cpp does), 0 in fp32 (exactly the file's weights)
-    "gguf": (("gguf",), {"accuracy_level": (4, (0, 4))}),
+    # activations quantized per block (as llama.cpp does), 0 in fp32 (exactly the file's weights). kernels:
+    # auto = specexport's CPU kernels where they build here, else ONNX Runtime's ops; ours = fail without
+    # them; stock = ONNX Runtime's ops (a graph for machines that cannot compile ours)
+    "gguf": (("gguf",), {"accuracy_level": (4, (0, 4)), "kernels": ("auto", ("auto", "ours", "stock"))}),
 }
 DEFAULT_SCHEMES = {"int8": "matmulnbits", "int4": "matmulnbits", "fp16": "cast", "fp8": "modelopt",
                    "int8_sq": "smoothquant", "gguf": "gguf"}

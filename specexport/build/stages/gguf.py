@@ -27,7 +27,7 @@ from specexport import owned
 from specexport.build.context import eval_sequences, files_entry
 from specexport.build.stage import ModelStage
 from specexport.build.stages.quantize import gate_quality, measure_against, row_checks
-from specexport.errors import ParityError
+from specexport.errors import ParityError, SpecexportError
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,7 @@ class GgufStage(ModelStage):
         mp, cfg = ctx.model(self.role), ctx.config
         level = mp.config.quantization["gguf"]["accuracy_level"]
         lean = mp.config.lean
-        kernels = cpu.status()                  # our kernels where they build and load here, else the stock ops
-        if kernels.available and mp.io.head_dim % 8:
-            kernels = cpu.Status(None, reason=f"head_dim {mp.io.head_dim} is not a multiple of 8 (the kernels' attention)")
+        kernels = _kernels(mp.config.quantization["gguf"].get("kernels", "auto"), mp.io.head_dim, self.role)
         ctx.reporter.note(f"  {self.role} gguf: {kernels.line()}")
         partial, final = ctx.folders.new(self.role, self.precision)
         start = time.perf_counter()
@@ -162,6 +160,22 @@ def _measure_lean(ctx, mp, graph: Path, twin: Path, twin_case: dict, level: int)
         del reference
         release_freed_heap()
     return (quality, rows, compare(twin_case, written_case)), text
+
+
+def _kernels(choice: str, head_dim: int, role: str):
+    """The ops a gguf graph calls, as quantization.gguf.kernels asks: auto (ours where they build and load
+    here, else the stock ops), ours (fail without them), stock."""
+    from specexport.plugins import cpu
+
+    if choice == "stock":
+        return cpu.Status(None, reason="quantization.gguf.kernels: stock")
+    kernels = cpu.status()
+    if kernels.available and head_dim % 8:
+        kernels = cpu.Status(None, reason=f"head_dim {head_dim} is not a multiple of 8 (the kernels' attention)")
+    if choice == "ours" and not kernels.available:
+        raise SpecexportError(f"{role} gguf: quantization.gguf.kernels is 'ours', but specexport's CPU kernels do not "
+                              f"run here: {kernels.reason} (kernels: auto takes ONNX Runtime's ops instead)")
+    return kernels
 
 
 def _twin(graph: Path, level: int) -> Path:
