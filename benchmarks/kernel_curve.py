@@ -5,8 +5,10 @@ machine's read bandwidth measured in the same run.
 
     python benchmarks/kernel_curve.py [--threads 2] [--reps 15] [--rows 1,2,...] [--shapes qwen1.5b] [--ops ours,nbits]
 
-Per (type, shape, M): the median µs of one call (configurations interleaved per repetition), the weight bytes
-it must read divided by that time (GB/s), c(M)/c(1), and bytes per weight against the GGUF file's. The read
+Per (type, shape, M): the median µs of one node (configurations interleaved per repetition; each session holds
+enough copies of the node, each with its own weights, to read 64 MiB a run, so the weights come from DRAM as a
+model's do, not from the last-level cache; every session on one shared thread pool), the weight bytes it must
+read divided by that time (GB/s), c(M)/c(1), and bytes per weight against the GGUF file's. The read
 bandwidth is numpy's integer max over a 1 GiB array (one thread) and ONNX Runtime's ReduceSum over it (--threads),
 the larger taken as the machine's. llama.cpp's kernels on the same shapes: `test-backend-ops perf -o MUL_MAT`
 from a llama.cpp build with tests (not built by benchmarks/build_llama_cpp.py: its figures are not in this table).
@@ -36,30 +38,25 @@ SHAPES = {   # (K, N): Qwen2.5-Coder-1.5B's attention q/o, MLP up/gate, MLP down
 
 
 def matmul_nbits(K: int, N: int, bits: int, block: int, accuracy_level: int, threads: int):
-    """A session of one MatMulNBits node with random codes and scales; returns (session, weight bytes)."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    """A session of `copies(...)` MatMulNBits nodes on one A, random codes and scales; returns (session, weight
+    bytes of one node, copies)."""
+    from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(0)
     blocks = K // block
     codes = rng.integers(0, 256, size=(N, blocks, block * bits // 8), dtype=np.uint8)
     scales = rng.uniform(0.001, 0.01, size=(N * blocks,)).astype(np.float32)
-    node = helper.make_node("MatMulNBits", ["A", "B", "scales"], ["Y"], domain="com.microsoft", K=K, N=N,
-                            bits=bits, block_size=block, accuracy_level=accuracy_level)
-    graph = helper.make_graph([node], "mm", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", K])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", N])],
-                              [numpy_helper.from_array(codes, "B"), numpy_helper.from_array(scales, "scales")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]), \
-        codes.nbytes + scales.nbytes
+    n = copies(codes.nbytes + scales.nbytes)
+    nodes = [helper.make_node("MatMulNBits", ["A", f"B{i}", f"scales{i}"], [f"Y{i}"], domain="com.microsoft", K=K, N=N,
+                              bits=bits, block_size=block, accuracy_level=accuracy_level) for i in range(n)]
+    weights = [t for i in range(n) for t in (numpy_helper.from_array(codes, f"B{i}"), numpy_helper.from_array(scales, f"scales{i}"))]
+    return _session(nodes, weights, K, N, "com.microsoft", threads), codes.nbytes + scales.nbytes, n
 
 
 def gguf_matmul(K: int, N: int, qtype: str, threads: int):
-    """A session of one GgufMatMul node (our kernels) on random valid blocks; returns (session, weight bytes)."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    """A session of `copies(...)` GgufMatMul nodes (our kernels) on one A, random valid blocks; returns (session,
+    weight bytes of one node, copies)."""
+    from onnx import helper, numpy_helper
 
     from specexport.plugins import cpu
     from specexport.quant.gguf_blocks import random_blocks
@@ -68,15 +65,51 @@ def gguf_matmul(K: int, N: int, qtype: str, threads: int):
     if not status.available:
         raise SystemExit(status.line())
     w = random_blocks(np.random.default_rng(0), qtype, N, K)
-    node = helper.make_node("GgufMatMul", ["A", "W"], ["Y"], domain=cpu.DOMAIN, type=cpu.TYPES[qtype], K=K, N=N)
-    graph = helper.make_graph([node], "mm", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", K])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", N])],
-                              [numpy_helper.from_array(w, "W")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(cpu.DOMAIN, 1)])
+    n = copies(w.nbytes)
+    nodes = [helper.make_node("GgufMatMul", ["A", f"W{i}"], [f"Y{i}"], domain=cpu.DOMAIN, type=cpu.TYPES[qtype], K=K, N=N)
+             for i in range(n)]
+    return _session(nodes, [numpy_helper.from_array(w, f"W{i}") for i in range(n)], K, N, cpu.DOMAIN, threads), w.nbytes, n
+
+
+def copies(nbytes: int) -> int:
+    """Nodes per session, each with its own copy of the weights: enough to read 64 MiB a run, more than this
+    machine's last-level cache (32 MiB here), so each node streams its weights from DRAM as a model's do."""
+    return max(1, min(32, -(-(64 << 20) // nbytes)))
+
+
+def _session(nodes, weights, K: int, N: int, domain: str, threads: int):
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from specexport.plugins import cpu
+
+    graph = helper.make_graph(nodes, "mm", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", K])],
+                              [helper.make_tensor_value_info(n.output[0], TensorProto.FLOAT, ["M", N]) for n in nodes],
+                              weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)])
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
-    opts.register_custom_ops_library(str(status.library))
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]), w.nbytes
+    _shared_pool(opts, threads)
+    if domain == cpu.DOMAIN:
+        opts.register_custom_ops_library(str(cpu.status().library))
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+
+
+def _shared_pool(opts, threads: int) -> None:
+    """Every session on one process-wide pool of `threads` threads: sessions interleaved with pools of their
+    own leave threads spinning after each run, which steal the cores from the next session's (the numbers
+    came out 2x noisy that way)."""
+    import onnxruntime.capi._pybind_state as C
+
+    global _POOL
+    if _POOL is None:
+        C.set_global_thread_pool_sizes(threads, 1)     # before the first session: it creates the environment
+        _POOL = threads
+    if _POOL != threads:
+        raise SystemExit(f"one thread count per run (the pool has {_POOL})")
+    opts.use_per_session_threads = False
+
+
+_POOL = None
 
 
 def read_bandwidth(threads: int, reps: int = 5) -> dict:
@@ -91,7 +124,7 @@ def read_bandwidth(threads: int, reps: int = 5) -> dict:
     graph = helper.make_graph([node], "r", [helper.make_tensor_value_info("X", TensorProto.FLOAT, [2**28])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [])])
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads
+    _shared_pool(opts, threads)
     session = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
                                    .SerializeToString(), opts, providers=["CPUExecutionProvider"])
     ort_s = min(_timed(lambda: session.run(None, {"X": data})) for _ in range(reps))
@@ -123,23 +156,24 @@ def main():
         for name in args.types.split(","):
             bits, block, file_bpw = TYPES[name]
             for K, N in SHAPES[args.shapes]:
-                session, nbytes = (gguf_matmul(K, N, name, args.threads) if op == "ours" else
-                                   matmul_nbits(K, N, bits, block, args.accuracy_level, args.threads))
+                session, nbytes, n = (gguf_matmul(K, N, name, args.threads) if op == "ours" else
+                                      matmul_nbits(K, N, bits, block, args.accuracy_level, args.threads))
                 inputs = {m: np.random.default_rng(m).standard_normal((m, K)).astype(np.float32) for m in rows}
                 for m in rows:
                     session.run(None, {"A": inputs[m]})               # warm-up (prepacking happens here)
-                configs[(op, name, K, N)] = (session, inputs, nbytes, file_bpw * K * N)
+                configs[(op, name, K, N)] = (session, inputs, nbytes, file_bpw * K * N, n)
     times = {(key, m): [] for key in configs for m in rows}
     for _ in range(args.reps):                                        # interleaved: one call of each per rep
-        for key, (session, inputs, _, _) in configs.items():
+        for key, (session, inputs, _, _, n) in configs.items():
             for m in rows:
-                times[(key, m)].append(_timed(lambda s=session, a=inputs[m]: s.run(None, {"A": a})))
+                times[(key, m)].append(_timed(lambda s=session, a=inputs[m]: s.run(None, {"A": a})) / n)
     print(f"\nours: GgufMatMul ({cpu_line()}); nbits: MatMulNBits (accuracy_level {args.accuracy_level}); "
-          f"{args.threads} threads, median of {args.reps}; GB/s = weight bytes read / time; machine read bandwidth "
+          f"{args.threads} threads, median of {args.reps}; µs per node (each run reads >= 64 MiB of distinct weights, "
+          f"from DRAM); GB/s = weight bytes read / time; machine read bandwidth "
           f"{machine:.1f} GB/s\n")
     print("| op | type | K x N | bytes / file bytes | " + " | ".join(f"M={m}" for m in rows) + " |")
     print("|---|---|---|---|" + "---|" * len(rows))
-    for (op, name, K, N), (_, _, nbytes, file_bytes) in configs.items():
+    for (op, name, K, N), (_, _, nbytes, file_bytes, _) in configs.items():
         key = (op, name, K, N)
         c1 = statistics.median(times[(key, rows[0])])
         cells = []
