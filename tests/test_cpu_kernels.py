@@ -120,6 +120,25 @@ def test_the_graph_builder_refuses_a_shape_the_kernels_do_not_take_naming_the_te
         kernel_node(None, 0, None, "matmul", RawBlocks("IQ2_XS", np.zeros((4, 66), np.uint8), 256), "output.weight")
 
 
+def test_attention_of_many_rows_over_one_kv_head_gives_each_row_its_own_bits(kernels):
+    """sx_attend_group (one KV head's query heads and rows, keys read in shared blocks): every row equals
+    sx_attend's on it, on every path, for n 1..9 rows, key counts across the block size, hidden keys, a row
+    whose keys are all hidden."""
+    rng = np.random.default_rng(15)
+    for n, total, d in ((1, 5, 64), (3, 37, 128), (9, 16, 64), (6, 50, 8), (4, 33, 80)):
+        q, K, V = rng.standard_normal((n, d)), rng.standard_normal((total, d)), rng.standard_normal((total, d))
+        bias = rng.standard_normal((n, total)).astype(np.float32)
+        bias[rng.random((n, total)) < 0.3] = np.finfo(np.float32).min
+        if n > 2:
+            bias[1] = np.finfo(np.float32).min                        # a row that sees no key: NaN, as alone
+        for path in kernels.paths():
+            got = kernels.attend_group(q, K, V, bias, 0.09, path=path)
+            want = np.stack([kernels.attend(q[i], K, V, bias[i], 0.09, path=path) for i in range(n)])
+            assert np.array_equal(got, want, equal_nan=True), (path, n, total, d)
+            assert np.array_equal(got, np.stack([kernels.attend(q[i], K, V, bias[i], 0.09) for i in range(n)]),
+                                  equal_nan=True), (path, n, total, d)
+
+
 def test_attention_is_softmax_attention_and_a_hidden_key_is_as_if_absent(kernels):
     rng = np.random.default_rng(10)
     for d in (8, 64, 80):

@@ -274,6 +274,7 @@ def _load(lib: Path):
     c.sx_gather.restype = i64
     c.sx_gather.argtypes = [i, P, i64, i64, P, i64, P]
     c.sx_attend.argtypes = [i, P, P, P, P, i64, i64, ctypes.c_float, P, P]
+    c.sx_attend_group.argtypes = [i, i64, P, P, P, P, P, i64, i64, ctypes.c_float, P]
     return c
 
 
@@ -311,6 +312,21 @@ class Kernels:
         out, scratch = np.empty(q.shape[0], np.float32), np.empty(K.shape[0], np.float32)
         self.c.sx_attend(PATHS[path], q.ctypes.data, K.ctypes.data, V.ctypes.data, None if b is None else b.ctypes.data,
                          K.shape[0], q.shape[0], scale, out.ctypes.data, scratch.ctypes.data)
+        return out
+
+    def attend_group(self, q: np.ndarray, K: np.ndarray, V: np.ndarray, bias: np.ndarray | None, scale: float, *,
+                     path: str = "ref") -> np.ndarray:
+        """Rows q [n, D] over the same keys K, V [total, D]; bias [n, total] or None: sx_attend_group."""
+        q, K, V = (np.ascontiguousarray(a, np.float32) for a in (q, K, V))
+        n, total = q.shape[0], K.shape[0]
+        b = None if bias is None else np.ascontiguousarray(bias, np.float32)
+        out, scratch = np.empty_like(q), np.empty((n, total), np.float32)
+        ptrs = (ctypes.c_void_p * n)
+        qs = ptrs(*(q.ctypes.data + i * q.strides[0] for i in range(n)))
+        outs = ptrs(*(out.ctypes.data + i * out.strides[0] for i in range(n)))
+        biases = ptrs(*((None if b is None else b.ctypes.data + i * b.strides[0]) for i in range(n)))
+        self.c.sx_attend_group(PATHS[path], n, qs, biases, outs, K.ctypes.data, V.ctypes.data, total, q.shape[1], scale,
+                               scratch.ctypes.data)
         return out
 
     def gather(self, qtype: str, W: np.ndarray, ids: np.ndarray, K: int) -> np.ndarray:

@@ -32,9 +32,9 @@ struct AttnRow {
   float* scores;      // [total] scratch
 };
 
-// softmax(q K^T * scale + bias) V, keys in cache order; hidden keys skipped (exactly as adding zeros).
-template <class Dot, class Accumulate>
-static inline void attend_row(const AttnRow& r, Dot dot, Accumulate acc) {
+// The scores q.k * scale + bias in r.scores (-inf: hidden), key by key; returns their max.
+template <class Dot>
+static inline float scores_each(const AttnRow& r, Dot dot) {
   float m = -INFINITY;
   for (int64_t j = 0; j < r.total; ++j) {
     const float b = r.bias ? r.bias[j] : 0.f;
@@ -46,6 +46,12 @@ static inline void attend_row(const AttnRow& r, Dot dot, Accumulate acc) {
     r.scores[j] = s;
     m = std::fmax(m, s);
   }
+  return m;
+}
+
+// softmax(scores) V given the scores and their max m, keys in cache order; hidden keys skipped.
+template <class Accumulate>
+static inline void softmax_v(const AttnRow& r, float m, Accumulate acc) {
   float den = 0.f;
   for (int64_t j = 0; j < r.total; ++j) {  // exp(-inf) is never taken: hidden stays -inf, a marker
     if (r.scores[j] == -INFINITY) continue;
@@ -54,6 +60,12 @@ static inline void attend_row(const AttnRow& r, Dot dot, Accumulate acc) {
     den += e;
   }
   acc(r, den);
+}
+
+// softmax(q K^T * scale + bias) V, keys in cache order; hidden keys skipped (exactly as adding zeros).
+template <class Dot, class Accumulate>
+static inline void attend_row(const AttnRow& r, Dot dot, Accumulate acc) {
+  softmax_v(r, scores_each(r, dot), acc);
 }
 
 // out[d] = (sum_j e_j V[j][d], fused multiply-adds in key order) / den

@@ -386,23 +386,122 @@ static inline float dot_avx2(const float* q, const float* k, int64_t D) {
   return tree8v(a);
 }
 
-static inline void accumulate_avx2(const AttnRow& r, float den) {
-  for (int64_t d0 = 0; d0 < r.D; d0 += 64) {  // 8 accumulators in registers
-    const int64_t n = std::min<int64_t>(8, (r.D - d0) / 8);
-    __m256 acc[8];
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < r.total; ++j) {
-      if (r.scores[j] == -INFINITY) continue;
-      const __m256 e = _mm256_set1_ps(r.scores[j]);
-      const float* v = r.V + j * r.D + d0;
-      for (int i = 0; i < n; ++i) acc[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * i), acc[i]);
-    }
-    const __m256 dv = _mm256_set1_ps(den);
-    for (int i = 0; i < n; ++i) _mm256_storeu_ps(r.out + d0 + 8 * i, _mm256_div_ps(acc[i], dv));
+// NV accumulators of eight dims over the keys, in registers (a compile-time count: a runtime one left
+// them in memory, a store-to-load chain per multiply-add).
+template <int NV>
+static inline void accumulate_chunk(const AttnRow& r, int64_t d0, __m256 dv) {
+  __m256 acc[NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < r.total; ++j) {
+    if (r.scores[j] == -INFINITY) continue;
+    const __m256 e = _mm256_set1_ps(r.scores[j]);
+    const float* v = r.V + j * r.D + d0;
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * i), acc[i]);
   }
+#pragma GCC unroll 8
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(r.out + d0 + 8 * i, _mm256_div_ps(acc[i], dv));
 }
 
-void sx_avx2_attend(const AttnRow& row) { attend_row(row, dot_avx2, accumulate_avx2); }
+static inline void accumulate_avx2(const AttnRow& r, float den) {
+  const __m256 dv = _mm256_set1_ps(den);
+  int64_t d0 = 0;
+  for (; d0 + 64 <= r.D; d0 += 64) accumulate_chunk<8>(r, d0, dv);
+  for (; d0 < r.D; d0 += 8) accumulate_chunk<1>(r, d0, dv);  // D a multiple of 8
+}
+
+// scores_each over keys [j0, j1) with four keys at a time: four independent chains of fused multiply-adds
+// instead of one (one key's chain is latency-bound), each key's operations those of dot_avx2, in its order.
+static inline void scores_range(const AttnRow& r, int64_t j0, int64_t j1, float& m) {
+  auto keep = [&](int64_t j, float dot) {
+    const float b = r.bias ? r.bias[j] : 0.f;
+    if (b <= MASKED) {
+      r.scores[j] = -INFINITY;  // hidden
+      return;
+    }
+    const float s = dot * r.scale + b;
+    r.scores[j] = s;
+    m = std::fmax(m, s);
+  };
+  int64_t j = j0;
+  for (; j + 4 <= j1; j += 4) {
+    const float* k = r.K + j * r.D;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < r.D; d += 8) {
+      const __m256 q = _mm256_loadu_ps(r.q + d);
+      a0 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + d), a0);
+      a1 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + r.D + d), a1);
+      a2 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 2 * r.D + d), a2);
+      a3 = _mm256_fmadd_ps(q, _mm256_loadu_ps(k + 3 * r.D + d), a3);
+    }
+    keep(j, tree8v(a0));
+    keep(j + 1, tree8v(a1));
+    keep(j + 2, tree8v(a2));
+    keep(j + 3, tree8v(a3));
+  }
+  for (; j < j1; ++j) keep(j, dot_avx2(r.q, r.K + j * r.D, r.D));
+}
+
+static inline float scores4_avx2(const AttnRow& r) {
+  float m = -INFINITY;
+  scores_range(r, 0, r.total, m);
+  return m;
+}
+
+// accumulate_chunk for keys [j0, j1), the accumulators carried in acc (the same multiply-adds in the same
+// order as one pass over all keys).
+template <int NV>
+static inline void accumulate_range(const AttnRow& r, int64_t d0, int64_t j0, int64_t j1, float* acc_mem) {
+  __m256 acc[NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < NV; ++i) acc[i] = _mm256_loadu_ps(acc_mem + 8 * i);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (r.scores[j] == -INFINITY) continue;
+    const __m256 e = _mm256_set1_ps(r.scores[j]);
+    const float* v = r.V + j * r.D + d0;
+#pragma GCC unroll 8
+    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * i), acc[i]);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc_mem + 8 * i, acc[i]);
+}
+
+void sx_avx2_attend(const AttnRow& row) { softmax_v(row, scores4_avx2(row), accumulate_avx2); }
+
+// Rows over the same keys (one KV head's query heads and rows): keys in blocks of KB, every row over a block
+// before the next, so a block of K (then of V) is read from memory once for all rows and from L1 after.
+// Each row's operations are sx_avx2_attend's, in its order (accumulators carried across blocks in out).
+void sx_avx2_attend_group(const AttnRow* rows, int64_t n) {
+  constexpr int64_t KB = 16;  // 16 keys x D 128 x 4 bytes x (K or V) = 8 KB a block
+  if (n == 1) return sx_avx2_attend(rows[0]);
+  const int64_t total = rows[0].total, D = rows[0].D;
+  std::vector<float> m((size_t)n, -INFINITY), den((size_t)n, 0.f);
+  for (int64_t j0 = 0; j0 < total; j0 += KB)
+    for (int64_t i = 0; i < n; ++i) scores_range(rows[i], j0, std::min(total, j0 + KB), m[i]);
+  for (int64_t i = 0; i < n; ++i) {  // softmax_v's exponentials, row by row in key order
+    const AttnRow& r = rows[i];
+    for (int64_t j = 0; j < total; ++j) {
+      if (r.scores[j] == -INFINITY) continue;
+      const float e = std::exp(r.scores[j] - m[i]);
+      r.scores[j] = e;
+      den[i] += e;
+    }
+    std::fill(r.out, r.out + D, 0.f);
+  }
+  for (int64_t j0 = 0; j0 < total; j0 += KB) {
+    const int64_t j1 = std::min(total, j0 + KB);
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t d0 = 0;
+      for (; d0 + 64 <= D; d0 += 64) accumulate_range<8>(rows[i], d0, j0, j1, rows[i].out + d0);
+      for (; d0 < D; d0 += 8) accumulate_range<1>(rows[i], d0, j0, j1, rows[i].out + d0);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 dv = _mm256_set1_ps(den[i]);
+    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(rows[i].out + d, _mm256_div_ps(_mm256_loadu_ps(rows[i].out + d), dv));
+  }
+}
 
 // Exact mode (sx_ref.cc's gemm_exact): the attention's dot product over each block.
 void sx_ref_gemm_exact_with(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t,

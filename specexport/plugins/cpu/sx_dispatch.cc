@@ -16,6 +16,7 @@
 #if defined(__x86_64__)
 void sx_avx2_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 void sx_avx2_attend(const sx::AttnRow&);
+void sx_avx2_attend_group(const sx::AttnRow*, int64_t);
 void sx_avx2_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 #endif
 void sx_ref_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
@@ -118,6 +119,16 @@ extern "C" void sx_gemm_exact(int type, int path, const float* X, int64_t M, int
 extern "C" void sx_attend(int path, const float* q, const float* K, const float* V, const float* bias, int64_t total,
                           int64_t D, float scale, float* out, float* scratch) {
   kernels(path).attend(sx::AttnRow{q, K, V, bias, total, D, scale, out, scratch});
+}
+
+extern "C" void sx_attend_group(int path, int64_t n, const float* const* q, const float* const* bias, float* const* out,
+                                const float* K, const float* V, int64_t total, int64_t D, float scale, float* scratch) {
+  std::vector<sx::AttnRow> rows((size_t)n);
+  for (int64_t i = 0; i < n; ++i) rows[i] = sx::AttnRow{q[i], K, V, bias[i], total, D, scale, out[i], scratch + i * total};
+#if defined(__x86_64__)
+  if (path == SX_AVX2) return sx_avx2_attend_group(rows.data(), n);
+#endif
+  for (const sx::AttnRow& r : rows) kernels(path).attend(r);  // each row as sx_attend computes it
 }
 
 extern "C" int sx_matmul(int type, int path, int exact, const float* X, int64_t M, int64_t K, const uint8_t* W,

@@ -38,6 +38,11 @@ SX_API int64_t sx_gather(int type, const uint8_t* W, int64_t N, int64_t K, const
 // bias [total] (null: none); a bias <= -1e30 hides the key. D a multiple of 8.
 SX_API void sx_attend(int path, const float* q, const float* K, const float* V, const float* bias, int64_t total,
                       int64_t D, float scale, float* out, float* scratch);
+// sx_attend for n rows over the same keys (one KV head: its query heads, every row of a pass): each row's
+// bits are sx_attend's; the keys are read in blocks shared by the rows. bias[i] may be null; scratch
+// [n, total].
+SX_API void sx_attend_group(int path, int64_t n, const float* const* q, const float* const* bias, float* const* out,
+                            const float* K, const float* V, int64_t total, int64_t D, float scale, float* scratch);
 // One call, one thread: quantize (unless exact) and multiply. For tests and the kernel curve.
 SX_API int sx_matmul(int type, int path, int exact, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t N,
               float* Y);

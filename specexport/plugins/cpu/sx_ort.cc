@@ -138,23 +138,33 @@ struct Attention {
     const float *q, *K, *V, *bias;
     float* out;
     const int32_t* seqlens;
-    int64_t B, T, D, C, W;
+    int64_t B, T, D, C, W, parts;
   };
 
+  // One task per (batch row, KV head, part): the KV head's query heads x the pass's rows go through
+  // sx_attend_group together, so its keys are read once for them all (not once per query head and row).
   static void run(void* p, size_t i) {
     const Job& j = *(const Job*)p;
-    const int64_t h = (int64_t)i % j.op->Hq, b = (int64_t)i / j.op->Hq, g = h / (j.op->Hq / j.op->Hkv);
+    const int64_t group = j.op->Hq / j.op->Hkv, pairs = group * j.T;
+    const int64_t part = (int64_t)i % j.parts, g = (int64_t)i / j.parts % j.op->Hkv, b = (int64_t)i / j.parts / j.op->Hkv;
+    const int64_t p0 = pairs * part / j.parts, p1 = pairs * (part + 1) / j.parts, n = p1 - p0;
     const int64_t total = (int64_t)j.seqlens[b] + 1;
     thread_local std::vector<float> scratch;
-    if ((int64_t)scratch.size() < total) scratch.resize(total);
+    thread_local std::vector<const float*> qs, biases;
+    thread_local std::vector<float*> outs;
+    if ((int64_t)scratch.size() < n * total) scratch.resize(n * total);
+    qs.resize(n);
+    biases.resize(n);
+    outs.resize(n);
+    for (int64_t x = p0; x < p1; ++x) {  // pair x: row t = x / group, query head h = g * group + x % group
+      const int64_t t = x / group, h = g * group + x % group, row = (b * j.T + t) * j.op->Hq + h;
+      qs[x - p0] = j.q + row * j.D;
+      outs[x - p0] = j.out + row * j.D;
+      biases[x - p0] = j.bias ? j.bias + (b * j.T + t) * j.W : nullptr;
+    }
     const float* K = j.K + ((b * j.op->Hkv + g) * j.C) * j.D;
     const float* V = j.V + ((b * j.op->Hkv + g) * j.C) * j.D;
-    for (int64_t t = 0; t < j.T; ++t) {
-      const float* q = j.q + ((b * j.T + t) * j.op->Hq + h) * j.D;
-      const float* bias = j.bias ? j.bias + (b * j.T + t) * j.W : nullptr;
-      sx_attend(j.op->path, q, K, V, bias, total, j.D, j.op->scale, j.out + ((b * j.T + t) * j.op->Hq + h) * j.D,
-                scratch.data());
-    }
+    sx_attend_group(j.op->path, n, qs.data(), biases.data(), outs.data(), K, V, total, j.D, j.op->scale, scratch.data());
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& q, const Ort::Custom::Tensor<float>& k,
@@ -197,8 +207,11 @@ struct Attention {
         }
       }
     }
-    Job job{this, q.Data(), K, V, bias.Data(), y, seqlens.Data(), B, T, D, cap, W};
-    Ort::KernelContext(ctx).ParallelFor(run, (size_t)(B * Hq), 0, &job);
+    // Parts per KV head: at least four tasks in all (a model with one or two KV heads still fills the
+    // threads), each at least one query row.
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>((Hq / Hkv) * T, (4 + B * Hkv - 1) / (B * Hkv)));
+    Job job{this, q.Data(), K, V, bias.Data(), y, seqlens.Data(), B, T, D, cap, W, parts};
+    Ort::KernelContext(ctx).ParallelFor(run, (size_t)(B * Hkv * parts), 0, &job);
     return Ort::Status{nullptr};
   }
 };
