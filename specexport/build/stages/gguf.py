@@ -33,7 +33,6 @@ from specexport.errors import ParityError, SpecexportError
 @dataclass(frozen=True)
 class GgufStage(ModelStage):
     def run(self, ctx) -> dict:
-        from specexport.plugins import cpu
         from specexport.quant.quality import runtime_session, tree_rows_for
 
         mp, cfg = ctx.model(self.role), ctx.config
