@@ -386,31 +386,6 @@ static inline float dot_avx2(const float* q, const float* k, int64_t D) {
   return tree8v(a);
 }
 
-// NV accumulators of eight dims over the keys, in registers (a compile-time count: a runtime one left
-// them in memory, a store-to-load chain per multiply-add).
-template <int NV>
-static inline void accumulate_chunk(const AttnRow& r, int64_t d0, __m256 dv) {
-  __m256 acc[NV];
-#pragma GCC unroll 8
-  for (int i = 0; i < NV; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t j = 0; j < r.total; ++j) {
-    if (r.scores[j] == -INFINITY) continue;
-    const __m256 e = _mm256_set1_ps(r.scores[j]);
-    const float* v = r.V + j * r.D + d0;
-#pragma GCC unroll 8
-    for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * i), acc[i]);
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(r.out + d0 + 8 * i, _mm256_div_ps(acc[i], dv));
-}
-
-static inline void accumulate_avx2(const AttnRow& r, float den) {
-  const __m256 dv = _mm256_set1_ps(den);
-  int64_t d0 = 0;
-  for (; d0 + 64 <= r.D; d0 += 64) accumulate_chunk<8>(r, d0, dv);
-  for (; d0 < r.D; d0 += 8) accumulate_chunk<1>(r, d0, dv);  // D a multiple of 8
-}
-
 // scores_each over keys [j0, j1) with four keys at a time: four independent chains of fused multiply-adds
 // instead of one (one key's chain is latency-bound), each key's operations those of dot_avx2, in its order.
 static inline void scores_range(const AttnRow& r, int64_t j0, int64_t j1, float& m) {
@@ -449,13 +424,14 @@ static inline float scores4_avx2(const AttnRow& r) {
   return m;
 }
 
-// accumulate_chunk for keys [j0, j1), the accumulators carried in acc (the same multiply-adds in the same
-// order as one pass over all keys).
+// NV accumulators of eight dims (out[d0 ..]) over keys [j0, j1): e_j V[j] fused multiply-adds in key order,
+// in registers (a compile-time count: a runtime one left them in memory, a store-to-load chain per
+// multiply-add), carried in out between calls, so blocks of keys give the bits of one pass over them all.
 template <int NV>
-static inline void accumulate_range(const AttnRow& r, int64_t d0, int64_t j0, int64_t j1, float* acc_mem) {
+static inline void accumulate_range(const AttnRow& r, int64_t d0, int64_t j0, int64_t j1) {
   __m256 acc[NV];
 #pragma GCC unroll 8
-  for (int i = 0; i < NV; ++i) acc[i] = _mm256_loadu_ps(acc_mem + 8 * i);
+  for (int i = 0; i < NV; ++i) acc[i] = _mm256_loadu_ps(r.out + d0 + 8 * i);
   for (int64_t j = j0; j < j1; ++j) {
     if (r.scores[j] == -INFINITY) continue;
     const __m256 e = _mm256_set1_ps(r.scores[j]);
@@ -464,7 +440,25 @@ static inline void accumulate_range(const AttnRow& r, int64_t d0, int64_t j0, in
     for (int i = 0; i < NV; ++i) acc[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(v + 8 * i), acc[i]);
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc_mem + 8 * i, acc[i]);
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(r.out + d0 + 8 * i, acc[i]);
+}
+
+static inline void accumulate_keys(const AttnRow& r, int64_t j0, int64_t j1) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= r.D; d0 += 64) accumulate_range<8>(r, d0, j0, j1);
+  for (; d0 < r.D; d0 += 8) accumulate_range<1>(r, d0, j0, j1);  // D a multiple of 8
+}
+
+static inline void divide_out(const AttnRow& r, float den) {
+  const __m256 dv = _mm256_set1_ps(den);
+  for (int64_t d = 0; d < r.D; d += 8) _mm256_storeu_ps(r.out + d, _mm256_div_ps(_mm256_loadu_ps(r.out + d), dv));
+}
+
+// sx_attn.h's accumulate_ref, eight dims at a time.
+static inline void accumulate_avx2(const AttnRow& r, float den) {
+  std::fill(r.out, r.out + r.D, 0.f);
+  accumulate_keys(r, 0, r.total);
+  divide_out(r, den);
 }
 
 void sx_avx2_attend(const AttnRow& row) { softmax_v(row, scores4_avx2(row), accumulate_avx2); }
@@ -475,32 +469,20 @@ void sx_avx2_attend(const AttnRow& row) { softmax_v(row, scores4_avx2(row), accu
 void sx_avx2_attend_group(const AttnRow* rows, int64_t n) {
   constexpr int64_t KB = 16;  // 16 keys x D 128 x 4 bytes x (K or V) = 8 KB a block
   if (n == 1) return sx_avx2_attend(rows[0]);
-  const int64_t total = rows[0].total, D = rows[0].D;
+  const int64_t total = rows[0].total;
   std::vector<float> m((size_t)n, -INFINITY), den((size_t)n, 0.f);
   for (int64_t j0 = 0; j0 < total; j0 += KB)
     for (int64_t i = 0; i < n; ++i) scores_range(rows[i], j0, std::min(total, j0 + KB), m[i]);
-  for (int64_t i = 0; i < n; ++i) {  // softmax_v's exponentials, row by row in key order
-    const AttnRow& r = rows[i];
-    for (int64_t j = 0; j < total; ++j) {
-      if (r.scores[j] == -INFINITY) continue;
-      const float e = std::exp(r.scores[j] - m[i]);
-      r.scores[j] = e;
-      den[i] += e;
-    }
-    std::fill(r.out, r.out + D, 0.f);
-  }
+  for (int64_t i = 0; i < n; ++i)  // the exponentials, row by row; the accumulation waits for the blocks below
+    softmax_v(rows[i], m[i], [&](const AttnRow& r, float d) {
+      den[i] = d;
+      std::fill(r.out, r.out + r.D, 0.f);
+    });
   for (int64_t j0 = 0; j0 < total; j0 += KB) {
     const int64_t j1 = std::min(total, j0 + KB);
-    for (int64_t i = 0; i < n; ++i) {
-      int64_t d0 = 0;
-      for (; d0 + 64 <= D; d0 += 64) accumulate_range<8>(rows[i], d0, j0, j1, rows[i].out + d0);
-      for (; d0 < D; d0 += 8) accumulate_range<1>(rows[i], d0, j0, j1, rows[i].out + d0);
-    }
+    for (int64_t i = 0; i < n; ++i) accumulate_keys(rows[i], j0, j1);
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const __m256 dv = _mm256_set1_ps(den[i]);
-    for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(rows[i].out + d, _mm256_div_ps(_mm256_loadu_ps(rows[i].out + d), dv));
-  }
+  for (int64_t i = 0; i < n; ++i) divide_out(rows[i], den[i]);
 }
 
 // Exact mode (sx_ref.cc's gemm_exact): the attention's dot product over each block.
