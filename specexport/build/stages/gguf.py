@@ -38,7 +38,7 @@ class GgufStage(ModelStage):
         mp, cfg = ctx.model(self.role), ctx.config
         level = mp.config.quantization["gguf"]["accuracy_level"]
         lean = mp.config.lean
-        kernels = _kernels(mp.config.quantization["gguf"].get("kernels", "auto"), mp.io.head_dim, self.role)
+        kernels = _kernels(mp.config.quantization["gguf"]["kernels"], mp.io.head_dim, self.role)
         ctx.reporter.note(f"  {self.role} gguf: {kernels.line()}")
         partial, final = ctx.folders.new(self.role, self.precision)
         start = time.perf_counter()

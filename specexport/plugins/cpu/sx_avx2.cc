@@ -28,8 +28,6 @@ inline float half(const uint8_t* p) {  // exact, as sx::f16 (F16C converts every
   return _cvtsh_ss(h);
 }
 
-// A block's codes in 32-weight chunks (unsigned, v + Z; or signed for Q8_0), the chunks' int16 scale
-// vectors, and per-16 scale/min vectors. One loader per type; Generic unpacks with sx_blocks.h.
 // Q4_K's 8 six-bit scales and mins from their 12 bytes, in vector registers: bytes [s0..s7, m0..m7].
 inline __m128i k4_scales(const uint8_t* sc) {
   const __m128i x = _mm_loadu_si128((const __m128i*)sc);  // 12 scale bytes, then 4 code bytes (unused)
@@ -78,11 +76,10 @@ struct Q6K {
   static constexpr int qk = 256, Z = 32;
   static constexpr bool sgn = false, kmin = false;
   const uint8_t* b;
-  __m256i lo, hi, s16, mn16;
+  __m256i lo, hi, s16;
   float d, m = 0.f;
   explicit Q6K(const uint8_t* blk) : b(blk) {
     s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192)));  // s0..s15
-    mn16 = _mm256_setzero_si256();
     lo = _mm256_permute2x128_si256(s16, s16, 0x00);
     hi = _mm256_permute2x128_si256(s16, s16, 0x11);
     d = half(b + 208);
@@ -237,7 +234,7 @@ inline void kcolumn(const TypeInfo& ti, const uint8_t* col, int64_t nb, const Ac
   for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
-// The 32-weight types, eight blocks at a time (`cnt` real, the rest zero lanes as in rows_pass): each block
+// The 32-weight types, eight blocks at a time (`cnt` real, the rest zero lanes as the reference pads): each block
 // unpacked once into a register, then every row against all eight (no arrays between steps). The same
 // integer and float operations as the reference, so the same bits.
 inline __m128i half8(const uint8_t* b, size_t stride, int cnt) {  // fp16 at b + j * stride, zero past cnt
@@ -280,7 +277,7 @@ void group32(const TypeInfo& ti, const uint8_t* col, int64_t g0, int cnt, const 
       v[j] = _mm256_setzero_si256();
       if (!FULL && j >= cnt) continue;
       __m256i a = _mm256_loadu_si256((const __m256i*)(q + 32 * j)), w = W[j];
-      if (L::sgn) {
+      if (L::sgn) {  // Q8_0: |w| x sign(a, w), maddubs' unsigned operand; exact, |a| <= 127
         a = _mm256_sign_epi8(a, w);
         w = _mm256_sign_epi8(w, w);
       }
@@ -470,7 +467,9 @@ void sx_avx2_attend_group(const AttnRow* rows, int64_t n) {
   constexpr int64_t KB = 16;  // 16 keys x D 128 x 4 bytes x (K or V) = 8 KB a block
   if (n == 1) return sx_avx2_attend(rows[0]);
   const int64_t total = rows[0].total;
-  std::vector<float> m((size_t)n, -INFINITY), den((size_t)n, 0.f);
+  thread_local std::vector<float> m, den;  // once per thread: this runs per layer per token
+  m.assign((size_t)n, -INFINITY);
+  den.assign((size_t)n, 0.f);
   for (int64_t j0 = 0; j0 < total; j0 += KB)
     for (int64_t i = 0; i < n; ++i) scores_range(rows[i], j0, std::min(total, j0 + KB), m[i]);
   for (int64_t i = 0; i < n; ++i)  // the exponentials, row by row; the accumulation waits for the blocks below

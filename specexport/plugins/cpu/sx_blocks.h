@@ -183,8 +183,19 @@ static inline int k_zero(int t) { return t == Q6_K ? 32 : 0; }
 // on x86 and two sdot registers on Arm. Lane l: bytes 4l..4l+3 of each 32-weight chunk, s * code * q summed
 // over the chunks, less the zero point's share Z * (s * a16) of 16-weight groups 2l and 2l+1; Mn[l] the
 // mins' share of the same groups. Exact integers: the order inside a lane does not matter.
+// Per lane l: the zero point's share zc[l] = Z * (s * a16 over groups 2l, 2l+1) and the mins' mn[l].
+static inline void k_lane_terms(int t, const Unpacked& u, const int16_t* a16, int32_t* zc, int32_t* mn) {
+  const int z = k_zero(t);
+  for (int l = 0; l < 8; ++l) {
+    zc[l] = z * ((int32_t)u.s[2 * l] * a16[2 * l] + (int32_t)u.s[2 * l + 1] * a16[2 * l + 1]);
+    mn[l] = (int32_t)u.mn[2 * l] * a16[2 * l] + (int32_t)u.mn[2 * l + 1] * a16[2 * l + 1];
+  }
+}
+
 static inline void k_lanes(int t, const Unpacked& u, const int8_t* q, const int16_t* a16, int32_t* I, int32_t* Mn) {
   const int z = k_zero(t);
+  int32_t zc[8];
+  k_lane_terms(t, u, a16, zc, Mn);
   for (int l = 0; l < 8; ++l) {
     int32_t acc = 0;
     for (int j = 0; j < 8; ++j)
@@ -192,8 +203,7 @@ static inline void k_lanes(int t, const Unpacked& u, const int8_t* q, const int1
         const int k = 32 * j + i;
         acc += (int32_t)u.s[k / 16] * ((int32_t)u.v[k] + z) * q[k];
       }
-    I[l] = acc - z * ((int32_t)u.s[2 * l] * a16[2 * l] + (int32_t)u.s[2 * l + 1] * a16[2 * l + 1]);
-    Mn[l] = (int32_t)u.mn[2 * l] * a16[2 * l] + (int32_t)u.mn[2 * l + 1] * a16[2 * l + 1];
+    I[l] = acc - zc[l];
   }
 }
 

@@ -123,7 +123,8 @@ extern "C" void sx_attend(int path, const float* q, const float* K, const float*
 
 extern "C" void sx_attend_group(int path, int64_t n, const float* const* q, const float* const* bias, float* const* out,
                                 const float* K, const float* V, int64_t total, int64_t D, float scale, float* scratch) {
-  std::vector<sx::AttnRow> rows((size_t)n);
+  thread_local std::vector<sx::AttnRow> rows;  // once per thread: this runs per layer per token
+  rows.resize((size_t)n);
   for (int64_t i = 0; i < n; ++i) rows[i] = sx::AttnRow{q[i], K, V, bias[i], total, D, scale, out[i], scratch + i * total};
 #if defined(__x86_64__)
   if (path == SX_AVX2) return sx_avx2_attend_group(rows.data(), n);

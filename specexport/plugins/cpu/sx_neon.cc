@@ -49,10 +49,7 @@ void sx_neon_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t
                              u.s[2 * j + 1]);
           }
           int32_t zc[8], mn[8];
-          for (int l = 0; l < 8; ++l) {
-            zc[l] = z * ((int32_t)u.s[2 * l] * s16[2 * l] + (int32_t)u.s[2 * l + 1] * s16[2 * l + 1]);
-            mn[l] = (int32_t)u.mn[2 * l] * s16[2 * l] + (int32_t)u.mn[2 * l + 1] * s16[2 * l + 1];
-          }
+          k_lane_terms(type, u, s16, zc, mn);
           lo = vsubq_s32(lo, vld1q_s32(zc));
           hi = vsubq_s32(hi, vld1q_s32(zc + 4));
           const float da = rows[m].d[b];
