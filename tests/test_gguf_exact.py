@@ -48,7 +48,11 @@ def _own_cache(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(scope="module")
 def quantized_gguf(tmp_path_factory):
-    """A tiny Llama (hidden 256: K-quant rows) as a GGUF file with the TYPES above; (path, folder)."""
+    return write_mixed_gguf(tmp_path_factory.mktemp("gguf-exact") / "tiny-mixed.gguf")
+
+
+def write_mixed_gguf(path):
+    """A tiny Llama (hidden 256: K-quant rows) as a GGUF file at `path` with the TYPES above."""
     import test_gguf as tg
 
     tok = tg._tokenizer(split_digits=False)
@@ -59,7 +63,6 @@ def quantized_gguf(tmp_path_factory):
                                       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64})
     model = transformers.LlamaForCausalLM(cfg).eval()
     rng = np.random.default_rng(1)
-    path = tmp_path_factory.mktemp("gguf-exact") / "tiny-mixed.gguf"
     tg.write_gguf(path, model, tok, pre="gpt-2", quantize=lambda name, arr: _quantize(rng, name, arr))
     return path
 

@@ -28,6 +28,47 @@ PREFILL_CHUNK = 64
 MEASURED = "measured"            # load(threads=MEASURED): the thread setting the build's bench measured fastest
 SUFFIX_CACHE_TOKENS = 500_000    # the default bound of a pipeline's suffix cache (about 28 MB at ~55 bytes a token, measured at 1M tokens: runtime/suffix.py)
 @dataclass
+class Request:
+    """One generation's checked options (Pipeline.request)."""
+    ids: np.ndarray
+    params: SamplingParams
+    max_new_tokens: int
+    seed: int | None
+    stop: tuple
+    suffix_scope: str
+    suffix_share: bool
+    method: tuple                       # proposer_for's (method, gamma, draft_stop, lookup_branches, tree, sampled_children)
+
+
+class _RequestPipe:
+    """The pipeline as a batched request sees it: `draft` is the request's slot of the shared draft
+    (taken on first use); the rest is the pipeline's (proposer_for reads both)."""
+
+    def __init__(self, pipe, draft):
+        self._pipe, self._draft_slot, self._draft = pipe, draft, None
+        self.auto_note = None
+
+    @property
+    def draft(self):
+        if self._draft is None:
+            self._draft = self._draft_slot()
+        return self._draft
+
+    @property
+    def medusa(self):
+        raise SpecexportError("method medusa does not decode in a batch yet (its heads have no slots); "
+                              "use Pipeline.generate for it")
+
+    @property
+    def eagle(self):
+        raise SpecexportError("method eagle does not decode in a batch yet (its head's cache has no slots); "
+                              "use Pipeline.generate for it")
+
+    def __getattr__(self, name):
+        return getattr(self._pipe, name)
+
+
+@dataclass
 class GenerationOutput:
     text: str
     token_ids: list[int]                # generated ids only (EOS included when it ended the output)
@@ -179,12 +220,12 @@ class Pipeline:
             pass
         return self.last_output
 
-    def stream(self, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int = 128,
+    def request(self, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int = 128,
                method: str = "draft", gamma: int | str | None = None, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = 0, stop: list[str] | tuple = (),
                draft_stop: float = 0.0, lookup_branches: int = 1, tree=None, sampled_children: bool = False,
                suffix_scope: str = "", suffix_share: bool = True):
-        """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards.
+        """A generation's options, checked: what stream() decodes (and Batch.submit queues).
         gamma: tokens proposed a round; None: what the build's bench measured for the method (the stored
         `--method auto` choice when it is this method, a draft's stored `--gamma auto` γ), else 4.
         method: vanilla | draft (a draft model proposes γ tokens) | medusa | auto (the configuration
@@ -213,15 +254,49 @@ class Pipeline:
         params = self._params(temperature, top_k, top_p)
         if not isinstance(suffix_scope, str):
             raise SpecexportError(f"suffix_scope: expected a string, got {type(suffix_scope).__name__}")
-        proposer = proposer_for(self, method, gamma, draft_stop, lookup_branches, tree, sampled_children,
-                                suffix_scope, suffix_share)
+        request = Request(ids, params, max_new_tokens, seed, tuple(stop), suffix_scope, suffix_share,
+                          (method, gamma, draft_stop, lookup_branches, tree, sampled_children))
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            self._proposer(request, self)       # a bad method option is named before a bad max_new_tokens
             raise SpecexportError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
+        return request
+
+    def stream(self, prompt: str | None = None, **options):
+        """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards.
+        Options: request()'s."""
+        request = self.request(prompt, **options)
+        yield from self.decode_request(request, self.target, lambda: self.draft,
+                                       done=lambda out: setattr(self, "last_output", out))
+
+    def batch(self, max_batch: int = 4):
+        """A Batch (runtime/batch.py): up to max_batch requests decoded together, each one's output its own
+        generate()'s. Use it as a context manager; submit() starts a request."""
+        from specexport.runtime.batch import Batch
+
+        return Batch(self, max_batch)
+
+    def generate_many(self, requests: list[dict], *, max_batch: int = 4) -> list[GenerationOutput]:
+        """Each request (generate()'s keyword arguments, prompt included) decoded in a batch of up to
+        max_batch; the outputs in order, each equal to what generate() gives for it alone."""
+        with self.batch(max_batch) as batch:
+            handles = [batch.submit(**dict(r)) for r in requests]
+            return [h.result() for h in handles]
+
+    def _proposer(self, request: "Request", pipe):
+        method, gamma, draft_stop, lookup_branches, tree, sampled_children = request.method
+        return proposer_for(pipe, method, gamma, draft_stop, lookup_branches, tree, sampled_children,
+                            request.suffix_scope, request.suffix_share)
+
+    def decode_request(self, request: "Request", target, draft, *, done):
+        """Yield the text pieces of `request` decoded on `target` (a backend), drafting on draft() (called
+        once, when the proposer needs the draft model); done(GenerationOutput) at the end."""
+        proposer = self._proposer(request, self if target is self.target else _RequestPipe(self, draft))
+        ids, stop, suffix_share, suffix_scope = request.ids, request.stop, request.suffix_share, request.suffix_scope
         stats, detok = DecodeStats(), IncrementalDetokenizer(self.tokenizer, ids.tolist())
         out_ids, text, reason = [], "", "length"
-        rounds = decode(self.target, proposer, ids, max_new_tokens=max_new_tokens, params=params,
-                        rng=np.random.default_rng(seed), stats=stats, prefill_chunk=PREFILL_CHUNK, clock=self.clock,
-                        coins=None if seed is None else Coins(seed))
+        rounds = decode(target, proposer, ids, max_new_tokens=request.max_new_tokens, params=request.params,
+                        rng=np.random.default_rng(request.seed), stats=stats, prefill_chunk=PREFILL_CHUNK,
+                        clock=self.clock, coins=None if request.seed is None else Coins(request.seed))
         try:
             for chunk in rounds:
                 chunk = chunk.tolist()
@@ -245,7 +320,7 @@ class Pipeline:
         final = self.tokenizer.decode(out_ids, skip_special_tokens=True)
         hit = _find_stop(final, stop)
         final = final[:hit] if hit is not None else final
-        self.last_output = GenerationOutput(final, out_ids, reason, stats)
+        done(GenerationOutput(final, out_ids, reason, stats))
         if suffix_share and self._suffix_cache is not None:     # what it served, for later suffix lookups
             self._suffix_cache.add(np.concatenate([ids, np.asarray(out_ids, dtype=np.int64)]), suffix_scope)
         if final.startswith(text) and len(final) > len(text):

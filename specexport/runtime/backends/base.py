@@ -80,7 +80,7 @@ class Backend:
             if len(keep) and (keep.max() >= self._pending or np.any(np.diff(keep) <= 0) or keep.min() < 0):
                 raise SpecexportError(f"commit: rows {keep.tolist()} must increase within 0..{self._pending - 1}")
             n = len(keep)
-            if not np.array_equal(keep, np.arange(n)):
+            if self._needs_move(keep):
                 self._move_rows(keep)
         self.length += n
         self._pending = 0
@@ -102,6 +102,10 @@ class Backend:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _needs_move(self, keep: np.ndarray) -> bool:
+        """Whether committing rows `keep` moves any (here: unless they are the first len(keep) in order)."""
+        return not np.array_equal(keep, np.arange(len(keep)))
 
     # -- what a backend implements --------------------------------------------------------
     def _forward(self, tokens, depths, tree_mask, last_only: bool) -> StepOutput:

@@ -1,0 +1,199 @@
+"""One graph serving several requests at once: S slots, each a batch row of the caches with its own
+committed length (issue 35). A pass runs the calls of slots 0..B-1 as one [B, Tp] forward.
+
+Layout: padded [B, Tp]. Every row of the pass is written at cache rows P..P+Tp-1 with P the largest
+committed length among the B slots; a slot with fewer committed rows L < P has a hole [L, P) that its
+mask hides, and commit copies its kept rows from P + keep down to L + k. Rows past a call's own T (the
+padding up to Tp) and slots without a call this pass (dummies) see only themselves and are never
+committed. Why padded, not packed rows with a block-diagonal mask: the graph contract keeps one cache
+per batch row and one P per pass (seqlens_k from the mask's width), so packing several requests into
+one batch row would need a shared cache and a paged layout; padding costs rows, measured in docs.
+
+Exactness: a slot's rows see the same keys in the same cache order as alone (hidden keys are skipped,
+not added as zeros, by the kernels' attention) and the matmuls' rows do not depend on the other rows
+(plugins/cpu), so each slot's outputs equal its batch-1 outputs bit for bit where the build measured
+the graph row-independent (`row_exact`). Elsewhere a batch holds one slot.
+
+Slots stay packed at 0..n-1: before a pass, a request that sits past a freed slot moves down (its
+committed rows copied), since a pass binds one contiguous range of the caches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specexport.errors import SpecexportError
+from specexport.io_spec import (ATTENTION_MASK, AUX_HIDDEN_STATES, HIDDEN_STATES, INPUT_IDS, LOGITS, LOGITS_ROWS,
+                                POSITION_IDS)
+from specexport.runtime.backends.base import Backend, StepOutput
+
+
+@dataclass(eq=False)
+class Call:
+    """One slot's forward, waiting for a pass."""
+    view: "SlotView"
+    tokens: np.ndarray
+    depths: np.ndarray | None
+    tree_mask: np.ndarray | None
+    last_only: bool
+    out: StepOutput | None = None
+    error: BaseException | None = None
+
+
+class SlotModel:
+    """The caches and output buffers of `slots` batch rows over one ONNX Runtime session (an OrtBackend's:
+    its weights are not loaded twice). submit(model, call) blocks until a pass has run the call (the
+    scheduler in runtime/batch.py); run(calls) is that pass."""
+
+    def __init__(self, backend, slots: int, submit, *, max_tokens: int | None = None, name: str = "target"):
+        from specexport._optional import require
+        from specexport.runtime.backends.ort import _binding_calls
+
+        if not hasattr(backend, "session"):
+            raise SpecexportError(f"batched decoding runs on the onnxruntime CPU backend; the {name} is on "
+                                  f"{type(backend).__name__}")
+        if slots < 1:
+            raise SpecexportError(f"max_batch: expected an integer >= 1, got {slots}")
+        io = backend.io
+        self.io, self.name, self.slots, self.submit = io, name, slots, submit
+        self.capacity, self.vocab_size = backend.capacity, io.vocab_size
+        self.max_tokens = min(backend.max_tokens, max_tokens or backend.max_tokens)
+        self.min_tokens = backend.min_tokens
+        self.exact_trees = backend.exact_trees
+        rows = self.capacity + self.max_tokens          # P <= capacity - 1, plus a padded pass of Tp rows
+        shape = (slots, io.num_kv_heads, rows, io.head_dim)
+        self.k = [np.zeros(shape, np.float32) for _ in range(io.num_layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(io.num_layers)]
+        self.rows = rows
+        T, aux_width = self.max_tokens, len(io.aux_hidden_layers) * io.hidden_size
+        self.logits = np.zeros(slots * T * io.vocab_size, np.float32)      # flat: each pass views [B, R, V]
+        self.hidden = np.zeros(slots * T * io.hidden_size, np.float32)
+        self.aux_width = aux_width
+        self.aux = np.zeros(slots * T * aux_width, np.float32) if aux_width else None
+        self.session = backend.session
+        self.binding = self.session.io_binding()
+        self._bind_in, self._bind_out, self._run = _binding_calls(require("onnxruntime"), self.session, self.binding)
+        self.views: list[SlotView] = []                 # the slots in use, in slot order
+        self.passes = 0                                 # passes run (the server's metrics)
+        self.rows_run = 0                               # real rows over those passes
+
+    def view(self) -> "SlotView":
+        """A new request's slot; SpecexportError when all are taken (the caller admits at most `slots`)."""
+        if len(self.views) >= self.slots:
+            raise SpecexportError(f"{self.name}: all {self.slots} slots are in use")
+        view = SlotView(self, len(self.views))
+        self.views.append(view)
+        return view
+
+    def release(self, view: "SlotView") -> None:
+        """Free a slot; the slots after it move down before the next pass (`_pack`)."""
+        if view in self.views:
+            self.views.remove(view)
+            view.closed = True
+
+    def _pack(self) -> None:
+        for i, v in enumerate(self.views):
+            if v.slot != i:                             # i < v.slot: a freed slot below it
+                for buf in (*self.k, *self.v):
+                    buf[i, :, :v.length] = buf[v.slot, :, :v.length]
+                v.slot = i
+
+    def run(self, calls: list[Call]) -> None:
+        """One pass over slots 0..B-1, B the highest calling slot + 1; every call gets its `out`."""
+        self._pack()
+        by_slot = {c.view.slot: c for c in calls}
+        B = max(by_slot) + 1
+        Tp = max(self.min_tokens, max(len(c.tokens) for c in calls))
+        P = max(v.length for v in self.views[:B])
+        W = P + Tp
+        R = 1 if all(c.last_only for c in calls) else Tp        # prefill chunks only: the last row's logits
+        tokens = np.zeros((B, Tp), np.int64)
+        positions = np.zeros((B, Tp), np.int64)
+        mask = np.zeros((B, Tp, W), bool)
+        rows = np.zeros((B, R), np.int64) if R == 1 else np.tile(np.arange(Tp, dtype=np.int64), (B, 1))
+        self_rows = np.arange(Tp)
+        mask[:, self_rows, P + self_rows] = True                 # padding and dummies see themselves only
+        for b in range(B):
+            view = self.views[b]
+            L = view.length
+            positions[b] = L
+            call = by_slot.get(b)
+            if call is None:
+                continue
+            T = len(call.tokens)
+            tokens[b, :T], tokens[b, T:] = call.tokens, call.tokens[-1]
+            positions[b, :T] = L + (self_rows[:T] if call.depths is None else call.depths)
+            mask[b, :T, :L] = True
+            mask[b, :T, P:P + T] = np.tri(T, dtype=bool) if call.tree_mask is None else call.tree_mask
+            if R == 1:
+                rows[b, 0] = T - 1
+        self._bind_pass(tokens, positions, mask, rows, B, Tp, R)
+        self._run()
+        self.passes += 1
+        self.rows_run += sum(len(c.tokens) for c in calls)
+        V, H = self.vocab_size, self.io.hidden_size
+        logits = self.logits[:B * R * V].reshape(B, R, V)
+        hidden = self.hidden[:B * Tp * H].reshape(B, Tp, H)
+        aux = None if self.aux is None else self.aux[:B * Tp * self.aux_width].reshape(B, Tp, self.aux_width)
+        for b, call in by_slot.items():
+            T = len(call.tokens)
+            call.view._scratch = P
+            first = 0 if R == 1 else (T - 1 if call.last_only else 0)
+            call.out = StepOutput(logits[b, first:first + (1 if call.last_only else T)], hidden[b, :T],
+                                  None if aux is None else aux[b, :T])
+
+    def _bind_pass(self, tokens, positions, mask, rows, B, Tp, R) -> None:
+        bind_in, bind_out = self._bind_in, self._bind_out
+        bind_in(INPUT_IDS, tokens)
+        bind_in(POSITION_IDS, positions)
+        bind_in(ATTENTION_MASK, mask)
+        bind_in(LOGITS_ROWS, rows)
+        shape = (B, *self.k[0].shape[1:])               # slots 0..B-1: one contiguous range of each cache
+        for i, (k, v) in enumerate(zip(self.k, self.v)):
+            (pk, pv), (nk, nv) = self.io.past_names(i), self.io.present_names(i)
+            bind_in(pk, shape, k.ctypes.data)
+            bind_in(pv, shape, v.ctypes.data)
+            bind_out(nk, shape, k.ctypes.data)
+            bind_out(nv, shape, v.ctypes.data)
+        bind_out(LOGITS, (B, R, self.vocab_size), self.logits.ctypes.data)
+        bind_out(HIDDEN_STATES, (B, Tp, self.io.hidden_size), self.hidden.ctypes.data)
+        if self.aux is not None:
+            bind_out(AUX_HIDDEN_STATES, (B, Tp, self.aux_width), self.aux.ctypes.data)
+
+
+class SlotView(Backend):
+    """One request's slot, driven like any Backend: forward hands the call to the scheduler and returns
+    when a pass has run it; commit copies the kept rows from the pass's scratch rows (P + keep) down to
+    the slot's committed length."""
+
+    def __init__(self, model: SlotModel, slot: int):
+        super().__init__(capacity=model.capacity, max_tokens=model.max_tokens, vocab_size=model.vocab_size)
+        self.model, self.slot = model, slot
+        self.exact_trees, self.min_tokens = model.exact_trees, model.min_tokens
+        self._scratch = 0                   # the cache row where the last pass wrote this slot's first row
+        self.closed = False
+
+    def _forward(self, tokens, depths, tree_mask, last_only) -> StepOutput:
+        if self.closed:
+            raise SpecexportError(f"{self.model.name}: this request's slot was released")
+        call = Call(self, tokens, None if depths is None else np.asarray(depths, np.int64), tree_mask, last_only)
+        self.model.submit(self.model, call)
+        if call.error is not None:
+            raise call.error
+        return call.out
+
+    def commit(self, keep) -> None:
+        if isinstance(keep, (int, np.integer)) and self._scratch != self.length:
+            keep = np.arange(int(keep))      # the rows sit at the pass's P, not at this slot's length
+        super().commit(keep)
+
+    def _needs_move(self, keep: np.ndarray) -> bool:
+        return self._scratch != self.length or super()._needs_move(keep)
+
+    def _move_rows(self, keep: np.ndarray) -> None:
+        dest = self.length + np.arange(len(keep))
+        src = self._scratch + keep
+        s = self.slot
+        for buf in (*self.model.k, *self.model.v):
+            buf[s, :, dest] = buf[s, :, src]           # fancy indexing copies the source rows first

@@ -1,0 +1,217 @@
+"""Many requests on one model: every active request's round goes through one target pass (issue 35).
+
+    with pipe.batch(max_batch=4) as batch:
+        handles = [batch.submit(prompt_ids=ids, method="suffix") for ids in prompts]
+        outputs = [h.result() for h in handles]          # GenerationOutput each, as pipe.generate's
+
+Each request runs the unchanged decode loop (runtime/loop.py) on its own thread, against a slot of the
+shared target (backends/slots.py) and, when it drafts with the draft model, a slot of the shared draft.
+A slot's forward blocks in the Scheduler until every live request is blocked too; then one pass runs:
+the draft's waiting calls first (those drafting), else the target's, which by then holds every live
+request's call (each round ends with exactly one target call, a prefill chunk counts as one). So the
+target's passes are lockstep rounds over all requests, and requests join and leave at round
+boundaries without anyone waiting for a whole generation.
+
+Why threads and a rendezvous instead of an explicit batched loop: the loop, the proposers and the
+verifiers stay the single code path that the batch-1 tests prove lossless; a request in a batch runs
+exactly the code it runs alone, and only the forward underneath is shared.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+from specexport.errors import SpecexportError
+from specexport.runtime.backends.slots import SlotModel
+
+BATCHED_METHODS = ("vanilla", "draft", "lookup", "suffix", "auto")     # medusa/eagle: their heads are not slotted yet
+
+
+class Scheduler:
+    """A rendezvous of request threads: calls wait until every live thread waits, then one pass runs."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._live = 0                      # request threads that may still call a model
+        self._waiting: dict = {}            # SlotModel -> [Call]
+        self._blocked = 0                  # calls waiting for a pass
+        self._running = False
+
+    def join(self) -> None:
+        with self._cond:
+            self._live += 1
+
+    def between_passes(self, fn):
+        """fn() with no pass running (taking or freeing a slot moves the slots a pass binds)."""
+        with self._cond:
+            while self._running:
+                self._cond.wait()
+            return fn()
+
+    def leave(self) -> None:
+        with self._cond:
+            self._live -= 1
+            self._cond.notify_all()          # the rest may all be waiting now
+
+    def submit(self, model: SlotModel, call) -> None:
+        """Wait until a pass has run `call` (its out or error set)."""
+        with self._cond:
+            self._waiting.setdefault(model, []).append(call)
+            self._blocked += 1              # until its pass has run (not until this thread wakes: its
+            while call.out is None and call.error is None:    # outputs are views the next pass overwrites)
+                if not self._running and self._blocked >= self._live:
+                    self._pass()
+                else:
+                    self._cond.wait()
+
+    def _pass(self) -> None:
+        """Run one model's waiting calls (called with the lock held; released while the pass runs)."""
+        models = [m for m, calls in self._waiting.items() if calls]
+        model = min(models, key=lambda m: m.name == "target")      # drafts before the target
+        calls = self._waiting.pop(model)
+        self._running = True
+        self._cond.release()
+        try:
+            model.run(calls)
+        except BaseException as err:        # every caller of this pass sees the failure
+            for c in calls:
+                c.error = err
+        finally:
+            self._cond.acquire()
+            self._running = False
+            self._blocked -= len(calls)
+            self._cond.notify_all()
+
+
+class Handle:
+    """One submitted request: iterate it for text pieces, or result() for its GenerationOutput."""
+
+    def __init__(self):
+        self._events: queue.Queue = queue.Queue()
+        self.cancelled = threading.Event()
+        self.output = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+
+    def __iter__(self):
+        while True:
+            kind, value = self._events.get()
+            if kind == "piece":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                return
+
+    def result(self, timeout: float | None = None):
+        if not self._done.wait(timeout):
+            raise TimeoutError("the request did not finish in time")
+        if self.error is not None:
+            raise self.error
+        return self.output
+
+    def cancel(self) -> None:
+        """Stop after the current round; the slot goes back to the batch, the others' streams untouched."""
+        self.cancelled.set()
+
+
+class Batch:
+    """Up to `max_batch` requests decoding together on one pipeline; more wait for a slot (FIFO)."""
+
+    def __init__(self, pipe, max_batch: int):
+        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
+            raise SpecexportError(f"max_batch: expected an integer >= 1, got {max_batch!r}")
+        self.pipe = pipe
+        self.exact, why = row_exact(pipe)
+        self.slots = max_batch if self.exact else 1
+        self.note = (f"batched: up to {self.slots} requests a pass" if self.exact else
+                     f"batch of 1: {why}, so a request's output would depend on its batch neighbours")
+        self.scheduler = Scheduler()
+        self.target = SlotModel(pipe.target, self.slots, self.scheduler.submit, max_tokens=pipe.max_verify_tokens)
+        self._draft: SlotModel | None = None
+        self._draft_lock = threading.Lock()
+        self._admit = threading.Semaphore(self.slots)
+        self._threads: list[threading.Thread] = []
+
+    def draft_model(self) -> SlotModel:
+        with self._draft_lock:
+            if self._draft is None:
+                self._draft = SlotModel(self.pipe.draft, self.slots, self.scheduler.submit,
+                                        max_tokens=self.pipe.max_verify_tokens, name="draft")
+            return self._draft
+
+    @property
+    def models(self) -> list[SlotModel]:
+        return [m for m in (self.target, self._draft) if m is not None]
+
+    def submit(self, prompt: str | None = None, **options) -> Handle:
+        """Start a request (Pipeline.stream's options); it waits for a slot if all are taken."""
+        method = options.get("method", "draft")
+        if method not in BATCHED_METHODS:
+            raise SpecexportError(f"method: {method!r} does not decode in a batch yet (batched: "
+                                  f"{', '.join(BATCHED_METHODS)}); use Pipeline.generate for it")
+        request = self.pipe.request(prompt, **options)        # checked here, in the caller's thread
+        self.pipe._proposer(request, self.pipe)                # the method's options too
+        handle = Handle()
+        thread = threading.Thread(target=self._serve, args=(request, handle), daemon=True,
+                                  name="specexport-batch")
+        self._threads.append(thread)
+        thread.start()
+        return handle
+
+    def _serve(self, request, handle: Handle) -> None:
+        self._admit.acquire()
+        self.scheduler.join()
+        between = self.scheduler.between_passes
+        target = between(self.target.view)
+        drafts = []
+
+        def draft():                        # the draft's slot, taken when the proposer first asks for it
+            model = self.draft_model()
+            drafts.append(between(model.view))
+            return drafts[-1]
+
+        try:
+            if handle.cancelled.is_set():
+                return
+            pieces = self.pipe.decode_request(request, target, draft,
+                                              done=lambda out: setattr(handle, "output", out))
+            try:
+                for piece in pieces:
+                    handle._events.put(("piece", piece))
+                    if handle.cancelled.is_set():
+                        break
+            finally:
+                pieces.close()
+        except BaseException as err:        # this request's failure; the others go on
+            handle.error = err
+            handle._events.put(("error", err))
+        finally:
+            between(lambda: [v.model.release(v) for v in (target, *drafts)])
+            self.scheduler.leave()
+            self._admit.release()
+            handle._events.put(("end", None))
+            handle._done.set()
+
+    def close(self) -> None:
+        for t in self._threads:
+            t.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def row_exact(pipe) -> tuple[bool, str]:
+    """(whether a row's outputs are independent of its batch neighbours on this pipeline's target, why not):
+    the build measured the graph's rows independent (row_dependence 0.0) on specexport's own CPU kernels."""
+    entry = pipe.manifest["models"]["target"]["precisions"][pipe.precision]
+    ops = (entry.get("quantization") or {}).get("kernels", {}).get("ops")
+    dependence = entry.get("row_dependence") or {}
+    if ops != "specexport.cpu":
+        return False, f"the {pipe.precision} graph runs on ONNX Runtime's own kernels, whose rows depend on the pass"
+    if any(v != 0.0 for v in dependence.values()) or not dependence:
+        return False, f"the build measured the {pipe.precision} graph's rows dependent ({dependence})"
+    return True, ""

@@ -1,0 +1,202 @@
+"""Batched decoding (runtime/batch.py, backends/slots.py): every request's output equals its batch-1 output.
+
+One tiny GGUF build on specexport's CPU kernels (the mixed-type file of test_gguf_exact, its own draft),
+requests of every batched method and of several prompt lengths in one batch, joining and leaving
+mid-stream; seeded sampling; a G-test through the batched loop with a planted cache mix-up; cancellation
+and a failing request under load."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from specexport.errors import SpecexportError
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, write_yaml, run_build):
+    from specexport.plugins import cpu
+
+    if not cpu.status().available:
+        pytest.skip(cpu.status().line())
+    import test_gguf_exact as tge
+
+    root = tmp_path_factory.mktemp("batch")
+    path = tge.write_mixed_gguf(root / "tiny-mixed.gguf")
+    out = root / "out"
+    yaml = write_yaml(root / "m.yaml", name="b", target={"path": path}, draft={"path": path}, max_seq_len=128,
+                      max_verify_tokens=8, precisions=["gguf"],
+                      quality_gates={"gguf": {"min_top1": 0.0, "max_kl": 100.0}}, output=out)
+    with pytest.MonkeyPatch.context() as mp:               # conversions to a cache of its own (test_gguf_exact)
+        mp.setenv("SPECEXPORT_CACHE", str(root / "cache"))
+        assert run_build(yaml, "--no-bench") == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipe(built):
+    import specexport
+
+    with specexport.load(built, precision="gguf", threads=2) as p:
+        yield p
+
+
+PROMPTS = [[1, 40, 41, 42], [1, 7, 300, 5, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73],
+           [5], [1, 40, 41, 42, 40, 41, 42, 40, 41], list(range(2, 40)), [9, 9, 9, 9]]
+METHODS = [dict(method="vanilla"), dict(method="draft", gamma=3), dict(method="lookup", gamma=4),
+           dict(method="suffix"), dict(method="draft", tree="small"), dict(method="draft", gamma=2, draft_stop=0.3)]
+
+
+def _requests(**common):
+    """Mixed methods, prompt lengths (1 to 38 tokens: several prefill chunks) and lengths of output."""
+    return [dict(prompt_ids=p, max_new_tokens=12 + 7 * i, **m, **common)
+            for i, (p, m) in enumerate(zip(PROMPTS, METHODS))]
+
+
+def _alone(pipe, requests):
+    return [pipe.generate(**r).token_ids for r in requests]
+
+
+def test_batched_greedy_equals_each_requests_batch1_output(pipe):
+    requests = _requests(suffix_share=False)
+    want = _alone(pipe, requests)
+    got = pipe.generate_many(requests, max_batch=3)             # six requests through three slots
+    assert [o.token_ids for o in got] == want
+    assert any(o.stats.accepted for o in got)                   # speculation accepted tokens in the batch
+    with pipe.batch(4) as batch:
+        assert batch.exact and batch.slots == 4
+        handles = [batch.submit(**r) for r in requests]
+        outs = [h.result() for h in handles]
+        passes, rows = batch.target.passes, batch.target.rows_run
+    assert [o.token_ids for o in outs] == want
+    assert rows > passes                                        # passes held several requests' rows
+
+
+def test_batched_seeded_sampling_equals_batch1(pipe):
+    requests = _requests(temperature=0.9, top_k=20, suffix_share=False)
+    for i, r in enumerate(requests):
+        r["seed"] = 100 + i
+    want = _alone(pipe, requests)
+    got = pipe.generate_many(requests, max_batch=4)
+    assert [o.token_ids for o in got] == want
+
+
+def test_a_cancelled_or_failing_request_leaves_the_others_intact(pipe, monkeypatch):
+    from specexport.runtime.proposers import SuffixProposer
+
+    requests = _requests(suffix_share=False)
+    want = _alone(pipe, requests)
+    original = SuffixProposer.propose
+
+    def failing(self, seq, n, *args):
+        if n > len(PROMPTS[3]) + 3:
+            raise RuntimeError("planted proposer failure")
+        return original(self, seq, n, *args)
+
+    monkeypatch.setattr(SuffixProposer, "propose", failing)
+    with pipe.batch(3) as batch:
+        handles = [batch.submit(**r) for r in requests]
+        first = next(iter(handles[1]))                          # request 1 has started: cancel it mid-stream
+        assert first is not None
+        handles[1].cancel()
+        results = []
+        for i, h in enumerate(handles):
+            if i == 3:                                          # the suffix request: its proposer failed
+                with pytest.raises(RuntimeError, match="planted"):
+                    h.result()
+            elif i != 1:
+                results.append(h.result().token_ids)
+    assert results == [w for i, w in enumerate(want) if i not in (1, 3)]
+    cancelled = handles[1].result()
+    assert cancelled is None or len(cancelled.token_ids) < len(want[1])
+
+
+def test_batch_options_are_checked_in_the_callers_thread(pipe):
+    with pipe.batch(2) as batch:
+        with pytest.raises(SpecexportError, match="does not decode in a batch"):
+            batch.submit(prompt_ids=[1, 2], method="medusa")
+        with pytest.raises(SpecexportError, match="gamma"):
+            batch.submit(prompt_ids=[1, 2], method="draft", gamma=99)
+    with pytest.raises(SpecexportError, match="max_batch"):
+        pipe.batch(0)
+
+
+def test_a_graph_with_pass_dependent_rows_batches_one_request_at_a_time(built_llama):
+    """fp32 on ONNX Runtime's own kernels: not row-exact, so a batch holds one slot (outputs still equal)."""
+    import specexport
+
+    with specexport.load(built_llama, precision="fp32") as p:
+        requests = [dict(prompt_ids=[1, 5, 9], max_new_tokens=8, method=m) for m in ("vanilla", "lookup")]
+        want = _alone(p, requests)
+        with p.batch(4) as batch:
+            assert not batch.exact and batch.slots == 1 and "ONNX Runtime's own kernels" in batch.note
+            assert [h.result().token_ids for h in [batch.submit(**r) for r in requests]] == want
+
+
+def test_sampling_through_a_batched_loop_is_the_targets(pipe, monkeypatch):
+    """A G-test: the first three sampled tokens of a request decoded next to another one (which leaves
+    first, so the tested request moves down a slot) follow the target's own distribution; a planted bug
+    (the slot moves but its cache rows stay: it reads the other request's cache) fails the same test."""
+    from fakes import goodness_of_fit
+
+    from specexport.runtime.backends import slots
+    from specexport.runtime.backends.base import prefill
+    from specexport.runtime.sampling import SamplingParams, warp
+
+    prompt, other, k = [1, 40, 41, 42], [9, 300, 5, 7, 11], 3
+    target = pipe.target
+    target.reset()
+    top = np.sort(prefill(target, np.asarray(prompt), 64))[-3:]
+    temperature = max(1.0, float(top[-1] - top[0]))             # random blocks: peaky logits (test_gguf_exact)
+    params = SamplingParams(temperature=temperature, top_k=3)
+
+    def probs(ids):
+        target.reset()
+        return warp(prefill(target, np.asarray(ids), 64), params)
+
+    exact = {}
+    p1 = probs(prompt)
+    for a in np.flatnonzero(p1):
+        p2 = probs(prompt + [a])
+        for b in np.flatnonzero(p2):
+            p3 = probs(prompt + [a, b])
+            exact.update({(a, b, c): p1[a] * p2[b] * p3[c] for c in np.flatnonzero(p3)})
+    assert not {t for cell in exact for t in cell} & pipe.eos_ids      # three tokens every time
+    cells = list(exact)
+
+    def sample(runs: int, seed: int) -> np.ndarray:
+        out = np.empty((runs, k), np.int64)
+        with pipe.batch(2) as batch:
+            for r in range(runs):
+                lead = batch.submit(prompt_ids=other, max_new_tokens=2, method="vanilla", temperature=temperature,
+                                    top_k=3, seed=seed + 2 * r, suffix_share=False)
+                while not (batch.target.views or lead._done.is_set()):      # the lead takes slot 0 first
+                    time.sleep(1e-4)
+                tested = batch.submit(prompt_ids=prompt, max_new_tokens=k, method="draft", gamma=2,
+                                      temperature=temperature, top_k=3, seed=seed + 2 * r + 1, suffix_share=False)
+                lead.result()
+                out[r] = tested.result().token_ids
+        return out
+
+    def fit(tokens):
+        counts = np.zeros(len(cells) + 1)
+        for row in map(tuple, tokens.tolist()):
+            counts[cells.index(row) if row in exact else -1] += 1
+        return goodness_of_fit(counts, np.array([*exact.values(), 0.0]))
+
+    good = fit(sample(600, seed=0))
+    assert good.pvalue > 1e-4, good
+
+    moved = []
+
+    def pack_without_copy(self):                                # BUG: the slot index moves, the rows do not
+        for i, v in enumerate(self.views):
+            if v.slot != i:
+                moved.append(i)
+            v.slot = i
+
+    monkeypatch.setattr(slots.SlotModel, "_pack", pack_without_copy)
+    bad = fit(sample(600, seed=10_000))
+    assert len(moved) > 60                                      # the tested request moved down in many runs
+    assert bad.pvalue < 1e-6, f"the planted bug was not detected: {bad}"
