@@ -118,7 +118,7 @@ class Handle:
 class Batch:
     """Up to `max_batch` requests decoding together on one pipeline; more wait for a slot (FIFO)."""
 
-    def __init__(self, pipe, max_batch: int):
+    def __init__(self, pipe, max_batch: int, *, rows_per_pass: int | None = None):
         if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
             raise SpecexportError(f"max_batch: expected an integer >= 1, got {max_batch!r}")
         self.pipe = pipe
@@ -127,7 +127,11 @@ class Batch:
         self.note = (f"batched: up to {self.slots} requests a pass" if self.exact else
                      f"batch of 1: {why}, so a request's output would depend on its batch neighbours")
         self.scheduler = Scheduler()
-        self.target = SlotModel(pipe.target, self.slots, self.scheduler.submit, max_tokens=pipe.max_verify_tokens)
+        self.rows_per_pass = rows_per_pass or pipe.max_verify_tokens
+        if not isinstance(self.rows_per_pass, int) or self.rows_per_pass < 1:
+            raise SpecexportError(f"rows_per_pass: expected an integer >= 1, got {rows_per_pass!r}")
+        self.target = SlotModel(pipe.target, self.slots, self.scheduler.submit, max_tokens=pipe.max_verify_tokens,
+                                rows_per_pass=self.rows_per_pass)
         self._draft: SlotModel | None = None
         self._draft_lock = threading.Lock()
         self._admit = threading.Semaphore(self.slots)

@@ -136,9 +136,11 @@ def decode(target: Backend, proposer, prompt: np.ndarray, *, max_new_tokens: int
     yield seq[n - 1:n].copy()
     while stats.emitted < max_new_tokens and n < capacity:
         proposal = None
-        room = min(depth, capacity - n - 1, max_new_tokens - stats.emitted - 1)
+        # a batch's slot: its share of the pass (kept at batch-1's where a seeded output depends on the rounds)
+        rows = target.max_tokens if depth and proposer.round_keyed and not params.greedy else target.round_rows
+        room = min(depth, rows - 1, capacity - n - 1, max_new_tokens - stats.emitted - 1)
         if room > 0:                                # vanilla (depth 0) never builds limits or asks anyone
-            limits = Limits(max_depth=room, max_nodes=min(target.max_tokens - 1, capacity - n,
+            limits = Limits(max_depth=room, max_nodes=min(rows - 1, capacity - n,
                                                           proposer.max_nodes or capacity))
             proposal = proposer.propose(seq, n, limits, params, rng, stats)
         if proposal is not None and not target.exact_trees and not proposal.is_chain:

@@ -268,17 +268,19 @@ class Pipeline:
         yield from self.decode_request(request, self.target, lambda: self.draft,
                                        done=lambda out: setattr(self, "last_output", out))
 
-    def batch(self, max_batch: int = 4):
+    def batch(self, max_batch: int = 4, *, rows_per_pass: int | None = None):
         """A Batch (runtime/batch.py): up to max_batch requests decoded together, each one's output its own
-        generate()'s. Use it as a context manager; submit() starts a request."""
+        generate()'s; a pass's rows (default max_verify_tokens) shared out among them. Use it as a context
+        manager; submit() starts a request."""
         from specexport.runtime.batch import Batch
 
-        return Batch(self, max_batch)
+        return Batch(self, max_batch, rows_per_pass=rows_per_pass)
 
-    def generate_many(self, requests: list[dict], *, max_batch: int = 4) -> list[GenerationOutput]:
+    def generate_many(self, requests: list[dict], *, max_batch: int = 4,
+                      rows_per_pass: int | None = None) -> list[GenerationOutput]:
         """Each request (generate()'s keyword arguments, prompt included) decoded in a batch of up to
         max_batch; the outputs in order, each equal to what generate() gives for it alone."""
-        with self.batch(max_batch) as batch:
+        with self.batch(max_batch, rows_per_pass=rows_per_pass) as batch:
             handles = [batch.submit(**dict(r)) for r in requests]
             return [h.result() for h in handles]
 

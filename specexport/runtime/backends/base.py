@@ -38,6 +38,12 @@ class Backend:
     exact_trees: bool = True       # False: a tree's sibling rows differ from decoding (the build measured it:
                                     # stage "trees": "chains"); the loop then verifies a tree's first chain only
 
+    @property
+    def round_rows(self) -> int:
+        """Rows a decode round should take now (the loop cuts its proposals to it): max_tokens here; a
+        batch's slot (backends/slots.py) takes its share of the pass."""
+        return self.max_tokens
+
     def __init__(self, *, capacity: int, max_tokens: int, vocab_size: int):
         self.capacity, self.max_tokens, self.vocab_size = capacity, max_tokens, vocab_size
         self.length = 0             # committed KV rows
@@ -120,7 +126,7 @@ class Backend:
 def prefill(backend: "Backend", prompt: np.ndarray, chunk: int, *, features=None) -> np.ndarray:
     """Run the prompt in chunks and commit it; returns the last position's logits [V] (a copy).
     features: called with each chunk's output, rows and first position (_feature_sink)."""
-    chunk = min(chunk, backend.max_tokens)
+    chunk = min(chunk, backend.round_rows)
     for s in range(0, len(prompt), chunk):
         part = prompt[s:s + chunk]
         out = backend.forward(part, phase="prefill")

@@ -46,7 +46,8 @@ class SlotModel:
     its weights are not loaded twice). submit(model, call) blocks until a pass has run the call (the
     scheduler in runtime/batch.py); run(calls) is that pass."""
 
-    def __init__(self, backend, slots: int, submit, *, max_tokens: int | None = None, name: str = "target"):
+    def __init__(self, backend, slots: int, submit, *, max_tokens: int | None = None, name: str = "target",
+                 rows_per_pass: int | None = None):
         from specexport._optional import require
         from specexport.runtime.backends.ort import _binding_calls
 
@@ -60,6 +61,7 @@ class SlotModel:
         self.capacity, self.vocab_size = backend.capacity, io.vocab_size
         self.max_tokens = min(backend.max_tokens, max_tokens or backend.max_tokens)
         self.min_tokens = backend.min_tokens
+        self.rows_per_pass = rows_per_pass or self.max_tokens   # shared out among the slots in use (share)
         self.exact_trees = backend.exact_trees
         rows = self.capacity + self.max_tokens          # P <= capacity - 1, plus a padded pass of Tp rows
         shape = (slots, io.num_kv_heads, rows, io.head_dim)
@@ -77,6 +79,11 @@ class SlotModel:
         self.views: list[SlotView] = []                 # the slots in use, in slot order
         self.passes = 0                                 # passes run (the server's metrics)
         self.rows_run = 0                               # real rows over those passes
+
+    def share(self) -> int:
+        """Rows a slot's round takes now: the pass's rows over the slots in use (each a row at least):
+        rows cost compute past a few on a CPU, and padding makes every slot's row count the longest's."""
+        return max(1, min(self.max_tokens, self.rows_per_pass // max(1, len(self.views))))
 
     def view(self) -> "SlotView":
         """A new request's slot; SpecexportError when all are taken (the caller admits at most `slots`)."""
@@ -173,6 +180,10 @@ class SlotView(Backend):
         self.exact_trees, self.min_tokens = model.exact_trees, model.min_tokens
         self._scratch = 0                   # the cache row where the last pass wrote this slot's first row
         self.closed = False
+
+    @property
+    def round_rows(self) -> int:
+        return self.model.share()
 
     def _forward(self, tokens, depths, tree_mask, last_only) -> StepOutput:
         if self.closed:

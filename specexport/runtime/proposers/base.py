@@ -54,6 +54,8 @@ class Proposer:
     role: str = "draft"
     wants_features: bool = False    # True: the loop calls features() with the target's hidden states
     feature_source: str = "hidden"  # what features() gets: "hidden" (final post-norm) or "aux" (aux layers' inputs)
+    round_keyed: bool = False       # True: a sampled output depends on where rounds start (draws from the rng,
+                                    # tests keyed by round), so a batch keeps its rounds' sizes for seeds to repeat
 
     def begin(self, prompt: np.ndarray, prefill_chunk: int) -> None:
         """A new generation starts with `prompt` (prefill a model here)."""

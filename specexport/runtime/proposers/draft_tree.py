@@ -27,6 +27,7 @@ from specexport.runtime.tree import cut, from_rank_paths
 class DraftTree(Proposer):
     def __init__(self, draft, paths, *, sampled: bool = False):
         self.draft, self.sampled = draft, sampled
+        self.round_keyed = sampled          # sampled children come from the rng
         self.tree, self.ranks = from_rank_paths(paths)          # [T], ranks[0] = -1 (root)
         self.max_depth = int(self.tree.depths.max())
         self.max_nodes = self.tree.size - 1
