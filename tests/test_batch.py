@@ -200,3 +200,55 @@ def test_sampling_through_a_batched_loop_is_the_targets(pipe, monkeypatch):
     bad = fit(sample(600, seed=10_000))
     assert len(moved) > 60                                      # the tested request moved down in many runs
     assert bad.pvalue < 1e-6, f"the planted bug was not detected: {bad}"
+
+
+def test_sixteen_concurrent_openai_clients_against_a_batched_server(pipe):
+    """`serve --max-batch 4`: 16 clients at once, mixed methods, streamed and not, some leaving mid-stream;
+    every finished answer is the lone request's answer, and the passes held several requests."""
+    from concurrent.futures import ThreadPoolExecutor
+    from prometheus_client.parser import text_string_to_metric_families
+    from test_serve_limits import LiveServer
+
+    from specexport.serve.app import create_app
+    from specexport.serve.guard import Limits
+
+    texts = ["the cat sat on the mat", "one two three four five six", "a b c a b c a b", "hello world hello"]
+    methods = ["vanilla", "suffix", "draft", "lookup"]
+    want = {(t, m): pipe.generate(t, max_new_tokens=16, method=m, temperature=0, suffix_share=False).text
+            for t in texts for m in methods}
+    s = LiveServer(create_app(pipe, method="vanilla", limits=Limits(max_batch=4)))
+    try:
+        assert s.worker.slots == 4 and s.worker.batch.exact
+
+        def client(k: int) -> list[bool]:
+            c = s.openai(timeout=120)
+            results = []
+            for j in range(3):
+                t, m = texts[(k + j) % 4], methods[(k // 4 + j) % 4]
+                extra = {"method": m, "suffix_cache": False}
+                if j == 1:
+                    stream = c.completions.create(model="b", prompt=t, max_tokens=16, temperature=0, stream=True,
+                                                  extra_body=extra)
+                    if k % 5 == 0:                               # this client leaves mid-stream
+                        next(iter(stream))
+                        stream.close()
+                        continue
+                    text = "".join(ch.choices[0].text for ch in stream)
+                else:
+                    text = c.completions.create(model="b", prompt=t, max_tokens=16, temperature=0,
+                                                extra_body=extra).choices[0].text
+                results.append(text == want[(t, m)])
+            return results
+
+        with ThreadPoolExecutor(16) as pool:
+            results = [ok for oks in pool.map(client, range(16)) for ok in oks]
+        assert len(results) == 48 - 4 and all(results)
+        metrics = {m.name: m for m in text_string_to_metric_families(s.client._client.get(f"{s.url}/metrics").text)}
+        rows = {(x.labels["model"], x.labels["kind"]): x.value for x in metrics["specexport_batch_rows"].samples
+                if x.name.endswith("_total")}
+        passes = next(x.value for x in metrics["specexport_batch_passes"].samples
+                      if x.name.endswith("_total") and x.labels["model"] == "target")
+        assert rows[("target", "real")] > passes                 # several requests' rows a pass
+        assert rows[("target", "padded")] >= rows[("target", "real")]
+    finally:
+        s.stop()

@@ -27,6 +27,20 @@ class ByteSize(click.ParamType):
         return size
 
 
+class BatchSize(click.ParamType):
+    """auto (None: measured at start) or an integer >= 1."""
+    name = "auto|N"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, int) and value >= 1:
+            return value
+        if str(value).strip().lower() == "auto":
+            return None
+        if not str(value).strip().isdigit() or int(value) < 1:
+            self.fail(f"{value!r}: expected auto or an integer >= 1", param, ctx)
+        return int(value)
+
+
 @click.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -53,6 +67,10 @@ class ByteSize(click.ParamType):
               help="The largest request body accepted (413 beyond it); 4194304, 4MiB, 512KiB.")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
               help="Requests that may wait behind the one decoding; more get a 429 with Retry-After.")
+@click.option("--max-batch", default="auto", show_default=True, type=BatchSize(),
+              help="Requests that decode together, every round of each in one target pass, each answer its "
+                   "lone answer (on graphs the build measured row-exact: specexport's CPU kernels). auto: "
+                   "measured at start, the largest of 8, 4, 2 whose pass costs at most two one-row passes.")
 @click.option("--request-timeout", default=300.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds a request may take from arrival to its last token, queue included (504 after "
                    "it; a stream gets an error event); 0: no deadline.")
@@ -68,13 +86,14 @@ class ByteSize(click.ParamType):
               type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
 def serve(output_dir, host, port, method, precision, draft_precision, threads, name, spin, api_key, max_body_bytes,
-          max_queue, request_timeout, shutdown_grace, suffix_cache, suffix_cache_tokens, log_level, verbose):
+          max_queue, max_batch, request_timeout, shutdown_grace, suffix_cache, suffix_cache_tokens, log_level, verbose):
     """Serve the build in OUTPUT_DIR: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
     from specexport.runtime.pipeline import MEASURED
     from specexport.serve import serve as run
     from specexport.serve.guard import Limits
 
-    limits = Limits(max_body_bytes=max_body_bytes, max_queue=max_queue, request_timeout_s=request_timeout or None,
+    limits = Limits(max_body_bytes=max_body_bytes, max_queue=max_queue, max_batch=max_batch,
+                    request_timeout_s=request_timeout or None,
                     shutdown_grace_s=shutdown_grace)
     run(output_dir, host=host, port=port, method=method, name=name, log_level=log_level, api_key=api_key or None,
         limits=limits, precision=precision, draft_precision=draft_precision,

@@ -132,7 +132,9 @@ class Batch:
             raise SpecexportError(f"rows_per_pass: expected an integer >= 1, got {rows_per_pass!r}")
         self.target = SlotModel(pipe.target, self.slots, self.scheduler.submit, max_tokens=pipe.max_verify_tokens,
                                 rows_per_pass=self.rows_per_pass)
+        self.target.observer = lambda *a: self.observer and self.observer(*a)
         self._draft: SlotModel | None = None
+        self.observer = None                # observer(model name, B, Tp, real rows) after each pass (metrics)
         self._draft_lock = threading.Lock()
         self._admit = threading.Semaphore(self.slots)
         self._threads: list[threading.Thread] = []
@@ -142,20 +144,27 @@ class Batch:
             if self._draft is None:
                 self._draft = SlotModel(self.pipe.draft, self.slots, self.scheduler.submit,
                                         max_tokens=self.pipe.max_verify_tokens, name="draft")
+                self._draft.observer = lambda *a: self.observer and self.observer(*a)
             return self._draft
 
     @property
     def models(self) -> list[SlotModel]:
         return [m for m in (self.target, self._draft) if m is not None]
 
-    def submit(self, prompt: str | None = None, **options) -> Handle:
-        """Start a request (Pipeline.stream's options); it waits for a slot if all are taken."""
+    def request(self, prompt: str | None = None, **options):
+        """A request's options checked (Pipeline.request's, the method's too), in the caller's thread."""
         method = options.get("method", "draft")
         if method not in BATCHED_METHODS:
             raise SpecexportError(f"method: {method!r} does not decode in a batch yet (batched: "
                                   f"{', '.join(BATCHED_METHODS)}); use Pipeline.generate for it")
-        request = self.pipe.request(prompt, **options)        # checked here, in the caller's thread
-        self.pipe._proposer(request, self.pipe)                # the method's options too
+        request = self.pipe.request(prompt, **options)
+        self.pipe._proposer(request, self.pipe)
+        return request
+
+    def submit(self, prompt: str | None = None, **options) -> Handle:
+        """Start a request (Pipeline.stream's options) on a thread of its own; it waits for a slot if all
+        are taken."""
+        request = self.request(prompt, **options)
         handle = Handle()
         thread = threading.Thread(target=self._serve, args=(request, handle), daemon=True,
                                   name="specexport-batch")
@@ -163,23 +172,35 @@ class Batch:
         thread.start()
         return handle
 
+    def stream(self, request, *, done):
+        """Yield `request`'s text pieces, decoded in this thread as one of the batch (it waits for a slot
+        first); done(GenerationOutput) when it ends. Closing the generator frees the slot."""
+        with self._admit:
+            self.scheduler.join()
+            between = self.scheduler.between_passes
+            target = between(self.target.view)
+            drafts = []
+
+            def draft():                    # the draft's slot, taken when the proposer first asks for it
+                model = self.draft_model()
+                drafts.append(between(model.view))
+                return drafts[-1]
+
+            try:
+                pieces = self.pipe.decode_request(request, target, draft, done=done)
+                try:
+                    yield from pieces
+                finally:
+                    pieces.close()
+            finally:
+                between(lambda: [v.model.release(v) for v in (target, *drafts)])
+                self.scheduler.leave()
+
     def _serve(self, request, handle: Handle) -> None:
-        self._admit.acquire()
-        self.scheduler.join()
-        between = self.scheduler.between_passes
-        target = between(self.target.view)
-        drafts = []
-
-        def draft():                        # the draft's slot, taken when the proposer first asks for it
-            model = self.draft_model()
-            drafts.append(between(model.view))
-            return drafts[-1]
-
         try:
             if handle.cancelled.is_set():
                 return
-            pieces = self.pipe.decode_request(request, target, draft,
-                                              done=lambda out: setattr(handle, "output", out))
+            pieces = self.stream(request, done=lambda out: setattr(handle, "output", out))
             try:
                 for piece in pieces:
                     handle._events.put(("piece", piece))
@@ -191,9 +212,6 @@ class Batch:
             handle.error = err
             handle._events.put(("error", err))
         finally:
-            between(lambda: [v.model.release(v) for v in (target, *drafts)])
-            self.scheduler.leave()
-            self._admit.release()
             handle._events.put(("end", None))
             handle._done.set()
 
@@ -219,3 +237,40 @@ def row_exact(pipe) -> tuple[bool, str]:
     if any(v != 0.0 for v in dependence.values()) or not dependence:
         return False, f"the build measured the {pipe.precision} graph's rows dependent ({dependence})"
     return True, ""
+
+
+AUTO_SLOTS = (8, 4, 2)          # the batch sizes auto_max_batch tries, largest first
+AUTO_BOUND = 2.0                # ... the largest whose pass costs at most this many one-row passes
+
+
+def auto_max_batch(pipe, *, clock=None, reps: int = 3) -> tuple[int, str]:
+    """(max_batch, why): measured here, the largest of AUTO_SLOTS whose one-row-per-request pass costs at
+    most AUTO_BOUND one-row passes (so a request's time per token stays within about twice a lone
+    request's), 1 where rows are not exact or none qualifies. Takes a few passes of the target."""
+    import time
+
+    import numpy as np
+
+    exact, why = row_exact(pipe)
+    if not exact:
+        return 1, f"max_batch 1: {why}"
+    clock = clock or time.perf_counter
+    target = pipe.target
+    tokens = np.zeros(max(AUTO_SLOTS), np.int64)
+
+    def cost(rows: int) -> float:
+        times = []
+        for _ in range(reps + 1):                   # the first is a warm-up
+            target.reset()
+            start = clock()
+            target.forward(tokens[:rows])
+            times.append(clock() - start)
+        target.reset()
+        return float(np.median(times[1:]))
+
+    one = cost(1)
+    costs = {n: cost(n) / one for n in AUTO_SLOTS if n <= target.max_tokens}
+    chosen = next((n for n, c in costs.items() if c <= AUTO_BOUND), 1)
+    measured = ", ".join(f"{n} rows {c:.2f}" for n, c in sorted(costs.items()))
+    return chosen, (f"max_batch {chosen} (measured here, in one-row passes: {measured}; the largest at most "
+                    f"{AUTO_BOUND:g})")

@@ -398,28 +398,6 @@ class Pipeline:
         self.close()
 
 
-def dynamic_tree_settings(text: str) -> dict:
-    """"dynamic" -> {} (DynamicTree's defaults); "dynamic:K/D/N" -> {top_k: K, depth: D, total_tokens: N}
-    (how the bench's --eagle-trees and the CLI's --tree name one dynamic tree)."""
-    if text == "dynamic":
-        return {}
-    try:
-        k, d, n = (int(x) for x in text.removeprefix("dynamic:").split("/"))
-    except ValueError:
-        raise SpecexportError(f"tree: {text!r}: expected 'dynamic' or 'dynamic:TOP_K/DEPTH/TOTAL_TOKENS' (e.g. "
-                              f"dynamic:4/5/15)") from None
-    return {"top_k": k, "depth": d, "total_tokens": n}
-
-
-def _named_tree(tree, named: dict):
-    """A tree given by name (one of `named`) or as rank paths."""
-    paths = named.get(tree) if isinstance(tree, str) else tree
-    if paths is None:
-        raise SpecexportError(f"tree: {tree!r} is not a known tree; known: {', '.join(named)}, or a list "
-                              f"of rank paths like [[0], [1], [0, 0]]")
-    return paths
-
-
 def _find_stop(text: str, stop) -> int | None:
     hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return min(hits) if hits else None

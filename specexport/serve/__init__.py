@@ -38,6 +38,7 @@ def serve(output_dir, *, host: str = "127.0.0.1", port: int = 8000, method: str 
     app = create_app(pipe, method=method, name=name, api_key=api_key, limits=limits)
     worker = app.state.worker
     print(f"specexport serve: {app.state.model_name} ({pipe.dir}, target {pipe.precision}); {worker.method_note}; "
+          f"{worker.batch_note}; "
           f"{pipe.thread_note}{'; ' + pipe.kernel_note if pipe.kernel_note else ''}"
           f"{'; API key required' if api_key else ''}", flush=True)
     server = make_server(app, host=host, port=port, log_level=log_level)

@@ -56,7 +56,7 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None, api_key: 
     limits = limits or Limits()
     metrics = Metrics()
     worker = ModelWorker(pipe, method=method, max_queue=limits.max_queue, request_timeout_s=limits.request_timeout_s,
-                         metrics=metrics)
+                         metrics=metrics, max_batch=limits.max_batch)
     metrics.queue_depth.set_function(lambda: worker.waiting)
     metrics.running.set_function(lambda: worker.running)
     metrics.watch_suffix_cache(lambda: pipe._suffix_cache)

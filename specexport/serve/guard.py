@@ -26,15 +26,18 @@ DRAIN_LIMIT = 64 * 2 ** 20      # an oversized body is read (and dropped) up to 
 class Limits:
     """The server's limits (`specexport serve` flags in brackets)."""
     max_body_bytes: int = 4 * 2 ** 20           # a request body larger than this: 413 [--max-body-bytes]
-    max_queue: int = 64                         # requests waiting behind the running one; more: 429 [--max-queue]
+    max_queue: int = 64                         # requests waiting behind the running ones; more: 429 [--max-queue]
     request_timeout_s: float | None = 300.0     # arrival -> done, queue included; later: 504 [--request-timeout]
     shutdown_grace_s: float = 20.0              # SIGTERM: finish within this, then stop what runs [--shutdown-grace]
+    max_batch: int | None = 1                   # requests decoding together (runtime/batch.py); None: measured [--max-batch]
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes: expected >= 1")
         if self.max_queue < 0:
             raise ValueError("max_queue: expected >= 0")
+        if self.max_batch is not None and self.max_batch < 1:
+            raise ValueError("max_batch: expected >= 1")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s: expected > 0 (or None: no deadline)")
         if self.shutdown_grace_s < 0:

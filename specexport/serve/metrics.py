@@ -4,7 +4,7 @@ Each app has its own registry (two servers in one process do not share counts). 
 
     specexport_requests_total{endpoint, status}        HTTP responses by route and status code
     specexport_queue_depth                             requests waiting for the model
-    specexport_requests_running                        requests decoding (0 or 1: the runtime is batch 1)
+    specexport_requests_running                        requests decoding (up to --max-batch)
     specexport_decodes_total{outcome}                  decodes by how they ended: done | cancelled (the client
                                                        left) | timeout | shutdown | invalid (400) | error (500)
     specexport_prompt_tokens_total                     prompt tokens of finished decodes
@@ -18,6 +18,10 @@ Each app has its own registry (two servers in one process do not share counts). 
     specexport_time_per_output_token_seconds           histogram: first token -> last, per further token
     specexport_queue_time_seconds                      histogram: arrival -> the decode thread takes it
     specexport_request_latency_seconds                 histogram: arrival -> the decode ends
+    specexport_batch_slots                             requests that decode together (--max-batch; 1: one at a time)
+    specexport_batch_occupancy                         requests decoding in the batch now
+    specexport_batch_passes_total{model}               batched passes (target, draft)
+    specexport_batch_rows_total{model, kind}           their rows: real (requests' tokens) and padded (computed)
     specexport_suffix_cache_tokens                     tokens in the suffix cache (method suffix; 0 before its first use)
     specexport_suffix_cache_bytes                      its memory (numpy arrays)
     specexport_suffix_cache_lookups_total              rounds that looked it up; _hits_total: that found a match
@@ -75,6 +79,22 @@ class Metrics:
                                          buckets=LATENCY_BUCKETS, registry=r)
         self.latency = prom.Histogram("specexport_request_latency_seconds", "Request arrival to the end of its decode.",
                                       buckets=LATENCY_BUCKETS, registry=r)
+
+    def watch_batch(self, slots: int, occupancy) -> None:
+        """Batched decoding's gauges: its slots, and occupancy() (slots in use) read at scrape time."""
+        r = self.registry
+        prom.Gauge("specexport_batch_slots", "Requests that decode together.", registry=r).set(slots)
+        prom.Gauge("specexport_batch_occupancy", "Requests decoding in the batch now.",
+                   registry=r).set_function(occupancy)
+        self.batch_passes = prom.Counter("specexport_batch_passes", "Batched passes by model.", ["model"], registry=r)
+        self.batch_rows = prom.Counter("specexport_batch_rows", "Rows of batched passes: real and padded.",
+                                       ["model", "kind"], registry=r)
+
+    def batch_pass(self, model: str, batch: int, tokens: int, real: int) -> None:
+        """One batched pass of `batch` x `tokens` rows, `real` of them requests' tokens (on a decode thread)."""
+        self.batch_passes.labels(model).inc()
+        self.batch_rows.labels(model, "real").inc(real)
+        self.batch_rows.labels(model, "padded").inc(batch * tokens)
 
     def watch_suffix_cache(self, cache_of) -> None:
         """Gauges read at scrape time from `cache_of()` (the pipeline's SuffixCache, or None before its

@@ -121,7 +121,7 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _one_prompt(self):
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str) and len(self.prompt) > 1:
-            raise ValueError("prompt: one prompt per request (the runtime is batch 1)")
+            raise ValueError("prompt: one prompt per request (send several requests at once: the server batches them)")
         if self.prompt == [] or self.prompt == "":
             raise ValueError("prompt: empty")
         for name, bad in {"echo": self.echo, "best_of": (self.best_of or 1) != 1, "suffix": bool(self.suffix)}.items():

@@ -1,7 +1,10 @@
-"""One loaded model, decoding one request at a time on its own thread.
+"""One loaded model, decoding up to `max_batch` requests at a time, each on a thread of its own.
 
-The runtime is batch 1, so requests queue (FIFO) on a single-thread executor; the event loop only
-waits on each job's asyncio queue, which the decode thread fills through call_soon_threadsafe.
+Requests queue (FIFO) on an executor of max_batch threads; with max_batch > 1 the running ones decode
+together, every round of each in one target pass (runtime/batch.py), each answer its batch-1 answer;
+a method that does not batch (medusa, eagle) decodes one request at a time beside the batch. The
+event loop only waits on each job's asyncio queue, which the decode threads fill through
+call_soon_threadsafe.
 ONNX Runtime releases the GIL while it runs, so the server keeps answering (/health, new requests,
 other streams) during a decode. A job whose client went away is cancelled: a queued one never
 starts (and leaves the queue at once), a running one stops after the piece being decoded (one
@@ -24,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from specexport.errors import SpecexportError
-from specexport.runtime.methods import resolve_default_method, stored_choice  # noqa: F401  (the server's API)
+from specexport.runtime.batch import BATCHED_METHODS, auto_max_batch
+from specexport.runtime.methods import auto_summary, resolve_default_method, stored_choice  # noqa: F401  (the server's API)
 from specexport.serve.protocol import RequestError
 
 log = logging.getLogger("specexport.serve")
@@ -96,14 +100,26 @@ def shutting_down(why: str = "it no longer accepts requests") -> RequestError:
 
 class ModelWorker:
     def __init__(self, pipe, *, method: str = "auto", max_queue: int = 64, request_timeout_s: float | None = None,
-                 metrics=None):
+                 metrics=None, max_batch: int | None = 1):
         self.pipe = pipe
         self.default_method, self.method_note = resolve_default_method(pipe, method)
         self.max_queue, self.request_timeout_s, self.metrics = max_queue, request_timeout_s, metrics
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specexport-decode")
+        self.batch_note = f"max_batch {max_batch} (as given)"
+        if max_batch is None:                       # auto: measured on this machine (runtime/batch.py)
+            max_batch, self.batch_note = auto_max_batch(pipe)
+        self.batch = pipe.batch(max_batch) if max_batch > 1 else None
+        self.slots = self.batch.slots if self.batch is not None else 1
+        if self.batch is not None and not self.batch.exact:
+            self.batch_note += f"; {self.batch.note}"
+        if metrics is not None:
+            metrics.watch_batch(self.slots, lambda: self.running)
+            if self.batch is not None:
+                self.batch.observer = metrics.batch_pass
+        self._solo = threading.Lock()       # the methods that do not batch: one request at a time
+        self._executor = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="specexport-decode")
         self._lock = threading.Lock()
         self.waiting = 0            # queued jobs
-        self.running = 0            # decoding jobs (0 or 1)
+        self.running = 0            # decoding jobs (up to slots)
         self.drain_deadline: float | None = None             # set by drain(): time.monotonic() the grace ends
         self.grace_s = 0.0
         self._service_s = 0.0       # moving average of a job's decode time (for Retry-After)
@@ -127,7 +143,7 @@ class ModelWorker:
         with self._lock:
             if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
                 raise shutting_down()       # (during the grace period: requests that were on their way when it began)
-            if self.pending > self.max_queue:
+            if self.pending >= self.max_queue + self.slots:
                 raise RequestError(
                     f"the server is busy: {self.waiting} requests are waiting for the model (--max-queue "
                     f"{self.max_queue}); retry after the Retry-After seconds", status=429, kind="rate_limit_error",
@@ -199,7 +215,20 @@ class ModelWorker:
         options = dict(job.options)
         method = options.pop("method", None) or self.default_method
         self.pipe.auto_note = None
-        stream = self.pipe.stream(prompt_ids=job.prompt_ids, method=method, **options)
+        used = self._auto_choice()["method"] if method == "auto" else method
+        if self.batch is not None and used in BATCHED_METHODS:
+            result = {}
+            request = self.batch.request(prompt_ids=job.prompt_ids, method=method, **options)
+            stream = self.batch.stream(request, done=lambda out: result.setdefault("output", out))
+            note = auto_summary(self._auto_choice(), self.pipe.dir) if method == "auto" else ""
+            return self._pieces(job, stream, lambda: (result["output"], note), used)
+        with self._solo:
+            stream = self.pipe.stream(prompt_ids=job.prompt_ids, method=method, **options)
+            return self._pieces(job, stream, lambda: (self.pipe.last_output,
+                                                      (self.pipe.auto_note or "") if method == "auto" else ""), used)
+
+    def _pieces(self, job: Job, stream, result, used: str) -> Event:
+        """Run a decode's pieces into the job's events; result() -> (GenerationOutput, note) at the end."""
         first = None
         try:
             for piece in stream:
@@ -213,13 +242,11 @@ class ModelWorker:
                     job.emit(Event("text", text=piece))
         finally:
             stream.close()
-        output = self.pipe.last_output
+        output, note = result()
         if self.metrics is not None:
             self.metrics.finished(output=output, prompt_tokens=len(job.prompt_ids), arrived=job.arrived,
                                   first_token=first, ended=time.monotonic())
-        used = self._auto_choice()["method"] if method == "auto" else method
-        return Event("done", output=output, method=used,
-                     note=(self.pipe.auto_note or "") if method == "auto" else "")
+        return Event("done", output=output, method=used, note=note)
 
     def _auto_choice(self) -> dict:
         return auto_choice(self.pipe) or {"method": "vanilla"}

@@ -77,8 +77,9 @@ class SlotModel:
         self.binding = self.session.io_binding()
         self._bind_in, self._bind_out, self._run = _binding_calls(require("onnxruntime"), self.session, self.binding)
         self.views: list[SlotView] = []                 # the slots in use, in slot order
-        self.passes = 0                                 # passes run (the server's metrics)
+        self.passes = 0                                 # passes run
         self.rows_run = 0                               # real rows over those passes
+        self.observer = None                            # observer(name, B, Tp, real rows) after each pass
 
     def share(self) -> int:
         """Rows a slot's round takes now: the pass's rows over the slots in use (each a row at least):
@@ -137,8 +138,11 @@ class SlotModel:
                 rows[b, 0] = T - 1
         self._bind_pass(tokens, positions, mask, rows, B, Tp, R)
         self._run()
+        real = sum(len(c.tokens) for c in calls)
         self.passes += 1
-        self.rows_run += sum(len(c.tokens) for c in calls)
+        self.rows_run += real
+        if self.observer is not None:
+            self.observer(self.name, B, Tp, real)
         V, H = self.vocab_size, self.io.hidden_size
         logits = self.logits[:B * R * V].reshape(B, R, V)
         hidden = self.hidden[:B * Tp * H].reshape(B, Tp, H)
