@@ -63,11 +63,14 @@ class Ours:
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.banner = self.proc.stdout.readline().strip()
         wait_ready(self.proc, self.port, self.name)
+        self.model = httpx.get(f"http://127.0.0.1:{self.port}/v1/models").json()["data"][0]["id"]
 
     def request(self, ids: list[int], method: str, tokens: int):
-        body = {"model": "m", "prompt": ids, "max_tokens": tokens, "temperature": 0, "stream": True,
+        body = {"model": self.model, "prompt": ids, "max_tokens": tokens, "temperature": 0, "stream": True,
                 "method": method, "suffix_cache": False}
         with httpx.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body, timeout=900) as r:
+            if r.status_code != 200:
+                raise SystemExit(f"{self.name}: {r.status_code} {r.read().decode()[:300]}")
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -97,6 +100,8 @@ class LlamaServer:
         body = {"prompt": ids, "n_predict": tokens, "temperature": 0.0, "top_k": 1, "samplers": ["top_k"],
                 "cache_prompt": False, "stream": True}
         with httpx.stream("POST", f"http://127.0.0.1:{self.port}/completion", json=body, timeout=900) as r:
+            if r.status_code != 200:
+                raise SystemExit(f"{self.name}: {r.status_code} {r.read().decode()[:300]}")
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue

@@ -243,7 +243,7 @@ AUTO_SLOTS = (8, 4, 2)          # the batch sizes auto_max_batch tries, largest 
 AUTO_BOUND = 2.0                # ... the largest whose pass costs at most this many one-row passes
 
 
-def auto_max_batch(pipe, *, clock=None, reps: int = 3) -> tuple[int, str]:
+def auto_max_batch(pipe, *, clock=None, reps: int = 5) -> tuple[int, str]:
     """(max_batch, why): measured here, the largest of AUTO_SLOTS whose one-row-per-request pass costs at
     most AUTO_BOUND one-row passes (so a request's time per token stays within about twice a lone
     request's), 1 where rows are not exact or none qualifies. Takes a few passes of the target."""
@@ -258,18 +258,18 @@ def auto_max_batch(pipe, *, clock=None, reps: int = 3) -> tuple[int, str]:
     target = pipe.target
     tokens = np.zeros(max(AUTO_SLOTS), np.int64)
 
-    def cost(rows: int) -> float:
-        times = []
-        for _ in range(reps + 1):                   # the first is a warm-up
+    sizes = [1, *(n for n in AUTO_SLOTS if n <= target.max_tokens)]
+    times: dict = {n: [] for n in sizes}
+    for rep in range(reps + 1):                     # sizes interleaved (the machine drifts); the first round warms
+        for n in sizes:
             target.reset()
             start = clock()
-            target.forward(tokens[:rows])
-            times.append(clock() - start)
-        target.reset()
-        return float(np.median(times[1:]))
-
-    one = cost(1)
-    costs = {n: cost(n) / one for n in AUTO_SLOTS if n <= target.max_tokens}
+            target.forward(tokens[:n])
+            if rep:
+                times[n].append(clock() - start)
+    target.reset()
+    one = float(np.median(times[1]))
+    costs = {n: float(np.median(times[n])) / one for n in sizes[1:]}
     chosen = next((n for n, c in costs.items() if c <= AUTO_BOUND), 1)
     measured = ", ".join(f"{n} rows {c:.2f}" for n, c in sorted(costs.items()))
     return chosen, (f"max_batch {chosen} (measured here, in one-row passes: {measured}; the largest at most "

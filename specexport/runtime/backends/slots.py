@@ -5,9 +5,13 @@ Layout: padded [B, Tp]. Every row of the pass is written at cache rows P..P+Tp-1
 committed length among the B slots; a slot with fewer committed rows L < P has a hole [L, P) that its
 mask hides, and commit copies its kept rows from P + keep down to L + k. Rows past a call's own T (the
 padding up to Tp) and slots without a call this pass (dummies) see only themselves and are never
-committed. Why padded, not packed rows with a block-diagonal mask: the graph contract keeps one cache
-per batch row and one P per pass (seqlens_k from the mask's width), so packing several requests into
-one batch row would need a shared cache and a paged layout; padding costs rows, measured in docs.
+committed. Padding costs compute (on a CPU each row past a few costs ~0.4 of a one-row pass), so a
+call much longer than the rest (a prompt chunk among one-token steps) runs alone in a pass of its own
+slot when padding the others to it would cost more than re-reading the weights (`plan`). Why not
+packed rows with a block-diagonal mask: the graph contract keeps one cache per batch row and one P per
+pass (seqlens_k from the mask's width), so one batch row of several requests needs one shared cache,
+and the kernels' attention computes a hidden key's dot product before it skips it: every row would
+pay for every other request's keys. docs/serving.md has the measurements.
 
 Exactness: a slot's rows see the same keys in the same cache order as alone (hidden keys are skipped,
 not added as zeros, by the kernels' attention) and the matmuls' rows do not depend on the other rows
@@ -27,6 +31,11 @@ from specexport.errors import SpecexportError
 from specexport.io_spec import (ATTENTION_MASK, AUX_HIDDEN_STATES, HIDDEN_STATES, INPUT_IDS, LOGITS, LOGITS_ROWS,
                                 POSITION_IDS)
 from specexport.runtime.backends.base import Backend, StepOutput
+
+
+# A pass's fixed cost (reading the weights once) in rows of compute: what splitting a pass costs. Measured
+# on Qwen2.5-Coder-1.5B Q4_K_M, this CPU (AVX2, 2 threads): one row 46 ms, each further row ~18 ms.
+FIXED_ROWS = 1.6
 
 
 @dataclass(eq=False)
@@ -80,6 +89,7 @@ class SlotModel:
         self.passes = 0                                 # passes run
         self.rows_run = 0                               # real rows over those passes
         self.observer = None                            # observer(name, B, Tp, real rows) after each pass
+        self.fixed_rows = FIXED_ROWS
 
     def share(self) -> int:
         """Rows a slot's round takes now: the pass's rows over the slots in use (each a row at least):
@@ -108,12 +118,56 @@ class SlotModel:
                 v.slot = i
 
     def run(self, calls: list[Call]) -> None:
-        """One pass over slots 0..B-1, B the highest calling slot + 1; every call gets its `out`."""
+        """Run every call: the plan's passes (`plan`), each call's `out` a view of its pass's outputs."""
         self._pack()
-        by_slot = {c.view.slot: c for c in calls}
-        B = max(by_slot) + 1
+        group, singles = self.plan(calls)
+        passes = [g for g in ([group] if group else []) + [[c] for c in singles]]
+        need = sum(self._extent(g)[0] * max(self.min_tokens, max(len(c.tokens) for c in g)) for g in passes)
+        if need > self.logits.size // self.vocab_size:          # a plan's rows past the buffers: grow them
+            self._grow(need)
+        offset = 0
+        for g in passes:
+            offset += self._pass(g, offset)
+
+    def plan(self, calls: list[Call]) -> tuple[list[Call], list[Call]]:
+        """(the calls that share one padded pass, the calls that run alone). Alone, a call costs a pass's
+        fixed part (reading the weights: `fixed_rows`, in rows) but no padding; together, every slot in the
+        range computes the longest call's rows. The longest calls leave the group while that is cheaper."""
+        group = sorted(calls, key=lambda c: len(c.tokens))
+        singles: list[Call] = []
+
+        def cost(g):
+            if not g:
+                return 0.0
+            B, _ = self._extent(g)
+            return self.fixed_rows + B * max(self.min_tokens, len(g[-1].tokens))
+
+        while len(group) > 1:
+            peeled = group[:-1]
+            if cost(peeled) + self.fixed_rows + max(self.min_tokens, len(group[-1].tokens)) >= cost(group):
+                break
+            singles.append(group.pop())
+        return group, singles
+
+    @staticmethod
+    def _extent(g: list[Call]) -> tuple[int, int]:
+        """(slots in the pass, the first): the range from the lowest calling slot to the highest."""
+        slots = [c.view.slot for c in g]
+        return max(slots) - min(slots) + 1, min(slots)
+
+    def _grow(self, rows: int) -> None:
+        self.logits = np.zeros(rows * self.vocab_size, np.float32)
+        self.hidden = np.zeros(rows * self.io.hidden_size, np.float32)
+        if self.aux is not None:
+            self.aux = np.zeros(rows * self.aux_width, np.float32)
+
+    def _pass(self, calls: list[Call], offset: int) -> int:
+        """One forward over slots lo..lo+B-1 padded to Tp rows, its outputs at row `offset` of the output
+        buffers; returns the rows it used there (B x Tp)."""
+        B, lo = self._extent(calls)
+        by_slot = {c.view.slot - lo: c for c in calls}
         Tp = max(self.min_tokens, max(len(c.tokens) for c in calls))
-        P = max(v.length for v in self.views[:B])
+        P = max(v.length for v in self.views[lo:lo + B])
         W = P + Tp
         R = 1 if all(c.last_only for c in calls) else Tp        # prefill chunks only: the last row's logits
         tokens = np.zeros((B, Tp), np.int64)
@@ -123,8 +177,7 @@ class SlotModel:
         self_rows = np.arange(Tp)
         mask[:, self_rows, P + self_rows] = True                 # padding and dummies see themselves only
         for b in range(B):
-            view = self.views[b]
-            L = view.length
+            L = self.views[lo + b].length
             positions[b] = L
             call = by_slot.get(b)
             if call is None:
@@ -136,7 +189,7 @@ class SlotModel:
             mask[b, :T, P:P + T] = np.tri(T, dtype=bool) if call.tree_mask is None else call.tree_mask
             if R == 1:
                 rows[b, 0] = T - 1
-        self._bind_pass(tokens, positions, mask, rows, B, Tp, R)
+        self._bind_pass(tokens, positions, mask, rows, B, Tp, R, lo, offset)
         self._run()
         real = sum(len(c.tokens) for c in calls)
         self.passes += 1
@@ -144,33 +197,37 @@ class SlotModel:
         if self.observer is not None:
             self.observer(self.name, B, Tp, real)
         V, H = self.vocab_size, self.io.hidden_size
-        logits = self.logits[:B * R * V].reshape(B, R, V)
-        hidden = self.hidden[:B * Tp * H].reshape(B, Tp, H)
-        aux = None if self.aux is None else self.aux[:B * Tp * self.aux_width].reshape(B, Tp, self.aux_width)
+        logits = self.logits[offset * V:(offset + B * R) * V].reshape(B, R, V)
+        hidden = self.hidden[offset * H:(offset + B * Tp) * H].reshape(B, Tp, H)
+        aux = None if self.aux is None else \
+            self.aux[offset * self.aux_width:(offset + B * Tp) * self.aux_width].reshape(B, Tp, self.aux_width)
         for b, call in by_slot.items():
             T = len(call.tokens)
             call.view._scratch = P
             first = 0 if R == 1 else (T - 1 if call.last_only else 0)
             call.out = StepOutput(logits[b, first:first + (1 if call.last_only else T)], hidden[b, :T],
                                   None if aux is None else aux[b, :T])
+        return B * Tp
 
-    def _bind_pass(self, tokens, positions, mask, rows, B, Tp, R) -> None:
+    def _bind_pass(self, tokens, positions, mask, rows, B, Tp, R, lo, offset) -> None:
         bind_in, bind_out = self._bind_in, self._bind_out
         bind_in(INPUT_IDS, tokens)
         bind_in(POSITION_IDS, positions)
         bind_in(ATTENTION_MASK, mask)
         bind_in(LOGITS_ROWS, rows)
-        shape = (B, *self.k[0].shape[1:])               # slots 0..B-1: one contiguous range of each cache
+        shape = (B, *self.k[0].shape[1:])               # slots lo..lo+B-1: one contiguous range of each cache
+        start = lo * self.k[0][0].nbytes
         for i, (k, v) in enumerate(zip(self.k, self.v)):
             (pk, pv), (nk, nv) = self.io.past_names(i), self.io.present_names(i)
-            bind_in(pk, shape, k.ctypes.data)
-            bind_in(pv, shape, v.ctypes.data)
-            bind_out(nk, shape, k.ctypes.data)
-            bind_out(nv, shape, v.ctypes.data)
-        bind_out(LOGITS, (B, R, self.vocab_size), self.logits.ctypes.data)
-        bind_out(HIDDEN_STATES, (B, Tp, self.io.hidden_size), self.hidden.ctypes.data)
+            bind_in(pk, shape, k.ctypes.data + start)
+            bind_in(pv, shape, v.ctypes.data + start)
+            bind_out(nk, shape, k.ctypes.data + start)
+            bind_out(nv, shape, v.ctypes.data + start)
+        f32 = 4
+        bind_out(LOGITS, (B, R, self.vocab_size), self.logits.ctypes.data + offset * self.vocab_size * f32)
+        bind_out(HIDDEN_STATES, (B, Tp, self.io.hidden_size), self.hidden.ctypes.data + offset * self.io.hidden_size * f32)
         if self.aux is not None:
-            bind_out(AUX_HIDDEN_STATES, (B, Tp, self.aux_width), self.aux.ctypes.data)
+            bind_out(AUX_HIDDEN_STATES, (B, Tp, self.aux_width), self.aux.ctypes.data + offset * self.aux_width * f32)
 
 
 class SlotView(Backend):
