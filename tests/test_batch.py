@@ -252,3 +252,21 @@ def test_sixteen_concurrent_openai_clients_against_a_batched_server(pipe):
         assert rows[("target", "padded")] >= rows[("target", "real")]
     finally:
         s.stop()
+
+
+def test_a_long_call_runs_alone_when_padding_the_rest_would_cost_more():
+    from types import SimpleNamespace
+
+    from specexport.runtime.backends.slots import FIXED_ROWS, Call, SlotModel
+
+    model = SimpleNamespace(fixed_rows=FIXED_ROWS, min_tokens=1, _extent=SlotModel._extent)
+
+    def calls(*lengths):
+        return [Call(SimpleNamespace(slot=i), np.zeros(t, np.int64), None, None, False) for i, t in enumerate(lengths)]
+
+    group, alone = SlotModel.plan(model, calls(1, 8, 1, 1))          # a prompt chunk among one-token steps
+    assert [len(c.tokens) for c in alone] == [8] and sorted(c.view.slot for c in group) == [0, 2, 3]
+    group, alone = SlotModel.plan(model, calls(4, 4, 3, 2))          # similar rounds: one pass
+    assert not alone and len(group) == 4
+    group, alone = SlotModel.plan(model, calls(16, 16, 1, 1))        # two chunks: both alone beats padding
+    assert sorted(len(c.tokens) for c in alone) == [16, 16]

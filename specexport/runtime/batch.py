@@ -130,8 +130,7 @@ class Batch:
         self.rows_per_pass = rows_per_pass or pipe.max_verify_tokens
         if not isinstance(self.rows_per_pass, int) or self.rows_per_pass < 1:
             raise SpecexportError(f"rows_per_pass: expected an integer >= 1, got {rows_per_pass!r}")
-        self.target = SlotModel(pipe.target, self.slots, self.scheduler.submit, max_tokens=pipe.max_verify_tokens,
-                                rows_per_pass=self.rows_per_pass)
+        self.target = SlotModel(pipe.target, self.slots, self.scheduler.submit, rows_per_pass=self.rows_per_pass)
         self.target.observer = lambda *a: self.observer and self.observer(*a)
         self._draft: SlotModel | None = None
         self.observer = None                # observer(model name, B, Tp, real rows) after each pass (metrics)
@@ -142,8 +141,8 @@ class Batch:
     def draft_model(self) -> SlotModel:
         with self._draft_lock:
             if self._draft is None:
-                self._draft = SlotModel(self.pipe.draft, self.slots, self.scheduler.submit,
-                                        max_tokens=self.pipe.max_verify_tokens, name="draft")
+                self._draft = SlotModel(self.pipe.draft, self.slots, self.scheduler.submit, name="draft",
+                                        rows_per_pass=self.rows_per_pass)
                 self._draft.observer = lambda *a: self.observer and self.observer(*a)
             return self._draft
 
@@ -268,8 +267,8 @@ def auto_max_batch(pipe, *, clock=None, reps: int = 5) -> tuple[int, str]:
             if rep:
                 times[n].append(clock() - start)
     target.reset()
-    one = float(np.median(times[1]))
-    costs = {n: float(np.median(times[n])) / one for n in sizes[1:]}
+    one = min(times[1])                             # the least of each: a neighbour's load only ever adds
+    costs = {n: min(times[n]) / one for n in sizes[1:]}
     chosen = next((n for n, c in costs.items() if c <= AUTO_BOUND), 1)
     measured = ", ".join(f"{n} rows {c:.2f}" for n, c in sorted(costs.items()))
     return chosen, (f"max_batch {chosen} (measured here, in one-row passes: {measured}; the largest at most "

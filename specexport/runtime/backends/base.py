@@ -126,11 +126,12 @@ class Backend:
 def prefill(backend: "Backend", prompt: np.ndarray, chunk: int, *, features=None) -> np.ndarray:
     """Run the prompt in chunks and commit it; returns the last position's logits [V] (a copy).
     features: called with each chunk's output, rows and first position (_feature_sink)."""
-    chunk = min(chunk, backend.round_rows)
-    for s in range(0, len(prompt), chunk):
-        part = prompt[s:s + chunk]
+    s = 0
+    while s < len(prompt):
+        part = prompt[s:s + min(chunk, backend.round_rows)]     # a batch's slot: its share, as it is now
         out = backend.forward(part, phase="prefill")
         if features is not None:
             features(out, slice(None), backend.length)
         backend.commit(len(part))
+        s += len(part)
     return np.array(out.logits[-1])

@@ -55,8 +55,7 @@ class SlotModel:
     its weights are not loaded twice). submit(model, call) blocks until a pass has run the call (the
     scheduler in runtime/batch.py); run(calls) is that pass."""
 
-    def __init__(self, backend, slots: int, submit, *, max_tokens: int | None = None, name: str = "target",
-                 rows_per_pass: int | None = None):
+    def __init__(self, backend, slots: int, submit, *, name: str = "target", rows_per_pass: int | None = None):
         from specexport._optional import require
         from specexport.runtime.backends.ort import _binding_calls
 
@@ -68,7 +67,7 @@ class SlotModel:
         io = backend.io
         self.io, self.name, self.slots, self.submit = io, name, slots, submit
         self.capacity, self.vocab_size = backend.capacity, io.vocab_size
-        self.max_tokens = min(backend.max_tokens, max_tokens or backend.max_tokens)
+        self.max_tokens = backend.max_tokens           # a lone request's rounds and prompt chunks, as batch-1's
         self.min_tokens = backend.min_tokens
         self.rows_per_pass = rows_per_pass or self.max_tokens   # shared out among the slots in use (share)
         self.exact_trees = backend.exact_trees
@@ -77,7 +76,7 @@ class SlotModel:
         self.k = [np.zeros(shape, np.float32) for _ in range(io.num_layers)]
         self.v = [np.zeros(shape, np.float32) for _ in range(io.num_layers)]
         self.rows = rows
-        T, aux_width = self.max_tokens, len(io.aux_hidden_layers) * io.hidden_size
+        T, aux_width = min(self.max_tokens, self.rows_per_pass), len(io.aux_hidden_layers) * io.hidden_size
         self.logits = np.zeros(slots * T * io.vocab_size, np.float32)      # flat: each pass views [B, R, V]
         self.hidden = np.zeros(slots * T * io.hidden_size, np.float32)
         self.aux_width = aux_width
@@ -92,9 +91,10 @@ class SlotModel:
         self.fixed_rows = FIXED_ROWS
 
     def share(self) -> int:
-        """Rows a slot's round takes now: the pass's rows over the slots in use (each a row at least):
-        rows cost compute past a few on a CPU, and padding makes every slot's row count the longest's."""
-        return max(1, min(self.max_tokens, self.rows_per_pass // max(1, len(self.views))))
+        """Rows a slot's round (or prompt chunk) takes now: a lone request's as batch-1's; else the pass's
+        rows over the slots in use, each a row at least (rows cost compute past a few on a CPU)."""
+        n = len(self.views)
+        return self.max_tokens if n <= 1 else max(1, min(self.max_tokens, self.rows_per_pass // n))
 
     def view(self) -> "SlotView":
         """A new request's slot; SpecexportError when all are taken (the caller admits at most `slots`)."""
@@ -132,22 +132,17 @@ class SlotModel:
     def plan(self, calls: list[Call]) -> tuple[list[Call], list[Call]]:
         """(the calls that share one padded pass, the calls that run alone). Alone, a call costs a pass's
         fixed part (reading the weights: `fixed_rows`, in rows) but no padding; together, every slot in the
-        range computes the longest call's rows. The longest calls leave the group while that is cheaper."""
-        group = sorted(calls, key=lambda c: len(c.tokens))
-        singles: list[Call] = []
+        range computes the longest call's rows. The cheapest number of the longest calls runs alone."""
+        ordered = sorted(calls, key=lambda c: len(c.tokens))
 
-        def cost(g):
-            if not g:
-                return 0.0
-            B, _ = self._extent(g)
-            return self.fixed_rows + B * max(self.min_tokens, len(g[-1].tokens))
+        def cost(k: int) -> float:                  # the k longest alone, the rest together
+            group, alone = ordered[:len(ordered) - k], ordered[len(ordered) - k:]
+            rows = self._extent(group)[0] * max(self.min_tokens, len(group[-1].tokens)) if group else 0
+            return self.fixed_rows * (len(alone) + bool(group)) + rows + \
+                sum(max(self.min_tokens, len(c.tokens)) for c in alone)
 
-        while len(group) > 1:
-            peeled = group[:-1]
-            if cost(peeled) + self.fixed_rows + max(self.min_tokens, len(group[-1].tokens)) >= cost(group):
-                break
-            singles.append(group.pop())
-        return group, singles
+        k = min(range(len(ordered)), key=cost)
+        return ordered[:len(ordered) - k], ordered[len(ordered) - k:]
 
     @staticmethod
     def _extent(g: list[Call]) -> tuple[int, int]:
