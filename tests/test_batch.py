@@ -138,32 +138,14 @@ def test_sampling_through_a_batched_loop_is_the_targets(pipe, monkeypatch):
     """A G-test: the first three sampled tokens of a request decoded next to another one (which leaves
     first, so the tested request moves down a slot) follow the target's own distribution; a planted bug
     (the slot moves but its cache rows stay: it reads the other request's cache) fails the same test."""
-    from fakes import goodness_of_fit
+    from test_gguf_exact import three_token_fit
 
     from specexport.runtime.backends import slots
-    from specexport.runtime.backends.base import prefill
-    from specexport.runtime.sampling import SamplingParams, warp
 
     prompt, other, k = [1, 40, 41, 42], [9, 300, 5, 7, 11], 3
-    target = pipe.target
-    target.reset()
-    top = np.sort(prefill(target, np.asarray(prompt), 64))[-3:]
-    temperature = max(1.0, float(top[-1] - top[0]))             # random blocks: peaky logits (test_gguf_exact)
-    params = SamplingParams(temperature=temperature, top_k=3)
-
-    def probs(ids):
-        target.reset()
-        return warp(prefill(target, np.asarray(ids), 64), params)
-
-    exact = {}
-    p1 = probs(prompt)
-    for a in np.flatnonzero(p1):
-        p2 = probs(prompt + [a])
-        for b in np.flatnonzero(p2):
-            p3 = probs(prompt + [a, b])
-            exact.update({(a, b, c): p1[a] * p2[b] * p3[c] for c in np.flatnonzero(p3)})
-    assert not {t for cell in exact for t in cell} & pipe.eos_ids      # three tokens every time
-    cells = list(exact)
+    params, fit = three_token_fit(pipe.target, prompt)
+    temperature = params.temperature
+    assert not {t for cell in fit.cells for t in cell} & pipe.eos_ids      # three tokens every time
 
     def sample(runs: int, seed: int) -> np.ndarray:
         out = np.empty((runs, k), np.int64)
@@ -178,12 +160,6 @@ def test_sampling_through_a_batched_loop_is_the_targets(pipe, monkeypatch):
                 lead.result()
                 out[r] = tested.result().token_ids
         return out
-
-    def fit(tokens):
-        counts = np.zeros(len(cells) + 1)
-        for row in map(tuple, tokens.tolist()):
-            counts[cells.index(row) if row in exact else -1] += 1
-        return goodness_of_fit(counts, np.array([*exact.values(), 0.0]))
 
     good = fit(sample(600, seed=0))
     assert good.pvalue > 1e-4, good

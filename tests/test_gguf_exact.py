@@ -176,41 +176,16 @@ def _sampling_through_the_loop_is_the_targets(out):
     of a draft-chain decode follow the target's own distribution, computed from its logits context by context
     (rows independent of the pass, so a context's logits are the same in prefill and in verification); a
     planted bug in the rejection step fails the same test."""
-    from fakes import decode_many, goodness_of_fit
+    from fakes import decode_many
 
     import specexport
     from specexport.runtime import loop
-    from specexport.runtime.backends.base import prefill
     from specexport.runtime.proposers import DraftChain
-    from specexport.runtime.sampling import SamplingParams, warp
 
     prompt, k = [1, 40, 41, 42], 3
     with specexport.load(out, precision="gguf") as tgt, specexport.load(out, precision="gguf") as drf:
         target = tgt.target
-        target.reset()
-        top = np.sort(prefill(target, np.asarray(prompt), 64))[-3:]
-        # random blocks make peaky logits: a temperature of the top three's spread keeps three live outcomes
-        params = SamplingParams(temperature=max(1.0, float(top[-1] - top[0])), top_k=3)
-
-        def probs(ids):
-            target.reset()
-            return warp(prefill(target, np.asarray(ids), 64), params)
-
-        exact = {}                                                  # (t1, t2, t3) -> probability: 27 cells
-        p1 = probs(prompt)
-        for a in np.flatnonzero(p1):
-            p2 = probs(prompt + [a])
-            for b in np.flatnonzero(p2):
-                p3 = probs(prompt + [a, b])
-                exact.update({(a, b, c): p1[a] * p2[b] * p3[c] for c in np.flatnonzero(p3)})
-        cells = list(exact)
-
-        def fit(tokens):                                            # a last cell, probability 0, for anything else
-            counts = np.zeros(len(cells) + 1)
-            for row in map(tuple, tokens.tolist()):
-                counts[cells.index(row) if row in exact else -1] += 1
-            return goodness_of_fit(counts, np.array([*exact.values(), 0.0]))
-
+        params, fit = three_token_fit(target, prompt)
         chain = DraftChain(_Sharpened(drf.target), 3)
         tokens, proposed, accepted = decode_many(target, chain, prompt, params, 1500, max_new=k, seed=3)
         assert fit(tokens).pvalue > 1e-4, fit(tokens)
@@ -264,3 +239,40 @@ def test_the_largest_five_and_six_bit_tensors_go_eight_bit_within_the_budget(qua
     assert min(narrow[n] for n in wide) >= max(narrow[n] for n in set(narrow) - wide) or \
         all(narrow[n] + sum(narrow[w] for w in wide) > WIDE_BUDGET * sum(int(t.n_bytes) for t in tensors)
             for n in set(narrow) - wide)                      # a skipped one did not fit
+
+
+def three_token_fit(target, prompt):
+    """(sampling params, fit): the target's exact distribution of the next three tokens, context by context
+    from its own logits (top-k 3; random blocks make peaky logits, so a temperature of the top three's spread
+    keeps three live outcomes), and fit(tokens [runs, 3]) -> the G-test of sampled rows against it (a last
+    cell, probability 0, for anything else)."""
+    from fakes import goodness_of_fit
+
+    from specexport.runtime.backends.base import prefill
+    from specexport.runtime.sampling import SamplingParams, warp
+
+    target.reset()
+    top = np.sort(prefill(target, np.asarray(prompt), 64))[-3:]
+    params = SamplingParams(temperature=max(1.0, float(top[-1] - top[0])), top_k=3)
+
+    def probs(ids):
+        target.reset()
+        return warp(prefill(target, np.asarray(ids), 64), params)
+
+    exact = {}                                                      # (t1, t2, t3) -> probability: 27 cells
+    p1 = probs(prompt)
+    for a in np.flatnonzero(p1):
+        p2 = probs(prompt + [a])
+        for b in np.flatnonzero(p2):
+            p3 = probs(prompt + [a, b])
+            exact.update({(a, b, c): p1[a] * p2[b] * p3[c] for c in np.flatnonzero(p3)})
+    cells = list(exact)
+
+    def fit(tokens):
+        counts = np.zeros(len(cells) + 1)
+        for row in map(tuple, tokens.tolist()):
+            counts[cells.index(row) if row in exact else -1] += 1
+        return goodness_of_fit(counts, np.array([*exact.values(), 0.0]))
+
+    fit.cells = cells
+    return params, fit
