@@ -66,7 +66,7 @@ class BatchSize(click.ParamType):
 @click.option("--max-body-bytes", default="4MiB", show_default=True, type=ByteSize(),
               help="The largest request body accepted (413 beyond it); 4194304, 4MiB, 512KiB.")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
-              help="Requests that may wait behind the one decoding; more get a 429 with Retry-After.")
+              help="Requests that may wait behind the ones decoding; more get a 429 with Retry-After.")
 @click.option("--max-batch", default="auto", show_default=True, type=BatchSize(),
               help="Requests that decode together, every round of each in one target pass, each answer its "
                    "lone answer (on graphs the build measured row-exact: specexport's CPU kernels). auto: "

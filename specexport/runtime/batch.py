@@ -131,7 +131,7 @@ class Batch:
         if not isinstance(self.rows_per_pass, int) or self.rows_per_pass < 1:
             raise SpecexportError(f"rows_per_pass: expected an integer >= 1, got {rows_per_pass!r}")
         self.target = SlotModel(pipe.target, self.slots, self.scheduler.submit, rows_per_pass=self.rows_per_pass)
-        self.target.observer = lambda *a: self.observer and self.observer(*a)
+        self.target.observer = self._observe
         self._draft: SlotModel | None = None
         self.observer = None                # observer(model name, B, Tp, real rows) after each pass (metrics)
         self._draft_lock = threading.Lock()
@@ -143,12 +143,12 @@ class Batch:
             if self._draft is None:
                 self._draft = SlotModel(self.pipe.draft, self.slots, self.scheduler.submit, name="draft",
                                         rows_per_pass=self.rows_per_pass)
-                self._draft.observer = lambda *a: self.observer and self.observer(*a)
+                self._draft.observer = self._observe
             return self._draft
 
-    @property
-    def models(self) -> list[SlotModel]:
-        return [m for m in (self.target, self._draft) if m is not None]
+    def _observe(self, *args) -> None:
+        if self.observer is not None:
+            self.observer(*args)
 
     def request(self, prompt: str | None = None, **options):
         """A request's options checked (Pipeline.request's, the method's too), in the caller's thread."""

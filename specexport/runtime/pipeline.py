@@ -254,12 +254,10 @@ class Pipeline:
         params = self._params(temperature, top_k, top_p)
         if not isinstance(suffix_scope, str):
             raise SpecexportError(f"suffix_scope: expected a string, got {type(suffix_scope).__name__}")
-        request = Request(ids, params, max_new_tokens, seed, tuple(stop), suffix_scope, suffix_share,
-                          (method, gamma, draft_stop, lookup_branches, tree, sampled_children))
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            self._proposer(request, self)       # a bad method option is named before a bad max_new_tokens
             raise SpecexportError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
-        return request
+        return Request(ids, params, max_new_tokens, seed, tuple(stop), suffix_scope, suffix_share,
+                       (method, gamma, draft_stop, lookup_branches, tree, sampled_children))
 
     def stream(self, prompt: str | None = None, **options):
         """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards.

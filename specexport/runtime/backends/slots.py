@@ -62,8 +62,6 @@ class SlotModel:
         if not hasattr(backend, "session"):
             raise SpecexportError(f"batched decoding runs on the onnxruntime CPU backend; the {name} is on "
                                   f"{type(backend).__name__}")
-        if slots < 1:
-            raise SpecexportError(f"max_batch: expected an integer >= 1, got {slots}")
         io = backend.io
         self.io, self.name, self.slots, self.submit = io, name, slots, submit
         self.capacity, self.vocab_size = backend.capacity, io.vocab_size
@@ -75,7 +73,6 @@ class SlotModel:
         shape = (slots, io.num_kv_heads, rows, io.head_dim)
         self.k = [np.zeros(shape, np.float32) for _ in range(io.num_layers)]
         self.v = [np.zeros(shape, np.float32) for _ in range(io.num_layers)]
-        self.rows = rows
         T, aux_width = min(self.max_tokens, self.rows_per_pass), len(io.aux_hidden_layers) * io.hidden_size
         self.logits = np.zeros(slots * T * io.vocab_size, np.float32)      # flat: each pass views [B, R, V]
         self.hidden = np.zeros(slots * T * io.hidden_size, np.float32)
@@ -121,7 +118,7 @@ class SlotModel:
         """Run every call: the plan's passes (`plan`), each call's `out` a view of its pass's outputs."""
         self._pack()
         group, singles = self.plan(calls)
-        passes = [g for g in ([group] if group else []) + [[c] for c in singles]]
+        passes = [group, *([c] for c in singles)]             # the plan keeps one call in the group at least
         need = sum(self._extent(g)[0] * max(self.min_tokens, max(len(c.tokens) for c in g)) for g in passes)
         if need > self.logits.size // self.vocab_size:          # a plan's rows past the buffers: grow them
             self._grow(need)
