@@ -79,17 +79,38 @@ def test_int8_mode_is_exact_integer_dots_of_the_quantized_activations(kernels, q
 @pytest.mark.parametrize("qtype", SUPPORTED)
 def test_every_path_equals_the_reference_bit_for_bit(kernels, qtype):
     rng = np.random.default_rng(3)
-    cases = [(n, 2 if QK[qtype] == 256 else 5) for n in (1, 7, 8, 13, 64 + 3)]   # tails of the 8-column tiles
-    cases += [(5, 9 if QK[qtype] == 256 else 19)]           # full groups of eight blocks, then a tail group
-    for n, nb in cases:
+    # (columns, blocks, rows): every column-tile tail (N mod 4), every row tile (1 x 4, 2 x 4, 3 x 2, 4 x 2 and
+    # its tails past four rows), and columns in more than one chunk (the 32-weight types' 96 KB chunks)
+    cases = [(n, 2 if QK[qtype] == 256 else 5, m) for n, m in ((1, 1), (7, 2), (8, 3), (13, 4), (6, 5), (64 + 3, 11))]
+    cases += [(5, 9 if QK[qtype] == 256 else 19, int(rng.integers(1, 20))), (300, 2 if QK[qtype] == 256 else 19, 7)]
+    for n, nb, m in cases:
         k = QK[qtype] * nb
         w = blocks(rng, qtype, n, k)
-        x = (rng.standard_normal((int(rng.integers(1, 20)), k)) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32)
+        x = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32)
         for exact in (False, True):
             ref = kernels.matmul(qtype, x, w, path="ref", exact=exact)
             for path in kernels.paths():
                 got = kernels.matmul(qtype, x, w, path=path, exact=exact)
                 assert np.array_equal(got, ref), f"{qtype} {path} n={n} k={k} exact={exact}"
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
+def test_every_paths_activation_quantizer_writes_the_references_bytes(kernels, qtype):
+    rng = np.random.default_rng(8)
+    k = 4 * QK[qtype]
+    x = (rng.standard_normal((9, k)) * rng.choice([1e-30, 1e-3, 1.0, 3e4], size=(9, 1))).astype(np.float32)
+    x[1, :QK[qtype]] = 0.0                                   # an all-zero block
+    x[2, 5], x[3, 7], x[4, -1] = np.nan, np.inf, -np.inf     # non-finite blocks: d NaN, values 0
+    x[5, :QK[qtype]] = np.arange(QK[qtype]) - QK[qtype] / 2  # ties: x * 127 / max|x| at .5
+    x[6, ::3] = -0.0
+    x[7] = np.float32(1e-42) * rng.integers(-9, 9, k)        # subnormals
+    want = kernels.quantize(qtype, x, path="ref")
+    q, d = quantized_activations(np.nan_to_num(x[[0, 5, 8]]), QK[qtype])       # the reference is what it says
+    rows = want.reshape(9, -1)
+    assert np.array_equal(rows[[0, 5, 8], -k:].view(np.int8), q.reshape(3, k).astype(np.int8))
+    assert np.array_equal(rows[[0, 5, 8], :4 * (k // QK[qtype])].view(np.float32), d)
+    for path in kernels.paths():
+        assert np.array_equal(kernels.quantize(qtype, x, path=path), want), path
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED)

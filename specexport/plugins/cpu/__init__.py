@@ -271,6 +271,9 @@ def _load(lib: Path):
     c.sx_row_bytes.restype = ctypes.c_size_t
     c.sx_row_bytes.argtypes = [i, i64]
     c.sx_matmul.argtypes = [i, i, i, P, i64, i64, P, i64, P]
+    c.sx_act_bytes.restype = ctypes.c_size_t
+    c.sx_act_bytes.argtypes = [i, i64, i64]
+    c.sx_quantize.argtypes = [i, i, P, i64, i64, P]
     c.sx_gather.restype = i64
     c.sx_gather.argtypes = [i, P, i64, i64, P, i64, P]
     c.sx_attend.argtypes = [i, P, P, P, P, i64, i64, ctypes.c_float, P, P]
@@ -303,6 +306,14 @@ class Kernels:
         if rc:
             raise ValueError(f"sx_matmul({qtype}, path {path}) refused: code {rc}")
         return Y
+
+    def quantize(self, qtype: str, X: np.ndarray, *, path: str = "ref") -> np.ndarray:
+        """The int8 mode's quantized activations of X [M, K] (scales, sums and values), as bytes."""
+        X = np.ascontiguousarray(X, np.float32)
+        M, K = X.shape
+        out = np.zeros(self.c.sx_act_bytes(TYPES[qtype], M, K), np.uint8)
+        self.c.sx_quantize(TYPES[qtype], PATHS[path], X.ctypes.data, M, K, out.ctypes.data)
+        return out
 
     def attend(self, q: np.ndarray, K: np.ndarray, V: np.ndarray, bias: np.ndarray | None, scale: float, *,
                path: str = "ref") -> np.ndarray:

@@ -1,9 +1,8 @@
 // The AVX2 path (x86-64 with AVX2 + FMA; compiled with -mavx2 -mfma). Equal to sx_ref.cc bit for bit: the
 // integer sums are exact whatever their order, and the float steps are the reference's, in its order.
-// One column at a time (each thread reads one sequential stream). The 32-weight types: eight blocks at a
-// time, unpacked into registers once for all rows, their integer sums reduced into one vector so the float
-// steps run lane-wise (block b in lane b mod 8). The K types: a block at a time, unpacked once per eight
-// rows, its eight integer lanes (one madd register) straight into the row's eight float lanes.
+// Every block's eight integer lanes (one madd register) go straight into the output's eight float lanes.
+// The 32-weight types: tiles of up to 4 rows x 4 neighbouring columns, each block unpacked once per tile.
+// The K types: one column at a time, a block unpacked once per eight rows.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -109,7 +108,7 @@ struct Q6K {
 
 struct Q8_0L {
   static constexpr int qk = 32, Z = 0;
-  static constexpr bool sgn = true;
+  static constexpr bool sgn = true, affine = false;
   const uint8_t* b;
   float d, m = 0.f;
   explicit Q8_0L(const uint8_t* blk) : b(blk), d(half(blk)) {}
@@ -170,14 +169,6 @@ inline float tree8v(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
 }
 
-// Eight int32 vectors -> one: lane i = the sum of v[i]'s lanes. Exact (integer adds).
-inline __m256i reduce8(const __m256i* v) {
-  const __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
-  const __m256i c = _mm256_hadd_epi32(v[4], v[5]), d = _mm256_hadd_epi32(v[6], v[7]);
-  const __m256i e = _mm256_hadd_epi32(a, b), f = _mm256_hadd_epi32(c, d);
-  return _mm256_add_epi32(_mm256_permute2x128_si256(e, f, 0x20), _mm256_permute2x128_si256(e, f, 0x31));
-}
-
 // A K block's integer lanes against NR rows: part[r] = I's eight lanes, mins[r] = Mn's (sx_blocks.h's
 // k_lanes). The codes are unsigned (maddubs' first operand); Q6_K's zero point is taken out per lane.
 template <class L, int NR>
@@ -234,63 +225,86 @@ inline void kcolumn(const TypeInfo& ti, const uint8_t* col, int64_t nb, const Ac
   for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
 }
 
-// The 32-weight types, eight blocks at a time (`cnt` real, the rest zero lanes as the reference pads): each block
-// unpacked once into a register, then every row against all eight (no arrays between steps). The same
-// integer and float operations as the reference, so the same bits.
-inline __m128i half8(const uint8_t* b, size_t stride, int cnt) {  // fp16 at b + j * stride, zero past cnt
-  if (cnt < 8) {  // in registers: a store then a wide load would stall on store forwarding
-    uint64_t part[2] = {0, 0};
-    for (int j = 0; j < cnt; ++j) part[j / 4] |= (uint64_t)(*(const uint16_t*)(b + j * stride)) << (16 * (j % 4));
-    return _mm_set_epi64x((int64_t)part[1], (int64_t)part[0]);
+// The 32-weight types: a tile of NR rows x NC columns, block by block. Each block of the NC columns unpacked
+// once into a register (signed types as |v| and the rows' activations given v's sign: maddubs' unsigned
+// operand, exact), each row's activations loaded once; each output's eight integer lanes (one madd register)
+// into its eight float lanes, as the reference. NC columns side by side: one output's float chain is a
+// fused multiply-add per block, latency-bound alone.
+template <class L, int NR, int NC>
+inline void tile32(const TypeInfo& ti, const uint8_t* col, size_t rb, int64_t nb, const ActRow* rows, float* out) {
+  constexpr bool plus = L::affine, sgn = L::sgn || L::Z != 0;
+  __m256 acc[NR][NC];
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1), lane1 = _mm256_set1_epi32(1);
+  const int64_t step = NC * ti.bytes;
+  const uint8_t* next = col + NC * rb;  // the next tile's bytes, in order, as this one's blocks go by
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int64_t off = 0; off < step; off += 64) _mm_prefetch((const char*)(next + b * step + off), _MM_HINT_T0);
+    __m256i w[NC], u[NC];
+    __m128 dm[NC];  // (d, m): both halves converted in one instruction
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* p = col + c * rb + b * ti.bytes;
+      const L blk(p);
+      blk.chunks([&](int, __m256i x) { w[c] = x; });
+      if constexpr (L::Z != 0) w[c] = _mm256_sub_epi8(w[c], _mm256_set1_epi8((char)L::Z));  // v = code - Z
+      u[c] = sgn ? _mm256_sign_epi8(w[c], w[c]) : w[c];
+      uint32_t h = 0;
+      std::memcpy(&h, p, plus ? 4 : 2);
+      dm[c] = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; ++r) {
+      const __m256i a = _mm256_loadu_si256((const __m256i*)(rows[r].q + 32 * b));
+      const __m128 da = _mm_broadcast_ss(rows[r].d + b);
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        const __m256i I = _mm256_madd_epi16(_mm256_maddubs_epi16(u[c], sgn ? _mm256_sign_epi8(a, w[c]) : a), ones);
+        const __m128 s = _mm_mul_ps(dm[c], da);  // (d * da, m * da)
+        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_broadcastss_ps(s), acc[r][c]);
+        if constexpr (plus)
+          acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(rows[r].s4 + 8 * b),
+                                      _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), lane1), acc[r][c]);
+      }
+    }
   }
-  __m128i h = _mm_setzero_si128();
-  h = _mm_insert_epi16(h, *(const uint16_t*)b, 0);
-  h = _mm_insert_epi16(h, *(const uint16_t*)(b + stride), 1);
-  h = _mm_insert_epi16(h, *(const uint16_t*)(b + 2 * stride), 2);
-  h = _mm_insert_epi16(h, *(const uint16_t*)(b + 3 * stride), 3);
-  h = _mm_insert_epi16(h, *(const uint16_t*)(b + 4 * stride), 4);
-  h = _mm_insert_epi16(h, *(const uint16_t*)(b + 5 * stride), 5);
-  h = _mm_insert_epi16(h, *(const uint16_t*)(b + 6 * stride), 6);
-  h = _mm_insert_epi16(h, *(const uint16_t*)(b + 7 * stride), 7);
-  return h;
+#pragma GCC unroll 8
+  for (int r = 0; r < NR; ++r)
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) out[r * NC + c] = tree8v(acc[r][c]);
 }
 
-template <class L, bool FULL>
-void group32(const TypeInfo& ti, const uint8_t* col, int64_t g0, int cnt, const ActRow* rows, int64_t M, float* acc) {
-  const uint8_t* b0 = col + g0 * ti.bytes;
-  __m256i W[8];
-#pragma GCC unroll 8
-  for (int j = 0; j < 8; ++j) {
-    W[j] = _mm256_setzero_si256();
-    if (FULL || j < cnt) L(b0 + j * ti.bytes).chunks([&](int, __m256i w) { W[j] = w; });
+// Columns [n0, n1) of NR rows in tiles of NC columns (the last ones one at a time).
+template <class L, int NR, int NC>
+void rows32(const TypeInfo& ti, const uint8_t* W, size_t rb, int64_t nb, const ActRow* rows, int64_t n0, int64_t n1,
+            float* Y, int64_t ldy) {
+  float out[NR * NC];
+  int64_t n = n0;
+  for (; n + NC <= n1; n += NC) {
+    tile32<L, NR, NC>(ti, W + n * rb, rb, nb, rows, out);
+    for (int r = 0; r < NR; ++r)
+      for (int c = 0; c < NC; ++c) Y[r * ldy + n + c] = out[r * NC + c];
   }
-  const __m256 dv = _mm256_cvtph_ps(half8(b0, ti.bytes, cnt));
-  __m256 mf = _mm256_setzero_ps();
-  if (ti.kind == PLUS) mf = _mm256_cvtph_ps(half8(b0 + 2, ti.bytes, cnt));
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(cnt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  for (int64_t r = 0; r < M; ++r) {
-    const int8_t* q = rows[r].q + g0 * 32;
-    __m256i v[8];
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      v[j] = _mm256_setzero_si256();
-      if (!FULL && j >= cnt) continue;
-      __m256i a = _mm256_loadu_si256((const __m256i*)(q + 32 * j)), w = W[j];
-      if (L::sgn) {  // Q8_0: |w| x sign(a, w), maddubs' unsigned operand; exact, |a| <= 127
-        a = _mm256_sign_epi8(a, w);
-        w = _mm256_sign_epi8(w, w);
-      }
-      v[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), ones);
-    }
-    __m256i I = reduce8(v);
-    const int* pairs = (const int*)(rows[r].s16 + 2 * g0);  // block j's two 16-sums
-    const __m256i asum = _mm256_madd_epi16(FULL ? _mm256_loadu_si256((const __m256i*)pairs) : _mm256_maskload_epi32(pairs, live), ones);
-    if (L::Z) I = _mm256_sub_epi32(I, _mm256_slli_epi32(asum, L::Z == 8 ? 3 : 4));  // Z * asum, Z = 8 or 16
-    const __m256 da = FULL ? _mm256_loadu_ps(rows[r].d + g0) : _mm256_maskload_ps(rows[r].d + g0, live);
-    __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(dv, da), _mm256_loadu_ps(acc + 8 * r));
-    if (ti.kind != SYM) y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(asum), _mm256_mul_ps(mf, da), y);
-    _mm256_storeu_ps(acc + 8 * r, y);
+  for (; n < n1; ++n) {
+    tile32<L, NR, 1>(ti, W + n * rb, rb, nb, rows, out);
+    for (int r = 0; r < NR; ++r) Y[r * ldy + n] = out[r];
+  }
+}
+
+template <class L>
+using Rows32 = void (*)(const TypeInfo&, const uint8_t*, size_t, int64_t, const ActRow*, int64_t, int64_t, float*, int64_t);
+
+// Tiles measured on Zen 3 (one thread, K = 576): 1 row x 4 columns, 2 x 4, then 4 x 2.
+template <class L>
+Rows32<L> rows32_for(int64_t rows) {
+  switch (rows) {
+    case 1: return rows32<L, 1, 4>;
+    case 2: return rows32<L, 2, 4>;
+    case 3: return rows32<L, 3, 2>;
+    default: return rows32<L, 4, 2>;
   }
 }
 
@@ -318,14 +332,14 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
   const size_t rb = (size_t)nb * ti.bytes;
   std::vector<ActRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = act_row(act, m, K, L::qk);
-  std::vector<float> accv(8 * M);  // row m's eight lanes at 8 m
-  float* acc = accv.data();
 #ifdef SX_PLANT_DROP_LAST_ROW  // a planted bug the tests must catch: a tile that drops its last row
   const int64_t rows_done = M - (M > 1);
 #else
   const int64_t rows_done = M;
 #endif
   if constexpr (L::qk == 256) {
+    std::vector<float> accv(8 * M);  // row m's eight lanes at 8 m
+    float* acc = accv.data();
     // R rows at a time, each block unpacked once per R rows. Past R rows, columns in chunks of ~96 KB of
     // weights, every row tile over a chunk before the next: the chunk stays in L2 across the tiles and a
     // tile's activations in L1/L2 across the chunk's columns (one pass over DRAM, whatever M).
@@ -341,21 +355,17 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
         }
       }
     }
-    return;
-  }
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* col = W + n * rb;  // one column at a time: each thread reads one sequential stream
-    for (int64_t i = 0; i < 8 * M; ++i) acc[i] = 0.f;
-    for (int64_t g0 = 0; g0 < nb; g0 += 8) {
-      const int cnt = (int)std::min<int64_t>(8, nb - g0);
-      for (int64_t l = 0; l < 8 * ti.bytes; l += 64)  // the next group (the next column's first, at the end)
-        _mm_prefetch((const char*)(col + (g0 + 8) * ti.bytes + l), _MM_HINT_T0);
-      if (cnt == 8)
-        group32<L, true>(ti, col, g0, 8, rows.data(), rows_done, acc);
-      else
-        group32<L, false>(ti, col, g0, cnt, rows.data(), rows_done, acc);
+  } else {
+    // Row tiles of up to 4 over column chunks of ~96 KB (as the K types): one pass over DRAM whatever M.
+    constexpr int64_t RT = 4;
+    const int64_t chunk = rows_done <= RT ? n1 - n0 : std::max<int64_t>(4, (int64_t)((96 << 10) / rb));
+    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+      const int64_t c1 = std::min(n1, c0 + chunk);
+      for (int64_t r = 0; r < rows_done; r += RT) {
+        const int64_t nr = std::min<int64_t>(RT, rows_done - r);
+        rows32_for<L>(nr)(ti, W, rb, nb, rows.data() + r, c0, c1, Y + r * ldy, ldy);
+      }
     }
-    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = tree8v(_mm256_loadu_ps(acc + 8 * m));
   }
 }
 
@@ -373,6 +383,53 @@ void sx_avx2_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t
     case Q4_1: return gemm<Small<Q4_1>>(ti, act, M, K, W, n0, n1, Y, ldy);
     case Q5_0: return gemm<Small<Q5_0>>(ti, act, M, K, W, n0, n1, Y, ldy);
     case Q5_1: return gemm<Small<Q5_1>>(ti, act, M, K, W, n0, n1, Y, ldy);
+  }
+}
+
+// sx_act.h's quantize_row, eight values at a time: the same scalar scale, the same products, rounding in
+// the current mode (as nearbyint), the same clamp; the sums in integers (exact).
+void sx_avx2_quantize_row(const float* x, int64_t K, int qk, ActRow r) {
+  const __m256 sign = _mm256_set1_ps(-0.f), inf = _mm256_set1_ps(INFINITY);
+  const __m256 lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes packs' interleaving of 128-bit lanes
+  for (int64_t b = 0; b < K / qk; ++b) {
+    const float* xb = x + b * qk;
+    __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int i = 0; i < qk; i += 8) {
+      const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i));
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));  // inf or NaN
+      mx = _mm256_max_ps(mx, a);
+    }
+    const bool finite = _mm256_movemask_ps(bad) == 0;
+    const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));  // exact when finite
+    const float id = finite && amax > 0.f ? 127.f / amax : 0.f;
+    r.d[b] = finite ? amax / 127.f : NAN;
+    int8_t* q = r.q + b * qk;
+    if (!finite) {
+      std::memset(q, 0, (size_t)qk);
+      continue;
+    }
+    const __m256 idv = _mm256_set1_ps(id);
+    for (int i = 0; i < qk; i += 32) {
+      __m256i v[4];
+      for (int j = 0; j < 4; ++j) {
+        __m256 y = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * j), idv), _MM_FROUND_CUR_DIRECTION);
+        y = _mm256_and_ps(y, _mm256_cmp_ps(y, y, _CMP_ORD_Q));  // NaN (0 * inf) -> 0
+        v[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(y, lo), hi));
+      }
+      const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      _mm256_storeu_si256((__m256i*)(q + i), _mm256_permutevar8x32_epi32(p, order));
+    }
+  }
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < K; i += 32) {
+    const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, _mm256_loadu_si256((const __m256i*)(r.q + i))), ones16);
+    if (qk == 32) _mm256_storeu_ps(r.s4 + i / 4, _mm256_cvtepi32_ps(s4));
+    const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(s4, s4), s4);  // element 0: lanes 0..3, element 4: 4..7
+    r.s16[i / 16] = (int16_t)_mm256_extract_epi32(s, 0);
+    r.s16[i / 16 + 1] = (int16_t)_mm256_extract_epi32(s, 4);
   }
 }
 

@@ -10,10 +10,13 @@
 #include <string>
 #include <vector>
 
+#include "sx_act.h"
 #include "sx_attn.h"
+#include "sx_blocks.h"
 #include "sx_kernels.h"
 
 #if defined(__x86_64__)
+void sx_avx2_quantize_row(const float*, int64_t, int, sx::ActRow);
 void sx_avx2_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 void sx_avx2_attend(const sx::AttnRow&);
 void sx_avx2_attend_group(const sx::AttnRow*, int64_t);
@@ -25,6 +28,7 @@ void sx_neon_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, i
 void sx_neon_attend(const sx::AttnRow&);
 void sx_neon_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 #endif
+void sx_ref_quantize_row(const float*, int64_t, int, sx::ActRow);
 void sx_ref_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 void sx_ref_attend(const sx::AttnRow&);
 
@@ -54,7 +58,7 @@ const char* name(int path) {
 
 }  // namespace
 
-extern "C" int sx_version(void) { return 2; }  // 2: the K types' eight integer lanes per block
+extern "C" int sx_version(void) { return 3; }  // 3: the 32-weight types in eight integer lanes per block too
 
 extern "C" const char* sx_paths(void) {
   static std::string out;
@@ -87,6 +91,7 @@ namespace {
 
 // Each path's kernels; a path without its own (or not built for this architecture) runs the reference's.
 struct Kernels {
+  void (*quantize)(const float*, int64_t, int, sx::ActRow);
   void (*gemm)(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
   void (*exact)(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
   void (*attend)(const sx::AttnRow&);
@@ -95,16 +100,22 @@ struct Kernels {
 Kernels kernels(int path) {
   switch (path) {
 #if defined(__x86_64__)
-    case SX_AVX2: return {sx_avx2_gemm, sx_avx2_gemm_exact, sx_avx2_attend};
+    case SX_AVX2: return {sx_avx2_quantize_row, sx_avx2_gemm, sx_avx2_gemm_exact, sx_avx2_attend};
 #endif
 #if defined(__aarch64__)
-    case SX_NEON: return {sx_neon_gemm, sx_neon_gemm_exact, sx_neon_attend};
+    case SX_NEON: return {sx_ref_quantize_row, sx_neon_gemm, sx_neon_gemm_exact, sx_neon_attend};
 #endif
-    default: return {sx_ref_gemm, sx_ref_gemm_exact, sx_ref_attend};
+    default: return {sx_ref_quantize_row, sx_ref_gemm, sx_ref_gemm_exact, sx_ref_attend};
   }
 }
 
 }  // namespace
+
+extern "C" void sx_quantize(int type, int path, const float* X, int64_t M, int64_t K, void* act) {
+  const sx::TypeInfo ti = sx::type_info(type);
+  const Kernels k = kernels(path);
+  for (int64_t m = 0; m < M; ++m) k.quantize(X + m * K, K, ti.qk, sx::act_row(act, m, K, ti.qk));
+}
 
 extern "C" void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
                            int64_t n1, float* Y, int64_t ldy) {
@@ -142,7 +153,7 @@ extern "C" int sx_matmul(int type, int path, int exact, const float* X, int64_t 
     return 0;
   }
   std::vector<uint8_t> act(sx_act_bytes(type, M, K));
-  sx_quantize(type, X, M, K, act.data());
+  sx_quantize(type, p, X, M, K, act.data());
   sx_gemm_q8(type, p, act.data(), M, K, W, 0, N, Y, N);
   return 0;
 }

@@ -23,8 +23,8 @@ SX_API size_t sx_row_bytes(int type, int64_t K);
 // Activation buffer bytes for M rows (int8 mode).
 SX_API size_t sx_act_bytes(int type, int64_t M, int64_t K);
 // int8 mode, step 1: quantize M rows of X into `act` (per block of the type: one scale, int8 values,
-// sums per 16).
-SX_API void sx_quantize(int type, const float* X, int64_t M, int64_t K, void* act);
+// sums per 16 and, for the 32-weight types, per 4), on `path` (every path writes the reference's bytes).
+SX_API void sx_quantize(int type, int path, const float* X, int64_t M, int64_t K, void* act);
 // int8 mode, step 2: columns [n0, n1) of Y for all M rows.
 SX_API void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64_t K, const uint8_t* W,
                 int64_t n0, int64_t n1, float* Y, int64_t ldy);

@@ -16,7 +16,7 @@ using namespace sx;
 void sx_neon_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
                   int64_t ldy) {
   const TypeInfo ti = type_info(type);
-  const int64_t nb = K / ti.qk, padded = ti.qk == 256 ? nb : (nb + 7) / 8 * 8;
+  const int64_t nb = K / ti.qk;
   const size_t rb = (size_t)nb * ti.bytes;
   std::vector<float> acc(8 * M);
   std::vector<ActRow> rows(M);
@@ -24,15 +24,7 @@ void sx_neon_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t
   Unpacked u;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t i = 0; i < 8 * M; ++i) acc[i] = 0.f;
-    for (int64_t b = 0; b < padded; ++b) {
-      if (b >= nb) {  // padding: zero lanes, as the reference
-        for (int64_t m = 0; m < M; ++m) {
-          float& lane = acc[8 * m + b % 8];
-          lane = std::fmaf(0.f, 0.f, lane);
-          if (ti.kind != SYM) lane = std::fmaf(0.f, 0.f, lane);
-        }
-        continue;
-      }
+    for (int64_t b = 0; b < nb; ++b) {
       unpack(type, W + n * rb + b * ti.bytes, u);
       const float mf = ti.kind == KMIN ? -u.m : u.m;
       if (ti.qk == 256) {  // the K types: the reference's eight integer lanes (k_lanes) as two sdot registers
@@ -66,20 +58,21 @@ void sx_neon_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t
         }
         continue;
       }
-      for (int64_t m = 0; m < M; ++m) {
-        const int8_t* q = rows[m].q + b * ti.qk;
-        const int16_t* s16 = rows[m].s16 + b * (ti.qk / 16);
-        int32x4_t I = vdupq_n_s32(0);
-        int32_t Mn = 0;
-        for (int g = 0; g < ti.qk / 16; ++g) {
-          const int32x4_t dot = vdotq_s32(vdupq_n_s32(0), vld1q_s8(u.v + 16 * g), vld1q_s8(q + 16 * g));
-          I = vmlaq_n_s32(I, dot, u.s[g]);
-          Mn += u.mn[g] * s16[g];
-        }
+      for (int64_t m = 0; m < M; ++m) {  // the 32-weight types: lanes 0..3 bytes 0..15, lanes 4..7 bytes 16..31
+        const int8_t* q = rows[m].q + b * 32;
+        const int32x4_t lo = vdotq_s32(vdupq_n_s32(0), vld1q_s8(u.v), vld1q_s8(q));
+        const int32x4_t hi = vdotq_s32(vdupq_n_s32(0), vld1q_s8(u.v + 16), vld1q_s8(q + 16));
         const float da = rows[m].d[b];
-        float& lane = acc[8 * m + b % 8];
-        lane = std::fmaf((float)vaddvq_s32(I), u.d * da, lane);
-        if (ti.kind != SYM) lane = std::fmaf((float)Mn, mf * da, lane);
+        const float32x4_t dd = vdupq_n_f32(u.d * da), mm = vdupq_n_f32(mf * da);
+        float32x4_t a0 = vld1q_f32(&acc[8 * m]), a1 = vld1q_f32(&acc[8 * m + 4]);
+        a0 = vfmaq_f32(a0, vcvtq_f32_s32(lo), dd);
+        a1 = vfmaq_f32(a1, vcvtq_f32_s32(hi), dd);
+        if (ti.kind != SYM) {
+          a0 = vfmaq_f32(a0, vld1q_f32(rows[m].s4 + 8 * b), mm);
+          a1 = vfmaq_f32(a1, vld1q_f32(rows[m].s4 + 8 * b + 4), mm);
+        }
+        vst1q_f32(&acc[8 * m], a0);
+        vst1q_f32(&acc[8 * m + 4], a1);
       }
     }
     for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = tree8(&acc[8 * m]);

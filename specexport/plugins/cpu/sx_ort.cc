@@ -20,7 +20,7 @@ namespace {
 
 // Columns are shared out in a few contiguous ranges (a multiple of 8: the SIMD tiles): ONNX Runtime's
 // ParallelFor schedules each index as a task of its own, so many small ones cost more than they compute.
-constexpr int64_t MAX_TASKS = 16, MIN_COLS = 64;
+constexpr int64_t MAX_TASKS = 16, MIN_COLS = 16;
 
 int64_t task_cols(int64_t N) {
   const int64_t tasks = std::max<int64_t>(1, std::min(MAX_TASKS, N / MIN_COLS));
@@ -89,7 +89,7 @@ struct GgufMatMul : Attrs {
     std::vector<uint8_t> act;
     if (!exact) {  // quantized once per row, before the columns are shared out
       act.resize(sx_act_bytes((int)type, M, K));
-      sx_quantize((int)type, X.Data(), M, K, act.data());
+      sx_quantize((int)type, path, X.Data(), M, K, act.data());
     }
     Task task{this, task_cols(N), act.data(), X.Data(), W.Data(), y, M};
     const size_t tasks = (size_t)((N + task.cols - 1) / task.cols);

@@ -22,61 +22,47 @@ extern "C" size_t sx_act_bytes(int type, int64_t M, int64_t K) {
   return (size_t)M * act_row_bytes(K, ti.qk);
 }
 
-extern "C" void sx_quantize(int type, const float* X, int64_t M, int64_t K, void* act) {
-  const TypeInfo ti = type_info(type);
-  for (int64_t m = 0; m < M; ++m) quantize_row(X + m * K, K, ti.qk, act_row(act, m, K, ti.qk));
-}
+void sx_ref_quantize_row(const float* x, int64_t K, int qk, ActRow r) { quantize_row(x, K, qk, r); }
 
-// Column n, every row, block by block. The 32-weight types: the integer dot product per 16 weights, then
-// one or two fused multiply-adds per block in float into one of eight lanes (block b: lane b mod 8;
-// acc += I * (d * da); acc += Mn * (m * da)), the blocks padded with zeros to a multiple of 8. The K types
-// (256 weights): eight integer lanes per block (sx_blocks.h's k_lanes), each into its own float lane with
-// the same two steps. Then the lanes reduced ((0+4)+(2+6)) + ((1+5)+(3+7)). Eight lanes: the SIMD paths
-// run eight blocks of a column (or a K block's eight lanes) at a time, one column after another, so each
-// thread reads its columns as one sequential stream.
+// Column n, every row, block by block: eight integer lanes per block, each into its own float lane
+// (acc += I * (d * da); acc += Mn * (m * da)), then the lanes reduced ((0+4)+(2+6)) + ((1+5)+(3+7)).
+// The K types (256 weights): sx_blocks.h's k_lanes. The 32-weight types: lane l = weights 4l..4l+3 (one
+// 256-bit multiply-add register on x86, two sdot registers on Arm), Mn the sum of their activations (the
+// affine types' min). Each output's float steps are a chain of its own, so a kernel may run any columns and
+// rows side by side.
 void sx_ref_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
                  int64_t ldy) {
   const TypeInfo ti = type_info(type);
-  const int64_t nb = K / ti.qk, padded = ti.qk == 256 ? nb : (nb + 7) / 8 * 8;
+  const int64_t nb = K / ti.qk;
   const size_t rb = sx_row_bytes(type, K);
   std::vector<float> acc(8 * M);
   Unpacked u;
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t i = 0; i < 8 * M; ++i) acc[i] = 0.f;
-    for (int64_t b = 0; b < padded; ++b) {
-      if (b < nb) unpack(type, W + n * rb + b * ti.bytes, u);
+    for (int64_t b = 0; b < nb; ++b) {
+      unpack(type, W + n * rb + b * ti.bytes, u);
       const float mf = ti.kind == KMIN ? -u.m : u.m;
       for (int64_t m = 0; m < M; ++m) {
         const ActRow a = act_row(act, m, K, ti.qk);
         const int8_t* q = a.q + b * ti.qk;
-        const int16_t* s16 = a.s16 + b * (ti.qk / 16);
+        int32_t I[8], Mn[8];
         if (ti.qk == 256) {
-          int32_t I[8], Mn[8];
-          k_lanes(type, u, q, s16, I, Mn);
-          const float da = a.d[b];
+          k_lanes(type, u, q, a.s16 + b * 16, I, Mn);
+        } else {
           for (int l = 0; l < 8; ++l) {
-            float& lane = acc[8 * m + l];
-            lane = std::fmaf((float)I[l], u.d * da, lane);
-            if (ti.kind != SYM) lane = std::fmaf((float)Mn[l], mf * da, lane);
+            I[l] = Mn[l] = 0;
+            for (int i = 4 * l; i < 4 * l + 4; ++i) {
+              I[l] += (int32_t)u.v[i] * q[i];
+              Mn[l] += q[i];
+            }
           }
-          continue;
-        }
-        float& lane = acc[8 * m + b % 8];
-        if (b >= nb) {  // padding: the SIMD paths' zero lanes
-          lane = std::fmaf(0.f, 0.f, lane);
-          if (ti.kind != SYM) lane = std::fmaf(0.f, 0.f, lane);
-          continue;
-        }
-        int32_t I = 0, Mn = 0;
-        for (int g = 0; g < 2; ++g) {
-          int32_t dot = 0;
-          for (int i = 0; i < 16; ++i) dot += (int32_t)u.v[16 * g + i] * q[16 * g + i];
-          I += u.s[g] * dot;
-          Mn += u.mn[g] * s16[g];
         }
         const float da = a.d[b];
-        lane = std::fmaf((float)I, u.d * da, lane);
-        if (ti.kind != SYM) lane = std::fmaf((float)Mn, mf * da, lane);
+        for (int l = 0; l < 8; ++l) {
+          float& lane = acc[8 * m + l];
+          lane = std::fmaf((float)I[l], u.d * da, lane);
+          if (ti.kind != SYM) lane = std::fmaf((float)Mn[l], mf * da, lane);
+        }
       }
     }
     for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = tree8(&acc[8 * m]);
