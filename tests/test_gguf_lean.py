@@ -117,3 +117,33 @@ def test_dry_run_converts_nothing_and_writes_nothing(quantized_gguf, tmp_path, m
     assert "not converted yet" in words and "converts nothing" in words
     assert str(cache / "gguf") in err.replace("\n", ""), err
     assert not cache.exists() and not out.exists()
+
+
+def _mapped_rss_kib(path) -> int:
+    """This process's resident KiB of its mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        if line[0] in "0123456789abcdef" and "-" in line.split()[0]:
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_released_file_pages_leave_the_process_and_read_back_the_same(quantized_gguf):  # noqa: F811
+    """The layer-by-layer reference reads the whole file through its memory map; release() drops the pages
+    read from the process's resident memory (they counted in the build's peak beside the graph's session)."""
+    import transformers
+
+    from specexport.export.gguf import hf_folder_from_gguf
+    from specexport.export.gguf_weights import GgufWeights
+
+    folder = hf_folder_from_gguf(quantized_gguf)
+    weights = GgufWeights(quantized_gguf, transformers.AutoConfig.from_pretrained(folder))
+    before = {name: weights.get(name) for name in weights.names}
+    assert _mapped_rss_kib(quantized_gguf) > 0
+    weights.release()
+    assert _mapped_rss_kib(quantized_gguf) == 0
+    for name, w in before.items():
+        assert np.array_equal(weights.get(name), w), name

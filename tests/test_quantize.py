@@ -410,3 +410,31 @@ def test_near_ties_count_as_agreement_and_are_reported_apart(monkeypatch):
     report = quality.measure_quality("ref", "got", None, [np.zeros(3, np.int64)])
     assert report.top1_agreement == pytest.approx(2 / 3) and report.ties == 1
     assert "(1 of them near-ties)" in report.describe()
+
+
+def test_quality_from_spilled_logits_in_row_chunks_equals_the_whole_computation(tmp_path):
+    """A lean build keeps one session's logits on disk (SpilledLogits) and measures a few rows at a time:
+    the figures are those of the plain computation over every row at once; the folder goes on exit."""
+    from specexport.quant import quality
+
+    rng = np.random.default_rng(4)
+    seqs = [np.zeros(n, np.int64) for n in (37, 5)]                  # 37 > ROWS_AT_ONCE: chunks and a tail
+    ref = [rng.standard_normal((len(s), 50)).astype(np.float32) * 3 for s in seqs]
+    got = [r + rng.standard_normal(r.shape).astype(np.float32) * 0.5 for r in ref]
+    with quality.SpilledLogits() as spilled:
+        for g in got:
+            spilled.append(g)
+        folder = spilled._dir.name
+        assert len(spilled) == 2 and np.array_equal(spilled[1], got[1])
+        report = quality.measure_quality(ref, spilled, None, seqs)
+    assert not Path(folder).exists()
+
+    def log_softmax(x):
+        z = x.astype(np.float64) - x.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+    lp, lq = log_softmax(np.concatenate(ref)), log_softmax(np.concatenate(got))
+    assert report.positions == 42
+    assert report.mean_kl == pytest.approx((np.exp(lp) * (lp - lq)).sum(-1).mean(), rel=1e-12)
+    exact = int((lp.argmax(-1) == lq.argmax(-1)).sum())
+    assert round(report.top1_agreement * 42) - report.ties == exact

@@ -56,6 +56,7 @@ def layerwise_logits(weights, sequences, *, vocab_rows=None) -> list[np.ndarray]
                 out = layer(hidden[j], attention_mask=mask, position_ids=pos, position_embeddings=rope)
                 hidden[j] = out[0] if isinstance(out, tuple) else out
             layer.to("meta")                                    # this layer's weights go
+            weights.release()                                   # and the file's pages read for them
         _materialize(inner.norm, "model.norm.", tensor)
         states = [inner.norm(h)[0] for h in hidden]                                # [S, H] each
         rows = np.arange(config.vocab_size) if vocab_rows is None else np.asarray(vocab_rows, np.int64)
@@ -65,6 +66,7 @@ def layerwise_logits(weights, sequences, *, vocab_rows=None) -> list[np.ndarray]
             block = torch.from_numpy(weights.get_rows("lm_head.weight", rows[r:r + HEAD_ROWS]))
             for x, o in zip(states, out):
                 o[:, r:r + HEAD_ROWS] = (x @ block.T).numpy()
+            weights.release()
         if bias is not None:
             out = [o + bias for o in out]
         return out

@@ -54,8 +54,22 @@ class GgufWeights:
         by_gguf = _weights_map(gguf, get_gguf_hf_weights_map, skeleton, self.processor)
         reader = reader or gguf.GGUFReader(str(self.path))
         self.tensors = {t.name: t for t in reader.tensors}                             # memory-mapped
+        self._map = getattr(getattr(reader, "data", None), "_mmap", None)
         self.names = {hf: name for name, hf in by_gguf.items() if hf in self.shapes and name in self.tensors}
         self._gguf = gguf
+
+    def release(self) -> None:
+        """Drop the file's pages this process has read from its resident memory (they stay in the page
+        cache, and come back when read again). Why: a mapped page read once counts in the process's RSS
+        until the mapping goes, so a build that read the whole file, then opens a session of the graph,
+        held both (Qwen2.5-Coder-1.5B: 1 GB of the build's 2.8 GiB peak)."""
+        import mmap
+
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                self._map.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):           # a closed or unusual mapping: nothing to drop
+                pass
 
     def missing(self) -> list[str]:
         """The model's parameters the file does not hold (a tied lm_head is the embedding)."""

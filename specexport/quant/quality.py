@@ -123,19 +123,60 @@ def prefill_logits(session, io: ModelIO, ids: np.ndarray) -> np.ndarray:
     return logits[0]
 
 
+ROWS_AT_ONCE = 16       # measure_quality's positions per step (a 152k vocabulary: 19 MB per float64 array)
+
+
+class SpilledLogits:
+    """Logits [T, V] appended one at a time, kept in a temporary folder of this process and read back one
+    at a time (`[i]`): a large vocabulary's logits for a few sequences are hundreds of MB, which a
+    build would otherwise hold beside a session. A context manager: the folder goes on exit."""
+
+    def __init__(self):
+        self._dir, self._count = None, 0
+
+    def __enter__(self):
+        import tempfile
+
+        self._dir = tempfile.TemporaryDirectory(prefix="specexport-logits-")
+        return self
+
+    def __exit__(self, *exc):
+        self._dir.cleanup()
+
+    def _path(self, i: int) -> str:
+        return f"{self._dir.name}/{i}.npy"
+
+    def append(self, logits: np.ndarray) -> None:
+        np.save(self._path(self._count), logits)
+        self._count += 1
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self._count:
+            raise IndexError(i)
+        return np.load(self._path(i))
+
+
 def measure_quality(reference, quantized, io: ModelIO, sequences: list[np.ndarray]) -> QualityReport:
     """Top-1 agreement and mean KL(p_ref || p_quant) over every position of `sequences`. Each of
     `reference`, `quantized`: a session, or the sequences' prefill logits computed before (a list of
-    [T, V]: a lean build runs one session at a time)."""
+    [T, V] or SpilledLogits: a lean build runs one session at a time)."""
+    def logits(source, i, ids):
+        return source[i] if isinstance(source, (list, SpilledLogits)) else prefill_logits(source, io, ids)
+
     exact, near, kls = [], [], []
     for i, ids in enumerate(sequences):
-        lp = _log_softmax(reference[i] if isinstance(reference, list) else prefill_logits(reference, io, ids))
-        lq = _log_softmax(quantized[i] if isinstance(quantized, list) else prefill_logits(quantized, io, ids))
-        chosen = lq.argmax(-1)                                                  # [T]
-        gap = lp.max(-1) - lp[np.arange(len(chosen)), chosen]                  # [T] nats below the best
-        exact.append(lp.argmax(-1) == chosen)
-        near.append(gap <= TIE_NATS)
-        kls.append((np.exp(lp) * (lp - lq)).sum(-1))
+        ref, quant = logits(reference, i, ids), logits(quantized, i, ids)
+        for r in range(0, len(ref), ROWS_AT_ONCE):     # float64 temporaries of a few rows, not of them all
+            lp = _log_softmax(ref[r:r + ROWS_AT_ONCE])
+            lq = _log_softmax(quant[r:r + ROWS_AT_ONCE])
+            chosen = lq.argmax(-1)                                              # [rows]
+            gap = lp.max(-1) - lp[np.arange(len(chosen)), chosen]              # [rows] nats below the best
+            exact.append(lp.argmax(-1) == chosen)
+            near.append(gap <= TIE_NATS)
+            kls.append((np.exp(lp) * (lp - lq)).sum(-1))
     exact, near, kls = np.concatenate(exact), np.concatenate(near), np.concatenate(kls)
     agree = exact | near
     return QualityReport(float(agree.mean()), float(max(kls.mean(), 0.0)), len(agree), len(sequences),

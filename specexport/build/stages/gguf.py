@@ -138,9 +138,10 @@ def _lean_graph(ctx, mp, graph, level, kernels: bool):
 def _measure_lean(ctx, mp, graph: Path, twin: Path, twin_case: dict, level: int):
     """measure_against's figures with one session at a time (a 3B's two sessions at once were most of
     the lean build's peak): the written graph first (its eval sequences sampled from it when there is
-    no eval_text: level 4 decodes 3-4x faster than the twin), its logits kept; then the level-0 twin."""
+    no eval_text: level 4 decodes 3-4x faster than the twin), its logits kept on disk (4 x 128 positions
+    of a 152k vocabulary are 311 MB); then the level-0 twin, a sequence at a time."""
     from specexport.export.validate import compare, onnx_logits, parity_case
-    from specexport.quant.quality import measure_quality, prefill_logits, runtime_session
+    from specexport.quant.quality import SpilledLogits, measure_quality, prefill_logits, runtime_session
     from specexport.runtime.backends.ort import release_freed_heap
 
     case = parity_case(mp.io, max_seq_len=ctx.config.max_seq_len, max_verify_tokens=ctx.config.max_verify_tokens)
@@ -149,14 +150,15 @@ def _measure_lean(ctx, mp, graph: Path, twin: Path, twin_case: dict, level: int)
     with ctx.reporter.stage(f"check {mp.role} gguf (accuracy_level {level}) against accuracy_level 0 on "
                             f"{text['label']}"):
         rows = row_checks(deployed, mp.io, sequences[0])
-        written = [prefill_logits(deployed, mp.io, ids) for ids in sequences]
-        written_case = onnx_logits(graph, mp.io, case, session=deployed)
-        del deployed
-        release_freed_heap()
-        reference = runtime_session(twin)
-        quality = measure_quality([prefill_logits(reference, mp.io, ids) for ids in sequences], written,
-                                  mp.io, sequences)
-        del reference
+        with SpilledLogits() as written:
+            for ids in sequences:
+                written.append(prefill_logits(deployed, mp.io, ids))
+            written_case = onnx_logits(graph, mp.io, case, session=deployed)
+            del deployed
+            release_freed_heap()
+            reference = runtime_session(twin)
+            quality = measure_quality(reference, written, mp.io, sequences)
+            del reference
         release_freed_heap()
     return (quality, rows, compare(twin_case, written_case)), text
 
