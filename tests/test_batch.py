@@ -2,8 +2,8 @@
 
 One tiny GGUF build on specexport's CPU kernels (the mixed-type file of test_gguf_exact, its own draft),
 requests of every batched method and of several prompt lengths in one batch, joining and leaving
-mid-stream; seeded sampling; a G-test through the batched loop with a planted cache mix-up; cancellation
-and a failing request under load."""
+mid-stream; seeded sampling; a G-test through the batched loop with a planted cache mix-up; cancellation,
+a failing request and a request past its deadline under load."""
 from __future__ import annotations
 
 import time
@@ -246,3 +246,54 @@ def test_a_long_call_runs_alone_when_padding_the_rest_would_cost_more():
     assert not alone and len(group) == 4
     group, alone = SlotModel.plan(model, calls(16, 16, 1, 1))        # two chunks: both alone beats padding
     assert sorted(len(c.tokens) for c in alone) == [16, 16]
+
+
+def test_a_request_past_its_deadline_leaves_the_batch_and_the_others_answer_as_alone(pipe, monkeypatch):
+    """`serve --max-batch 4 --request-timeout`: a long request among short ones passes its deadline (504)
+    and frees its slot; the short ones, in the same passes, give their lone answers; the model serves on.
+    Every pass is slowed by 30 ms, so the long one needs >= 3 s and the short ones ~0.3 s of a 1.5 s
+    deadline (a 5x margin on a loaded machine, as test_serve_limits' deadline test)."""
+    import httpx
+    import openai
+    from test_serve_limits import LiveServer, metric_values
+
+    from specexport.runtime.backends.slots import SlotModel
+    from specexport.serve.app import create_app
+    from specexport.serve.guard import Limits
+
+    texts = ["the cat sat on the mat", "one two three", "a b c a b c"]
+    want = {t: pipe.generate(t, max_new_tokens=8, method="vanilla", temperature=0).text for t in texts}
+    assert pipe.generate("hello world", max_new_tokens=100, method="vanilla").finish_reason == "length"
+    run = SlotModel.run
+
+    def slowed(self, calls):
+        time.sleep(0.03)
+        return run(self, calls)
+
+    monkeypatch.setattr(SlotModel, "run", slowed)
+    s = LiveServer(create_app(pipe, method="vanilla", limits=Limits(max_batch=4, request_timeout_s=1.5)))
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        def long():
+            with pytest.raises(openai.InternalServerError) as err:      # >= 100 passes of >= 30 ms
+                s.openai(timeout=60).completions.create(model="b", prompt="hello world", max_tokens=100,
+                                                        temperature=0)
+            return err.value.status_code
+
+        def short(t):
+            return s.openai(timeout=60).completions.create(model="b", prompt=t, max_tokens=8, temperature=0).choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            slow = pool.submit(long)
+            time.sleep(0.2)                                               # the long one decoding first
+            answers = list(pool.map(short, texts))
+            assert slow.result(timeout=60) == 504
+        assert answers == [want[t] for t in texts]
+        page = metric_values(httpx.get(f"{s.url}/metrics").text)
+        assert page[("specexport_decodes_total", frozenset({("outcome", "timeout")}))] == 1
+        real = page[("specexport_batch_rows_total", frozenset({("model", "target"), ("kind", "real")}))]
+        assert real > page[("specexport_batch_passes_total", frozenset({("model", "target")}))]   # shared passes
+        assert short(texts[0]) == want[texts[0]]                           # the slot freed, the model serving
+    finally:
+        s.stop()
