@@ -109,9 +109,8 @@ struct Q6K {
 struct Q8_0L {
   static constexpr int qk = 32, Z = 0;
   static constexpr bool sgn = true, affine = false;
-  const uint8_t* b;
-  float d, m = 0.f;
-  explicit Q8_0L(const uint8_t* blk) : b(blk), d(half(blk)) {}
+  const uint8_t* b;  // d at b (tile32 converts it)
+  explicit Q8_0L(const uint8_t* blk) : b(blk) {}
   template <class F>
   void chunks(F&& f) const { f(0, _mm256_loadu_si256((const __m256i*)(b + 2))); }
 };
@@ -132,9 +131,8 @@ struct Small {
   static constexpr bool affine = TYPE == Q4_1 || TYPE == Q5_1, five = TYPE == Q5_0 || TYPE == Q5_1;
   static constexpr int qk = 32, Z = affine ? 0 : (five ? 16 : 8), off = affine ? 4 : 2;
   static constexpr bool sgn = false;
-  const uint8_t* b;
-  float d, m;
-  explicit Small(const uint8_t* blk) : b(blk), d(half(blk)), m(affine ? half(blk + 2) : 0.f) {}
+  const uint8_t* b;  // d (and m) at b (tile32 converts them)
+  explicit Small(const uint8_t* blk) : b(blk) {}
   template <class F>
   void chunks(F&& f) const {
     const __m128i x = _mm_loadu_si128((const __m128i*)(b + off + (five ? 4 : 0))), m4 = _mm_set1_epi8(0xF);

@@ -20,7 +20,7 @@ namespace {
 
 // Columns are shared out in a few contiguous ranges (a multiple of 8: the SIMD tiles): ONNX Runtime's
 // ParallelFor schedules each index as a task of its own, so many small ones cost more than they compute.
-constexpr int64_t MAX_TASKS = 16, MIN_COLS = 16;
+constexpr int64_t MAX_TASKS = 16, MIN_COLS = 64;
 
 int64_t task_cols(int64_t N) {
   const int64_t tasks = std::max<int64_t>(1, std::min(MAX_TASKS, N / MIN_COLS));
