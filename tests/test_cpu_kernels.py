@@ -3,6 +3,10 @@ dequantization: every block type, the exact and the int8 mode, every kernel path
 bit for bit, each row's bits independent of the pass (M, row order, threads), planted bugs caught."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -76,8 +80,7 @@ def test_int8_mode_is_exact_integer_dots_of_the_quantized_activations(kernels, q
                      why="integer dot products exact; then one float32 rounding per block step (a few per row)")
 
 
-@pytest.mark.parametrize("qtype", SUPPORTED)
-def test_every_path_equals_the_reference_bit_for_bit(kernels, qtype):
+def _paths_equal_the_reference(kernels, qtype: str, paths: list[str]) -> None:
     rng = np.random.default_rng(3)
     # (columns, blocks, rows): every column-tile tail (N mod 4), every row tile (1 x 4, 2 x 4, 3 x 2, 4 x 2 and
     # its tails past four rows), and columns in more than one chunk (the 32-weight types' 96 KB chunks)
@@ -89,9 +92,34 @@ def test_every_path_equals_the_reference_bit_for_bit(kernels, qtype):
         x = (rng.standard_normal((m, k)) * rng.choice([1e-3, 1.0, 50.0])).astype(np.float32)
         for exact in (False, True):
             ref = kernels.matmul(qtype, x, w, path="ref", exact=exact)
-            for path in kernels.paths():
+            for path in paths:
                 got = kernels.matmul(qtype, x, w, path=path, exact=exact)
                 assert np.array_equal(got, ref), f"{qtype} {path} n={n} k={k} exact={exact}"
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_every_path_equals_the_reference_bit_for_bit(kernels, qtype):
+    _paths_equal_the_reference(kernels, qtype, kernels.paths())
+
+
+@pytest.fixture(scope="module")
+def emulated_vnni():
+    try:
+        k = cpu.Kernels(cpu.build(with_ort=False, emulate_vnni=True))
+    except cpu.KernelsUnavailable as err:
+        pytest.skip(f"the CPU kernels do not build here: {err}")
+    if "avx2" not in k.paths() + k.refused():
+        pytest.skip("the VNNI paths are emulated with AVX2, which this CPU lacks")
+    return k
+
+
+@pytest.mark.parametrize("qtype", SUPPORTED)
+def test_the_vnni_paths_tiles_and_lanes_equal_the_reference_with_vnni_emulated(emulated_vnni, qtype):
+    """The VNNI paths on a CPU without VNNI: their kernels as built, the two VNNI instructions computed by
+    AVX2 exactly. On a CPU with VNNI the test above runs the instructions themselves (and so does the
+    library's own self-check, on every machine, before a path runs)."""
+    assert {"avxvnni", "avx512vnni"} <= set(emulated_vnni.paths()), f"refused by the self-check: {emulated_vnni.refused()}"
+    _paths_equal_the_reference(emulated_vnni, qtype, ["avxvnni", "avx512vnni"])
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
@@ -292,10 +320,27 @@ def test_a_block_scale_read_off_by_one_is_caught():
         assert_close(bad.matmul("Q4_K", x, w, exact=True), want, rel=1e-6, why="the planted bug")
 
 
-def test_a_tile_that_drops_its_last_row_is_caught():
+def test_a_tile_that_drops_its_last_row_is_caught(monkeypatch):
+    monkeypatch.setenv("SPECEXPORT_KERNEL_SELFCHECK", "off")    # read once, at the library's first call
     bad = _planted("drop_last_row")
     if "avx2" not in bad.paths():
         pytest.skip("the bug is planted in the AVX2 path, which this CPU cannot run")
     rng = np.random.default_rng(9)
     w, x = blocks(rng, "Q6_K", 9, 256), rng.standard_normal((3, 256)).astype(np.float32)
     assert not np.array_equal(bad.matmul("Q6_K", x, w, path="avx2"), bad.matmul("Q6_K", x, w, path="ref"))
+
+
+def test_a_path_that_differs_from_the_reference_is_refused_at_load_and_said(kernels):
+    """The library's self-check (every SIMD path against the reference before it runs) on the planted
+    tile bug, in a fresh process (the check runs once per process and library)."""
+    if "avx2" not in kernels.paths():
+        pytest.skip("the bug is planted in the AVX2 path, which this CPU cannot run")
+    lib = _planted("drop_last_row").lib
+    code = ("import sys; from specexport.plugins import cpu; k = cpu.Kernels(cpu.Path(sys.argv[1])); "
+            "print(','.join(k.paths()), ','.join(k.refused()), k.c.sx_resolve(-1))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECEXPORT_KERNEL")}
+    out = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True, env=env, check=True)
+    paths, refused, resolved = out.stdout.strip().split(" ")
+    assert (paths, resolved) == ("ref", "0") and "avx2" in refused.split(","), out.stdout + out.stderr
+    line = cpu.Status(lib, "ref", "ref", refused="avx2").line()
+    assert "avx2 refused: its bits differed from the reference's" in line

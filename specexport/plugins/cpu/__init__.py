@@ -15,7 +15,8 @@ library built on those headers runs in later runtimes): $SPECEXPORT_ORT_INCLUDE,
 library into the cache. Nothing of ONNX Runtime is stored in this repository.
 
 Environment: SPECEXPORT_KERNELS=off hides the library (the stock route runs); SPECEXPORT_KERNEL_PATH
-(ref, avx2, neon) forces a kernel path; CXX names the compiler.
+(ref, avx2, avxvnni, avx512vnni, neon) forces a kernel path; SPECEXPORT_KERNEL_SELFCHECK=off lets a SIMD
+path run without first checking its bits against the reference's (planted-bug tests); CXX names the compiler.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ HERE = Path(__file__).parent
 KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_avx2.cc", "sx_neon.cc")
 HEADERS = ("sx_kernels.h", "sx_blocks.h", "sx_act.h")
 ORT_SOURCE = "sx_ort.cc"
-PATHS = {"ref": 0, "avx2": 1, "neon": 3}
+PATHS = {"ref": 0, "avx2": 1, "neon": 3, "avxvnni": 4, "avx512vnni": 5}
 # GGUF type name -> ggml's id (the ops' `type` attribute)
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 BLOCK = {t: 256 if t.endswith("_K") else 32 for t in TYPES}   # weights per (super-)block along K
@@ -149,14 +150,15 @@ def _mkdir(p: Path) -> Path:
     return p
 
 
-def build(with_ort: bool = True, *, plant: str | None = None) -> Path:
+def build(with_ort: bool = True, *, plant: str | None = None, emulate_vnni: bool = False) -> Path:
     """Compile (once per key) and return the shared library's path. with_ort: the ONNX Runtime ops too
     (needs the headers); without them: the C interface only. plant: a -DSX_PLANT_<name> build with a
-    deliberate bug, for the tests that must catch it."""
+    deliberate bug, for the tests that must catch it. emulate_vnni: a test library whose VNNI paths run on
+    any AVX2 CPU, their dot-product instructions computed exactly with AVX2 (sx_avx2.cc's VnniDot)."""
     cxx = compiler()
     srcs = sources() + ([ORT_SOURCE] if with_ort else [])
     include = ort_include() if with_ort else None
-    defines = [f"-DSX_PLANT_{plant.upper()}"] if plant else []
+    defines = ([f"-DSX_PLANT_{plant.upper()}"] if plant else []) + (["-DSX_EMULATE_VNNI"] if emulate_vnni else [])
     h = hashlib.sha256(_compiler_id(cxx).encode())
     for s in srcs + list(HEADERS):
         h.update(s.encode() + (HERE / s).read_bytes() + " ".join(flags(s) + defines).encode())
@@ -198,6 +200,7 @@ class Status:
     paths: str = ""                # the kernel paths this CPU runs, e.g. "ref,avx2"
     path: str = ""                 # the one that runs (SPECEXPORT_KERNEL_PATH or the best)
     reason: str = ""
+    refused: str = ""              # paths this CPU has that failed the self-check against the reference
 
     @property
     def available(self) -> bool:
@@ -205,7 +208,9 @@ class Status:
 
     def line(self) -> str:
         if self.available:
-            return f"CPU kernels: specexport's ({self.path} path; this CPU runs {self.paths})"
+            refused = (f"; {self.refused} refused: its bits differed from the reference's in the self-check"
+                       if self.refused else "")
+            return f"CPU kernels: specexport's ({self.path} path; this CPU runs {self.paths}{refused})"
         return f"CPU kernels: ONNX Runtime's stock MatMulNBits ({self.reason})"
 
 
@@ -224,7 +229,7 @@ def status() -> Status:
         return Status(None, reason=f"SPECEXPORT_KERNEL_PATH={os.environ.get('SPECEXPORT_KERNEL_PATH')} "
                                    f"is not a path this CPU runs ({c.sx_paths().decode()})")
     names = {v: k for k, v in PATHS.items()}
-    return Status(lib, c.sx_paths().decode(), names[path])
+    return Status(lib, c.sx_paths().decode(), names[path], refused=c.sx_refused().decode())
 
 
 def describe(entry: dict) -> str | None:
@@ -267,6 +272,7 @@ def _load(lib: Path):
         raise KernelsUnavailable(f"{lib} does not load: {err}") from err
     P, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     c.sx_paths.restype = ctypes.c_char_p
+    c.sx_refused.restype = ctypes.c_char_p
     c.sx_resolve.argtypes = [i]
     c.sx_row_bytes.restype = ctypes.c_size_t
     c.sx_row_bytes.argtypes = [i, i64]
@@ -290,6 +296,10 @@ class Kernels:
 
     def paths(self) -> list[str]:
         return self.c.sx_paths().decode().split(",")
+
+    def refused(self) -> list[str]:
+        """Paths this CPU has whose self-check disagreed with the reference (they do not run)."""
+        return [p for p in self.c.sx_refused().decode().split(",") if p]
 
     def row_bytes(self, qtype: str, K: int) -> int:
         return int(self.c.sx_row_bytes(TYPES[qtype], K))

@@ -3,6 +3,7 @@
 // Every block's eight integer lanes (one madd register) go straight into the output's eight float lanes.
 // The 32-weight types: tiles of up to 4 rows x 4 neighbouring columns, each block unpacked once per tile.
 // The K types: one column at a time, a block unpacked once per eight rows.
+// The same kernels make the VNNI paths (avxvnni, avx512vnni): only the integer dot steps differ (Dot below).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -18,6 +19,50 @@
 using namespace sx;
 
 namespace {
+
+// The integer dot steps, per path. Each gives the same exact integers: maddubs never saturates here (codes
+// of at most 128 in magnitude, activations of at most 127), and VNNI's fused steps do not saturate at all.
+// AVX2: int16 pairs through madd, four u8 x s8 products a lane through maddubs + madd.
+struct Avx2Dot {
+  static __m256i pairs(__m256i acc, __m256i p, __m256i s) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s)); }
+  static __m256i quads(__m256i u, __m256i a) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1));
+  }
+};
+
+// VNNI: vpdpwssd (pairs) and vpdpbusd (quads), one instruction each, in the VEX encoding (AVX-VNNI: Intel
+// since Alder Lake, AMD since Zen 5) or the EVEX one on 256-bit registers (AVX512-VNNI + VL: Intel servers
+// since Cascade Lake, AMD Zen 4). Written as assembly so that this file compiles with AVX2 flags only: no
+// AVX-512 instruction can reach code the AVX2 path runs. SX_EMULATE_VNNI computes them with AVX2 instead,
+// exactly (a test library: these paths' tiles, lanes and scales checked on CPUs without VNNI).
+template <bool EVEX>
+struct VnniDot {
+#ifdef SX_EMULATE_VNNI
+  static __m256i pairs(__m256i acc, __m256i p, __m256i s) { return _mm256_add_epi32(acc, _mm256_madd_epi16(p, s)); }
+  static __m256i quads(__m256i u, __m256i a) {  // bytes widened to int16 (u zero-, a sign-extended): no saturation
+    const __m256i lo8 = _mm256_set1_epi16(0xFF);
+    const __m256i ue = _mm256_and_si256(u, lo8), uo = _mm256_srli_epi16(u, 8);
+    const __m256i ae = _mm256_srai_epi16(_mm256_slli_epi16(a, 8), 8), ao = _mm256_srai_epi16(a, 8);
+    return _mm256_add_epi32(_mm256_madd_epi16(ue, ae), _mm256_madd_epi16(uo, ao));
+  }
+#else
+  static __m256i pairs(__m256i acc, __m256i p, __m256i s) {
+    if constexpr (EVEX)
+      asm("%{evex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(p), "xm"(s));
+    else
+      asm("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(p), "xm"(s));
+    return acc;
+  }
+  static __m256i quads(__m256i u, __m256i a) {
+    __m256i acc = _mm256_setzero_si256();
+    if constexpr (EVEX)
+      asm("%{evex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "xm"(a));
+    else
+      asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "xm"(a));
+    return acc;
+  }
+#endif
+};
 
 constexpr int R = 8;             // rows per weight pass (8: 8-13% faster than 4 at M >= 8, measured)
 
@@ -169,7 +214,7 @@ inline float tree8v(__m256 a) {
 
 // A K block's integer lanes against NR rows: part[r] = I's eight lanes, mins[r] = Mn's (sx_blocks.h's
 // k_lanes). The codes are unsigned (maddubs' first operand); Q6_K's zero point is taken out per lane.
-template <class L, int NR>
+template <class L, class D, int NR>
 inline void block_rows(const L& blk, const ActRow* rows, int64_t b, __m256i* part, __m256i* mins) {
   __m256i acc[NR];
   const int8_t* q[NR];
@@ -183,7 +228,7 @@ inline void block_rows(const L& blk, const ActRow* rows, int64_t b, __m256i* par
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       const __m256i a = _mm256_loadu_si256((const __m256i*)(q[r] + 32 * j));
-      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), sc));
+      acc[r] = D::pairs(acc[r], _mm256_maddubs_epi16(w, a), sc);
       asm("" : "+x"(acc[r]));  // keeps the sum in its register: GCC otherwise spills every product to sum later
     }
   });
@@ -200,7 +245,7 @@ inline void block_rows(const L& blk, const ActRow* rows, int64_t b, __m256i* par
 // One column's K blocks (256 weights) against NR rows: each block's eight integer lanes (sx_blocks.h's
 // k_lanes) into the row's eight float lanes (acc += I * (d * da); acc += Mn * (-m * da)), as the
 // reference; the float lanes stay in registers along the column.
-template <class L, int NR>
+template <class L, class D, int NR>
 inline void kcolumn(const TypeInfo& ti, const uint8_t* col, int64_t nb, const ActRow* rows, float* out) {
   __m256 acc[NR];
 #pragma GCC unroll 8
@@ -210,7 +255,7 @@ inline void kcolumn(const TypeInfo& ti, const uint8_t* col, int64_t nb, const Ac
       _mm_prefetch((const char*)(col + (b + 8) * ti.bytes + l), _MM_HINT_T0);
     const L blk(col + b * ti.bytes);
     __m256i part[NR], mins[NR] = {};
-    block_rows<L, NR>(blk, rows, b, part, mins);
+    block_rows<L, D, NR>(blk, rows, b, part, mins);
     const __m256 dv = _mm256_set1_ps(blk.d), mv = _mm256_set1_ps(-blk.m);
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
@@ -228,7 +273,7 @@ inline void kcolumn(const TypeInfo& ti, const uint8_t* col, int64_t nb, const Ac
 // operand, exact), each row's activations loaded once; each output's eight integer lanes (one madd register)
 // into its eight float lanes, as the reference. NC columns side by side: one output's float chain is a
 // fused multiply-add per block, latency-bound alone.
-template <class L, int NR, int NC>
+template <class L, class D, int NR, int NC>
 inline void tile32(const TypeInfo& ti, const uint8_t* col, size_t rb, int64_t nb, const ActRow* rows, float* out) {
   constexpr bool plus = L::affine, sgn = L::sgn || L::Z != 0;
   __m256 acc[NR][NC];
@@ -236,7 +281,7 @@ inline void tile32(const TypeInfo& ti, const uint8_t* col, size_t rb, int64_t nb
   for (int r = 0; r < NR; ++r)
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
-  const __m256i ones = _mm256_set1_epi16(1), lane1 = _mm256_set1_epi32(1);
+  const __m256i lane1 = _mm256_set1_epi32(1);
   const int64_t step = NC * ti.bytes;
   const uint8_t* next = col + NC * rb;  // the next tile's bytes, in order, as this one's blocks go by
   for (int64_t b = 0; b < nb; ++b) {
@@ -260,7 +305,7 @@ inline void tile32(const TypeInfo& ti, const uint8_t* col, size_t rb, int64_t nb
       const __m128 da = _mm_broadcast_ss(rows[r].d + b);
 #pragma GCC unroll 8
       for (int c = 0; c < NC; ++c) {
-        const __m256i I = _mm256_madd_epi16(_mm256_maddubs_epi16(u[c], sgn ? _mm256_sign_epi8(a, w[c]) : a), ones);
+        const __m256i I = D::quads(u[c], sgn ? _mm256_sign_epi8(a, w[c]) : a);
         const __m128 s = _mm_mul_ps(dm[c], da);  // (d * da, m * da)
         acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_broadcastss_ps(s), acc[r][c]);
         if constexpr (plus)
@@ -276,54 +321,54 @@ inline void tile32(const TypeInfo& ti, const uint8_t* col, size_t rb, int64_t nb
 }
 
 // Columns [n0, n1) of NR rows in tiles of NC columns (the last ones one at a time).
-template <class L, int NR, int NC>
+template <class L, class D, int NR, int NC>
 void rows32(const TypeInfo& ti, const uint8_t* W, size_t rb, int64_t nb, const ActRow* rows, int64_t n0, int64_t n1,
             float* Y, int64_t ldy) {
   float out[NR * NC];
   int64_t n = n0;
   for (; n + NC <= n1; n += NC) {
-    tile32<L, NR, NC>(ti, W + n * rb, rb, nb, rows, out);
+    tile32<L, D, NR, NC>(ti, W + n * rb, rb, nb, rows, out);
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < NC; ++c) Y[r * ldy + n + c] = out[r * NC + c];
   }
   for (; n < n1; ++n) {
-    tile32<L, NR, 1>(ti, W + n * rb, rb, nb, rows, out);
+    tile32<L, D, NR, 1>(ti, W + n * rb, rb, nb, rows, out);
     for (int r = 0; r < NR; ++r) Y[r * ldy + n] = out[r];
   }
 }
 
-template <class L>
+template <class L, class D>
 using Rows32 = void (*)(const TypeInfo&, const uint8_t*, size_t, int64_t, const ActRow*, int64_t, int64_t, float*, int64_t);
 
 // Tiles measured on Zen 3 (one thread, K = 576): 1 row x 4 columns, 2 x 4, then 4 x 2.
-template <class L>
-Rows32<L> rows32_for(int64_t rows) {
+template <class L, class D>
+Rows32<L, D> rows32_for(int64_t rows) {
   switch (rows) {
-    case 1: return rows32<L, 1, 4>;
-    case 2: return rows32<L, 2, 4>;
-    case 3: return rows32<L, 3, 2>;
-    default: return rows32<L, 4, 2>;
+    case 1: return rows32<L, D, 1, 4>;
+    case 2: return rows32<L, D, 2, 4>;
+    case 3: return rows32<L, D, 3, 2>;
+    default: return rows32<L, D, 4, 2>;
   }
 }
 
-template <class L>
+template <class L, class D>
 using KColumn = void (*)(const TypeInfo&, const uint8_t*, int64_t, const ActRow*, float*);
 
-template <class L>
-KColumn<L> kcolumn_for(int64_t rows) {
+template <class L, class D>
+KColumn<L, D> kcolumn_for(int64_t rows) {
   switch (rows) {
-    case 1: return kcolumn<L, 1>;
-    case 2: return kcolumn<L, 2>;
-    case 3: return kcolumn<L, 3>;
-    case 4: return kcolumn<L, 4>;
-    case 5: return kcolumn<L, 5>;
-    case 6: return kcolumn<L, 6>;
-    case 7: return kcolumn<L, 7>;
-    default: return kcolumn<L, 8>;
+    case 1: return kcolumn<L, D, 1>;
+    case 2: return kcolumn<L, D, 2>;
+    case 3: return kcolumn<L, D, 3>;
+    case 4: return kcolumn<L, D, 4>;
+    case 5: return kcolumn<L, D, 5>;
+    case 6: return kcolumn<L, D, 6>;
+    case 7: return kcolumn<L, D, 7>;
+    default: return kcolumn<L, D, 8>;
   }
 }
 
-template <class L>
+template <class L, class D>
 void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
           int64_t ldy) {
   const int64_t nb = K / L::qk;
@@ -346,7 +391,7 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
       const int64_t c1 = std::min(n1, c0 + chunk);
       for (int64_t r = 0; r < rows_done; r += R) {
         const int64_t nr = std::min<int64_t>(R, rows_done - r);
-        const KColumn<L> run = kcolumn_for<L>(nr);
+        const KColumn<L, D> run = kcolumn_for<L, D>(nr);
         for (int64_t n = c0; n < c1; ++n) {  // one column at a time: each thread reads one sequential stream
           run(ti, W + n * rb, nb, rows.data() + r, acc);
           for (int64_t m = 0; m < nr; ++m) Y[(r + m) * ldy + n] = tree8v(_mm256_loadu_ps(acc + 8 * m));
@@ -361,9 +406,25 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
       const int64_t c1 = std::min(n1, c0 + chunk);
       for (int64_t r = 0; r < rows_done; r += RT) {
         const int64_t nr = std::min<int64_t>(RT, rows_done - r);
-        rows32_for<L>(nr)(ti, W, rb, nb, rows.data() + r, c0, c1, Y + r * ldy, ldy);
+        rows32_for<L, D>(nr)(ti, W, rb, nb, rows.data() + r, c0, c1, Y + r * ldy, ldy);
       }
     }
+  }
+}
+
+template <class D>
+void gemm_type(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
+               int64_t ldy) {
+  const TypeInfo ti = type_info(type);
+  switch (type) {
+    case Q4_K: return gemm<Q4K, D>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q6_K: return gemm<Q6K, D>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_0: return gemm<Small<Q4_0>, D>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q8_0: return gemm<Q8_0L, D>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q5_K: return gemm<Q5K, D>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_1: return gemm<Small<Q4_1>, D>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q5_0: return gemm<Small<Q5_0>, D>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q5_1: return gemm<Small<Q5_1>, D>(ti, act, M, K, W, n0, n1, Y, ldy);
   }
 }
 
@@ -371,17 +432,17 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
 
 void sx_avx2_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
                   int64_t ldy) {
-  const TypeInfo ti = type_info(type);
-  switch (type) {
-    case Q4_K: return gemm<Q4K>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q6_K: return gemm<Q6K>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q4_0: return gemm<Small<Q4_0>>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q8_0: return gemm<Q8_0L>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q5_K: return gemm<Q5K>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q4_1: return gemm<Small<Q4_1>>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q5_0: return gemm<Small<Q5_0>>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q5_1: return gemm<Small<Q5_1>>(ti, act, M, K, W, n0, n1, Y, ldy);
-  }
+  gemm_type<Avx2Dot>(type, act, M, K, W, n0, n1, Y, ldy);
+}
+
+void sx_avxvnni_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
+                     float* Y, int64_t ldy) {
+  gemm_type<VnniDot<false>>(type, act, M, K, W, n0, n1, Y, ldy);
+}
+
+void sx_avx512vnni_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
+                        float* Y, int64_t ldy) {
+  gemm_type<VnniDot<true>>(type, act, M, K, W, n0, n1, Y, ldy);
 }
 
 // sx_act.h's quantize_row, eight values at a time: the same scalar scale, the same products, rounding in

@@ -10,12 +10,17 @@
 
 extern "C" {
 
-// Kernel paths. SX_AUTO picks the best the CPU has; every path equals SX_REF bit for bit.
-enum { SX_AUTO = -1, SX_REF = 0, SX_AVX2 = 1, SX_NEON = 3 };
+// Kernel paths. SX_AUTO picks the best the CPU has; every path equals SX_REF bit for bit. The VNNI paths are
+// the AVX2 path with VNNI's integer dot products (AVX-VNNI's VEX encoding, or AVX512-VNNI's EVEX on ymm).
+enum { SX_AUTO = -1, SX_REF = 0, SX_AVX2 = 1, SX_NEON = 3, SX_AVXVNNI = 4, SX_AVX512VNNI = 5 };
 
 SX_API int sx_version(void);
-// Path names, "ref,avx2": those this CPU and this build can run.
+// Path names, "ref,avx2": those this CPU and this build can run. A SIMD path runs only after it computed the
+// reference's bits on a small problem of every type here (a self-check at first use: a CPU or compiler that
+// gets an instruction wrong is never used); SPECEXPORT_KERNEL_SELFCHECK=off skips it (tests of planted bugs).
 SX_API const char* sx_paths(void);
+// Paths this CPU has whose self-check disagreed with the reference ("" when none): they do not run.
+SX_API const char* sx_refused(void);
 // The path SX_AUTO resolves to (or `forced` if runnable; -1 if not).
 SX_API int sx_resolve(int forced);
 // Bytes per row of W for `type` and K; 0 if the type is unknown or K not a multiple of its block.
