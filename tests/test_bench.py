@@ -532,7 +532,13 @@ def test_the_builds_measured_settings_are_the_defaults(bench_report, tmp_path):
         assert pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=8, method="draft", gamma=3).stats.gamma == 3
     with specexport.load(out, threads=2, spin=True) as pipe:                  # given: used as given
         assert pipe.thread_note == "threads: as given"
-        assert pipe.target.session.get_session_options().intra_op_num_threads == 2
+        target, draft = (b.session.get_session_options() for b in (pipe.target, pipe.draft))
+        assert target.intra_op_num_threads == draft.intra_op_num_threads == 2       # the draft: the target's
+        # two models taking turns: each pool stops spinning when its run ends (ort.open_session)
+        assert target.get_session_config_entry("session.force_spinning_stop") == "1"
+        assert draft.get_session_config_entry("session.force_spinning_stop") == "1"
+    with specexport.load(out, threads=2, draft_threads=1) as pipe:
+        assert pipe.draft.session.get_session_options().intra_op_num_threads == 1
     m["method_auto"]["fp32/fp32"]["method"] = "lookup"                         # a choice of another method:
     (out / "manifest.json").write_text(json.dumps(m))                          # the draft's stored --gamma auto
     with specexport.load(out) as pipe:

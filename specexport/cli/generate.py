@@ -37,7 +37,7 @@ import click
 @click.option("--threads", default=None, type=int,
               help="Target's ONNX Runtime intra-op threads (default: the threads and spinning the build's bench "
                    "measured fastest, else all cores).")
-@click.option("--draft-threads", default=1, show_default=True, type=int, help="Draft's intra-op threads.")
+@click.option("--draft-threads", default=None, type=int, help="Draft's intra-op threads (default: the target's).")
 @click.option("--device", default="cpu", show_default=True,
               help="cpu, or cuda / cuda:N: ONNX Runtime's CUDA execution provider (onnxruntime-gpu).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
@@ -49,10 +49,10 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
     from specexport.runtime.methods import resolve_default_method, stored_choice
-    from specexport.runtime.pipeline import MEASURED
+    from specexport.runtime.pipeline import AS_TARGET, MEASURED
 
     pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision,
-                           threads=MEASURED if threads is None else threads, draft_threads=draft_threads,
+                           threads=MEASURED if threads is None else threads, draft_threads=AS_TARGET if draft_threads is None else draft_threads,
                            **({"device": device} if device != "cpu" else {}))
     notes = []
     if method is None:

@@ -15,6 +15,11 @@ def _speedup(r: dict, key: str = "speedup_vs_vanilla", ci_key: str = "speedup_ci
                           else "")
 
 
+def _draft_threads(st: dict) -> str:
+    n = st["draft_threads"]       # reports before December 2026: 1 (the draft ran on one thread then)
+    return f"{n} thread{'s' * (n != 1)}" if isinstance(n, int) else f"{n} threads"
+
+
 def render_markdown(report: dict) -> str:
     st = report["settings"]
     threads = "; ".join(f"{tp} target: {label}" for tp, label in st["target_threads"].items())
@@ -32,7 +37,7 @@ def render_markdown(report: dict) -> str:
              "GPU precision (fp16, fp8, int8_sq) run on ONNX Runtime CPU, where its Q/DQ is emulated: its "
              "acceptance and tokens per pass are what the GPU engine gets, its time is not.", "",
              f"Threads: {threads} (the fastest for vanilla of those tried; speculative rows use the same "
-             f"session); draft {st['draft_threads']} thread.", "",
+             f"session); draft: {_draft_threads(st)}.", "",
              *([f"Kernels: {'; '.join(f'{tp} target: {k}' for tp, k in st['kernels'].items())}.", ""]
                if st.get("kernels") else []),
              "| target | draft | method | γ | tok/s | TTFT ms | TPOT p50 | TPOT p90 | acceptance | tokens/pass "

@@ -101,7 +101,7 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
                      "bootstrap_resamples": acc.BOOTSTRAP_RESAMPLES,
                      "target_threads": {tp: s.label for tp, s in settings.items()},
                      "thread_probe_tokens_per_s": probes,
-                     "draft_threads": 1,
+                     "draft_threads": "the target's",
                      "kernels": {tp: pipe.kernel_note for tp, pipe in pipes.items() if pipe.kernel_note}},
         "rows": rows,
         "step_costs_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in costs.items()},

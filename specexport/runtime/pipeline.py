@@ -26,6 +26,7 @@ from specexport.runtime.suffix import SuffixCache
 
 PREFILL_CHUNK = 64
 MEASURED = "measured"            # load(threads=MEASURED): the thread setting the build's bench measured fastest
+AS_TARGET = "as target"          # load(draft_threads=AS_TARGET): the draft on as many threads as the target
 SUFFIX_CACHE_TOKENS = 500_000    # the default bound of a pipeline's suffix cache (about 28 MB at ~55 bytes a token, measured at 1M tokens: runtime/suffix.py)
 @dataclass
 class Request:
@@ -77,13 +78,15 @@ class GenerationOutput:
 
 
 def load(output_dir, *, precision: str | None = None, draft_precision: str | None = None, backend: str = "onnxruntime",
-         threads: int | None | str = MEASURED, draft_threads: int | None = 1, verify: bool = False,
+         threads: int | None | str = MEASURED, draft_threads: int | None | str = AS_TARGET, verify: bool = False,
          suffix_cache_tokens: int = SUFFIX_CACHE_TOKENS, **options) -> "Pipeline":
     """precision: the target's (default: its first built precision, fp32 unless a lean GGUF build);
     draft_precision: the draft's (default: the same as the target's).
     threads: the target's intra-op threads; MEASURED (the default): the threads and spinning the build's
     bench measured fastest for vanilla on these graphs (`thread_note` says which), else ONNX Runtime's
-    default (all cores); None: ONNX Runtime's default. draft_threads: the draft's (default 1).
+    default (all cores); None: ONNX Runtime's default. draft_threads: the draft's (default: the target's).
+    Where the build has a second model (a draft, heads), every pool's threads stop spinning at the end of
+    each run, so the models taking turns do not take each other's cores.
     suffix_cache_tokens: the bound of the cache of earlier generations that method="suffix" reads.
     Every file is checked for its recorded size when its model is opened; verify=True also checks every
     file's sha256 against the manifest first (reads all the weights once)."""
@@ -94,7 +97,7 @@ def load(output_dir, *, precision: str | None = None, draft_precision: str | Non
 
 class Pipeline:
     def __init__(self, output_dir, *, precision=None, draft_precision=None, backend="onnxruntime", threads=MEASURED,
-                 draft_threads=1, verify=False, suffix_cache_tokens=SUFFIX_CACHE_TOKENS, **options):
+                 draft_threads=AS_TARGET, verify=False, suffix_cache_tokens=SUFFIX_CACHE_TOKENS, **options):
         self.dir = Path(output_dir)
         self.manifest = read_manifest(self.dir)
         if verify:
@@ -111,10 +114,12 @@ class Pipeline:
         self.capacity = self.manifest["max_seq_len"]
         self.max_verify_tokens = self.manifest["max_verify_tokens"]
         self.eos_ids = set(self.manifest["special_tokens"]["eos_token_ids"] or [])
-        # The draft runs single-threaded by default: a small draft gains nothing from a thread pool, and
-        # its pool's threads would compete with the target's on the same cores (demo pair, 2 cores:
-        # 1.32 vs 2.23 ms/token at γ = 2, benchmarks/bench_demo.py).
-        self._threads = {"target": threads, "draft": draft_threads}
+        # The draft on the target's threads, and pools that stop spinning when a run ends: a pool spinning
+        # on takes the cores from the other model's run (Qwen2.5-Coder 1.5B + 0.5B draft, 2 cores: draft γ 2-3
+        # 12.2-13.3 tok/s on 1 thread, 14.9-17.7 on 2 stopped, 10.1-12.6 on 2 spinning on; benchmarks/draft_threads.py).
+        self._threads = {"target": threads, "draft": threads if draft_threads == AS_TARGET else draft_threads}
+        if set(self.manifest["models"]) - {"target"} or self.manifest.get("heads"):
+            options = {"stop_spin": True, **options}
         self._options = options
         self.target = self._open("target")
         self.drafts: dict = {}                      # draft backends opened so far, by precision
