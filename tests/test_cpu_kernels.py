@@ -252,6 +252,38 @@ def test_the_op_in_a_graph_computes_what_the_c_interface_does(kernels):
         assert np.array_equal(got.reshape(6, 30), want)
 
 
+def test_one_node_of_several_weights_gives_each_output_its_own_matmuls_bits(kernels):
+    """GgufMatMulN (q, k, v or gate, up in one node): weights of different types and block sizes, each
+    output bit-equal to its own GgufMatMul, whatever the rows and threads."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    ort = pytest.importorskip("onnxruntime")
+    status = cpu.status()
+    if not status.available:
+        pytest.skip(status.line())
+    rng = np.random.default_rng(10)
+    k = 512
+    ws = {"Q4_K": blocks(rng, "Q4_K", 70, k), "Q6_K": blocks(rng, "Q6_K", 9, k), "Q4_1": blocks(rng, "Q4_1", 130, k)}
+    for exact in (0, 1):
+        node = helper.make_node("GgufMatMulN", ["X", *ws], [f"Y{i}" for i in range(3)], domain=cpu.DOMAIN,
+                                types=[cpu.TYPES[t] for t in ws], Ns=[w.shape[0] for w in ws.values()], K=k, exact=exact)
+        graph = helper.make_graph(
+            [node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["B", "T", k])],
+            [helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["B", "T", w.shape[0]]) for i, w in enumerate(ws.values())],
+            [numpy_helper.from_array(w, t) for t, w in ws.items()])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu.DOMAIN, 1)])
+        for threads in (1, 2, 4):
+            so = ort.SessionOptions()
+            so.register_custom_ops_library(str(status.library))
+            so.intra_op_num_threads = threads
+            sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            for m in (1, 5):
+                x = rng.standard_normal((1, m, k)).astype(np.float32)
+                for (qtype, w), got in zip(ws.items(), sess.run(None, {"X": x})):
+                    alone = _session(qtype, w, k, 1, exact).run(None, {"X": x})[0]
+                    assert np.array_equal(got, alone), f"{qtype}, exact={exact}, {threads} threads, M={m}"
+
+
 def test_a_kernels_graph_where_the_library_is_hidden_says_why_and_what_to_do(tmp_path, monkeypatch):
     from onnx import TensorProto, helper, numpy_helper, save
 

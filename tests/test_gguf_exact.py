@@ -119,7 +119,7 @@ def test_gguf_precision_builds_from_the_files_blocks(quantized_gguf, tmp_path, w
     ops = {n.op_type for n in onnx.load(str(out / entry["dir"] / "model.onnx"), load_external_data=False).graph.node}
     if kernels_route == "ours":
         assert entry["quantization"]["kernels"]["ops"] == "specexport.cpu"
-        assert {"GgufMatMul", "GgufGather"} <= ops and "MatMulNBits" not in ops
+        assert {"GgufMatMul", "GgufMatMulN", "GgufGather"} <= ops and "MatMulNBits" not in ops
         assert weights <= 1.02 * file_weights, (weights, file_weights)     # the file's bytes, nothing widened
         assert entry["min_tokens"] == 1 and entry["row_dependence"]["one_token"] <= (1e-6 if level == 0 else 0.0)
     else:

@@ -5,6 +5,7 @@ kernels (specexport's CPU kernels, specexport/plugins/cpu; `kernels=True`): the 
 
     MatMul(A, W)        ->  specexport.cpu.GgufMatMul(A, blocks)       blocks: [N, row bytes] uint8, the file's
     Gather(E, ids)      ->  specexport.cpu.GgufGather(blocks, ids)     rows in the graph's order
+    MatMuls of one A    ->  specexport.cpu.GgufMatMulN(A, blocks...)   q, k, v; gate, up (the same bits)
 
 stock (ONNX Runtime's own ops; quant/gguf_blocks.py maps each type onto them):
 
@@ -39,7 +40,7 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.quant.gguf_blocks import SUPPORTED, BlockCodes, decode
-from specexport.quant.gguf_raw import RawBlocks, kernel_attention, kernel_node, tensor_raw
+from specexport.quant.gguf_raw import RawBlocks, kernel_attention, kernel_groups, kernel_node, tensor_raw
 
 
 @dataclass
@@ -379,6 +380,7 @@ class _Builder:
             nodes += self.nodes.get(i, []) if i in self.removed else [node]
         if self.kernels:
             kernel_attention(nodes)
+            nodes = kernel_groups(nodes)
         outputs = {o.name for o in graph.output}
         while True:                                   # unused nodes, until none is left
             used = {x for n in nodes for x in n.input} | outputs

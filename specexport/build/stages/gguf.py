@@ -81,7 +81,7 @@ class GgufStage(ModelStage):
                                  "unmapped_tensors": report.unsupported,
                                  "route": "lean: a weightless graph filled from the file by name" if lean else
                                           "the fp32 graph's weights replaced by the file's blocks",
-                                 "tool": "quant/gguf_graph.py (" + ("specexport.cpu GgufMatMul, GgufGather"
+                                 "tool": "quant/gguf_graph.py (" + ("specexport.cpu GgufMatMul(N), GgufGather"
                                                                     if kernels.available else
                                                                     "MatMulNBits, GatherBlockQuantized") + ")",
                                  "kernels": {"ops": "specexport.cpu", "path": kernels.path, "cpu_runs": kernels.paths}
@@ -191,7 +191,7 @@ def _twin(graph: Path, level: int) -> Path:
         for attr in node.attribute:
             if node.op_type == "MatMulNBits" and attr.name == "accuracy_level":
                 attr.i = 0
-            if node.op_type == "GgufMatMul" and attr.name == "exact":
+            if node.op_type in ("GgufMatMul", "GgufMatMulN") and attr.name == "exact":
                 attr.i = 1
     twin = graph.with_name("parity-twin.onnx")
     onnx.save(proto, str(twin))               # its initializers still name model.onnx.data

@@ -2,6 +2,8 @@
 // Debian's libonnxruntime-dev; the C API is versioned, so a library built on 1.21 headers runs on later
 // runtimes):
 //   GgufMatMul(X float [..., K], W uint8 [N, row bytes]) -> Y float [..., N]   attributes: type, K, N, exact
+//   GgufMatMulN(X, W_0 .. W_n-1) -> Y_0 .. Y_n-1: n GgufMatMuls of one input in one node (q, k, v; gate,
+//     up), each output's bits those of its own GgufMatMul   attributes: types, Ns (one per weight), K, exact
 //   GgufGather(W uint8 [N, row bytes], ids int64 [...]) -> Y float [..., K]    attributes: type, K, N
 //   GroupQueryAttention: ONNX Runtime's contract, each row computed alone (below)
 #define ORT_API_MANUAL_INIT
@@ -14,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "sx_blocks.h"
 #include "sx_kernels.h"
 
 namespace {
@@ -94,6 +97,83 @@ struct GgufMatMul : Attrs {
     Task task{this, task_cols(N), act.data(), X.Data(), W.Data(), y, M};
     const size_t tasks = (size_t)((N + task.cols - 1) / task.cols);
     Ort::KernelContext(ctx).ParallelFor(run_task, tasks, 0, &task);
+    return Ort::Status{nullptr};
+  }
+};
+
+// Several weights of one input: X quantized once per block size, every weight's column ranges in one
+// ParallelFor. Why: a small model's matmuls are small (SmolLM2's k and v: 69 KB each), so a node's fixed
+// cost (the op call, the quantization, waking the pool) is a large part of it, and a lone 192-column
+// matmul is three tasks on two threads.
+struct GgufMatMulN {
+  std::vector<int64_t> types, Ns;
+  int64_t K, exact = 0;
+  int path;
+  GgufMatMulN(const OrtApi*, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo ki(info);
+    types = ki.GetAttributes<int64_t>("types");
+    Ns = ki.GetAttributes<int64_t>("Ns");
+    K = ki.GetAttribute<int64_t>("K");
+    try { exact = ki.GetAttribute<int64_t>("exact"); } catch (const Ort::Exception&) {}
+    path = sx_resolve(SX_AUTO);
+  }
+
+  struct Part {
+    int type;
+    int64_t N, n0, n1;
+    const uint8_t* W;
+    const void* act;
+    float* Y;
+  };
+  struct Job {
+    const GgufMatMulN* op;
+    const float* X;
+    int64_t M;
+    std::vector<Part> parts;
+  };
+
+  static void run(void* p, size_t i) {
+    const Job& j = *(const Job*)p;
+    const Part& t = j.parts[i];
+    if (j.op->exact)
+      sx_gemm_exact(t.type, j.op->path, j.X, j.M, j.op->K, t.W, t.n0, t.n1, t.Y, t.N);
+    else
+      sx_gemm_q8(t.type, j.op->path, t.act, j.M, j.op->K, t.W, t.n0, t.n1, t.Y, t.N);
+  }
+
+  Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& X, const Ort::Custom::Variadic& Ws,
+                      Ort::Custom::Variadic& Ys) {
+    const size_t n = types.size();
+    if (Ns.size() != n || Ws.Size() != n)
+      return Ort::Status("GgufMatMulN: the attributes types and Ns and the weights are not one per output", ORT_INVALID_ARGUMENT);
+    if (path < 0)
+      return Ort::Status((std::string("GgufMatMulN: SPECEXPORT_KERNEL_PATH names a path this CPU cannot run (it runs: ") +
+                          sx_paths() + ")").c_str(), ORT_FAIL);
+    std::vector<int64_t> shape = X.Shape();
+    if (shape.empty() || shape.back() != K) return Ort::Status("GgufMatMulN: X's last axis is not K", ORT_INVALID_ARGUMENT);
+    int64_t M = 1;
+    for (size_t i = 0; i + 1 < shape.size(); ++i) M *= shape[i];
+    Job job{this, X.Data(), M, {}};
+    std::vector<uint8_t> act32, act256;  // X quantized per block size (32, or 256 for the K types)
+    for (size_t i = 0; i < n; ++i) {
+      const int type = (int)types[i];
+      const size_t rb = sx_row_bytes(type, K);
+      const std::vector<int64_t>& ws = Ws[i]->Shape();
+      if (!rb || ws.size() != 2 || ws[0] != Ns[i] || (size_t)ws[1] != rb)
+        return Ort::Status(("GgufMatMulN: weight " + std::to_string(i) + " is not [N, row bytes] for its type and K").c_str(),
+                           ORT_INVALID_ARGUMENT);
+      shape.back() = Ns[i];
+      float* y = Ys.AllocateOutput<float>(i, shape);
+      std::vector<uint8_t>& act = sx::type_info(type).qk == 32 ? act32 : act256;
+      if (!exact && M > 0 && act.empty()) {
+        act.resize(sx_act_bytes(type, M, K));
+        sx_quantize(type, path, X.Data(), M, K, act.data());
+      }
+      const int64_t cols = task_cols(Ns[i]);
+      for (int64_t n0 = 0; n0 < Ns[i] && M > 0; n0 += cols)
+        job.parts.push_back(Part{type, Ns[i], n0, std::min(n0 + cols, Ns[i]), (const uint8_t*)Ws[i]->DataRaw(), act.data(), y});
+    }
+    if (!job.parts.empty()) Ort::KernelContext(ctx).ParallelFor(run, job.parts.size(), 0, &job);
     return Ort::Status{nullptr};
   }
 };
@@ -225,12 +305,15 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   Ort::InitApi(api);
   static Ort::CustomOpDomain domain{"specexport.cpu"};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> matmul{Ort::Custom::CreateLiteCustomOp<GgufMatMul>("GgufMatMul", "CPUExecutionProvider")};
+  static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> matmul_n{
+      Ort::Custom::CreateLiteCustomOp<GgufMatMulN>("GgufMatMulN", "CPUExecutionProvider")};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> gather{Ort::Custom::CreateLiteCustomOp<GgufGather>("GgufGather", "CPUExecutionProvider")};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> attention{
       Ort::Custom::CreateLiteCustomOp<Attention>("GroupQueryAttention", "CPUExecutionProvider")};
   static bool added = false;
   if (!added) {
     domain.Add(matmul.get());
+    domain.Add(matmul_n.get());
     domain.Add(gather.get());
     domain.Add(attention.get());
     added = true;
