@@ -30,6 +30,11 @@ int64_t task_cols(int64_t N) {
   return ((N + tasks - 1) / tasks + 7) / 8 * 8;
 }
 
+// `exact` is optional (graphs written before it default to int8 mode).
+int64_t exact_attr(const Ort::ConstKernelInfo& ki) {
+  try { return ki.GetAttribute<int64_t>("exact"); } catch (const Ort::Exception&) { return 0; }
+}
+
 struct Attrs {
   int64_t type, K, N, exact;
   int path;
@@ -38,9 +43,7 @@ struct Attrs {
     type = ki.GetAttribute<int64_t>("type");
     K = ki.GetAttribute<int64_t>("K");
     N = ki.GetAttribute<int64_t>("N");
-    int64_t e = 0;
-    try { e = ki.GetAttribute<int64_t>("exact"); } catch (const Ort::Exception&) {}
-    exact = e;
+    exact = exact_attr(ki);
     path = sx_resolve(SX_AUTO);
   }
   // Errors are returned by Compute (a kernel's constructor cannot return a status).
@@ -107,14 +110,14 @@ struct GgufMatMul : Attrs {
 // matmul is three tasks on two threads.
 struct GgufMatMulN {
   std::vector<int64_t> types, Ns;
-  int64_t K, exact = 0;
+  int64_t K, exact;
   int path;
   GgufMatMulN(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     types = ki.GetAttributes<int64_t>("types");
     Ns = ki.GetAttributes<int64_t>("Ns");
     K = ki.GetAttribute<int64_t>("K");
-    try { exact = ki.GetAttribute<int64_t>("exact"); } catch (const Ort::Exception&) {}
+    exact = exact_attr(ki);
     path = sx_resolve(SX_AUTO);
   }
 
