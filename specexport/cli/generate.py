@@ -52,7 +52,8 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
     from specexport.runtime.pipeline import AS_TARGET, MEASURED
 
     pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision,
-                           threads=MEASURED if threads is None else threads, draft_threads=AS_TARGET if draft_threads is None else draft_threads,
+                           threads=MEASURED if threads is None else threads,
+                           draft_threads=AS_TARGET if draft_threads is None else draft_threads,
                            **({"device": device} if device != "cpu" else {}))
     notes = []
     if method is None:

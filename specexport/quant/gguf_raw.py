@@ -82,15 +82,15 @@ def kernel_groups(nodes: list) -> list:
     for n in nodes:
         if n.domain == cpu.DOMAIN and n.op_type == "GgufMatMul":
             a = {x.name: x.i for x in n.attribute}
-            groups.setdefault((n.input[0], a["K"], a.get("exact", 0)), []).append((n, a))
+            groups.setdefault((n.input[0], a.get("exact", 0)), []).append((n, a))
     first, fused = {}, set()
-    for (x, K, exact), members in groups.items():
+    for (x, exact), members in groups.items():
         if len(members) < 2:
             continue
         node = helper.make_node("GgufMatMulN", [x, *(n.input[1] for n, _ in members)],
                                 [n.output[0] for n, _ in members], name=members[0][0].name + ".group",
                                 domain=cpu.DOMAIN, types=[a["type"] for _, a in members],
-                                Ns=[a["N"] for _, a in members], K=K, exact=exact)
+                                Ns=[a["N"] for _, a in members], K=members[0][1]["K"], exact=exact)
         first[id(members[0][0])] = node
         fused |= {id(n) for n, _ in members}
     return [first.get(id(n), n) for n in nodes if id(n) in first or id(n) not in fused]
