@@ -150,6 +150,11 @@ def test_bench_figures_equal_the_closed_form_when_every_proposal_is_accepted(fak
     assert report["step_costs_ms"]["fp32/fp32"]["target"] == pytest.approx(
         {"1": 10.0, "4": 13.0, "5": 14.0})
     assert report["step_costs_ms"]["fp32/fp32"]["draft"] == pytest.approx({"1": 1.0, "2": 1.5})
+    curve = report["pass_curve_ms"]["fp32"]               # the target pass by rows: c(M) on the fake clock
+    assert curve == pytest.approx({str(m): C_T[m] * 1e3 for m in (1, 2, 4, 8, 16) if str(m) in curve})
+    assert {"1", "2", "4"} <= set(curve)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert f"| {C_T[4] * 1e3:.2f} ms, {C_T[4] / C_T[1]:.2f}x |" in md
 
 
 def test_a_quantized_row_is_also_compared_with_the_fp32_vanilla(fake_build, tmp_path):
@@ -243,7 +248,8 @@ def test_report_rows_and_files(bench_report):
     adaptive = [r for r in rows if r["draft_stop"]]
     assert [(r["gamma"], r["draft_stop"]) for r in adaptive] == [(2, 0.5)]
     md = (work / "report" / "report.md").read_text()
-    assert md.count("| fp32 |") == 4 + 3 and "95% CI" in md and "threads" in md.lower()     # rows + where the time goes
+    # the rows, where the time goes, the pass curve
+    assert md.count("| fp32 |") == 4 + 3 + 1 and "95% CI" in md and "threads" in md.lower()
     assert "## Where the time goes" in md and "capped by" in md
     assert (work / "report" / "speedup_vs_gamma.png").stat().st_size > 0
     probe = saved["settings"]["thread_probe_tokens_per_s"]["fp32"]

@@ -80,6 +80,7 @@ def render_markdown(report: dict) -> str:
                      f"{_f(r['draft_step_ratio'], '.2f')} | {_f(r['verify_step_ratio'], '.2f')} | "
                      f"{_f(r['ideal_speedup'], '.2f', 'x')} | {_f(r['ideal_free_draft'], '.2f', 'x')} | "
                      f"{_f(r['ideal_free_verify'], '.2f', 'x')} | {r['capped_by'] or '-'} |")
+    lines += _curve_lines(report)
     lines += ["", "## γ chosen for `--gamma auto`", ""]
     for key, c in report["gamma_auto"].items():
         verdict = "vanilla (speculation predicted to lose)" if c["gamma"] == 0 else f"γ = {c['gamma']}"
@@ -113,6 +114,25 @@ def render_markdown(report: dict) -> str:
         lines.append(f"- {name} (own process): peak RSS {_f(rss and rss / 2**20, '.0f')} MiB")
     lines.append("")
     return "\n".join(lines)
+
+
+def _curve_lines(report: dict) -> list[str]:
+    """The target pass by its rows, c(M) and c(M)/c(1): what a verify pass of M tokens costs here."""
+    curves = report.get("pass_curve_ms") or {}      # reports before December 2026 have none
+    if not curves:
+        return []
+    sizes = sorted({int(m) for c in curves.values() for m in c})
+    kernels = report["settings"].get("kernels") or {}
+    lines = ["", "### A target pass by its rows: c(M) and c(M)/c(1)", "",
+             "Median ms of one M-row forward after a 64-token prefill (sizes interleaved, 7 each, nothing "
+             "committed): what verifying M tokens costs; flat is what speculation needs.", "",
+             "| target | kernels | " + " | ".join(f"M={m}" for m in sizes) + " |", "|" + "---|" * (2 + len(sizes))]
+    for tp, curve in curves.items():
+        one = curve["1"]
+        cells = [f"{curve[str(m)]:.2f} ms" + ("" if m == 1 else f", {curve[str(m)] / one:.2f}x")
+                 if str(m) in curve else "-" for m in sizes]
+        lines.append(f"| {tp} | {kernels.get(tp, 'ONNX Runtime')} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _ours(v: dict) -> str:

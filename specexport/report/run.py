@@ -20,7 +20,8 @@ from specexport.report.grid import BenchConfig, Config, _check_request, _configs
 from specexport.report.rows import _memory, _open_peers, _peer_row, _row
 from specexport.report.threads import ThreadSetting, fastest_for_vanilla
 from specexport.report.workload import expand_workload, suffix_caches
-from specexport.report.timing import _clocked, _encode, _isolated_costs, _ms, _reference_outputs, _run, _step_costs
+from specexport.report.timing import (_clocked, _encode, _isolated_costs, _ms, _pass_curve, _reference_outputs, _run,
+                                      _step_costs)
 from specexport.runtime.methods import HEAD_METHODS, configuration
 
 # A peer's thread pools (torch's OpenMP, ONNX Runtime's) spin for a while after it answers, in its own
@@ -89,6 +90,7 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
     # repeated the same target timings once per key
     isolated = {(tp, key): _isolated_costs(pipes[tp], key, max_t, clock)
                 for tp, key in costs if key is not None and key not in HEAD_METHODS and not accuracy_only(tp, key)}
+    curves = {tp: _pass_curve(pipe, clock) for tp, pipe in pipes.items() if not accuracy_only(tp, None)}
     rows = [_row(c, runs, costs) for c in configs]
     choice = _gamma_choice(rows, costs, isolated, max(cfg.gammas))
     report = {
@@ -106,6 +108,7 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
         "rows": rows,
         "step_costs_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in costs.items()},
         "step_costs_isolated_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in isolated.items()},
+        "pass_curve_ms": {tp: {str(m): t * 1e3 for m, t in curve.items()} for tp, curve in curves.items()},
         "gamma_auto": {f"{tp}/{dp}": c for (tp, dp), c in choice.items()},
         "acceptance_drop": _acceptance_drop(rows),
         "memory": _memory(manifest, pipes, peers),

@@ -93,6 +93,29 @@ def _isolated_costs(pipe, dp, max_t: int, clock, reps: int = 20) -> dict:
             "draft": {1: statistics.median(draft)} if draft else {}}
 
 
+PASS_ROWS = (1, 2, 4, 8, 16)
+
+
+def _pass_curve(pipe, clock, reps: int = 7) -> dict:
+    """A target pass by its rows, c(M): median seconds of M-row forwards (M in PASS_ROWS up to the graph's
+    max_tokens) after one 64-token prefill, the sizes interleaved per repetition so drift hits them alike;
+    nothing committed, so every pass sees the same context. {M: seconds}."""
+    backend = pipe.target
+    sizes = [m for m in PASS_ROWS if m <= backend.max_tokens]
+    ctx = (3 + np.arange(max(1, min(64, pipe.capacity - sizes[-1])))) % backend.vocab_size
+    backend.reset()
+    backend.forward(ctx, phase="prefill")
+    backend.commit(len(ctx))
+    times = {m: [] for m in sizes}
+    for _ in range(reps):
+        for m in sizes:
+            start = clock()
+            backend.forward(ctx[:m])
+            times[m].append(clock() - start)
+    backend.reset()
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
 def _time_forward(backend, ctx, t: int, clock) -> float:
     backend.reset()
     backend.forward(ctx, phase="prefill")
