@@ -78,6 +78,15 @@ class Ours:
                 text = chunk["choices"][0]["text"] if chunk.get("choices") else ""
                 yield text, (chunk.get("usage") or {}).get("completion_tokens")
 
+    def rows(self) -> tuple[float, float]:
+        """(real, padded) target rows the server's passes ran so far (/metrics)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"http://127.0.0.1:{self.port}/metrics").text
+        got = {x.labels["kind"]: x.value for f in text_string_to_metric_families(text) if f.name == "specexport_batch_rows"
+               for x in f.samples if x.name.endswith("_total") and x.labels.get("model") == "target"}
+        return got.get("real", 0.0), got.get("padded", 0.0)
+
     def close(self):
         self.proc.terminate()
         self.proc.wait(30)
@@ -134,11 +143,16 @@ def run_clients(server, prompts, method, clients, per_client, tokens) -> dict:
     def client(k):
         return [one(server, prompts[(k * per_client + j) % len(prompts)], method, tokens) for j in range(per_client)]
 
+    before = server.rows() if hasattr(server, "rows") else None
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         results = [r for rs in pool.map(client, range(clients)) for r in rs]
     wall = time.perf_counter() - start
-    return {"tok_s": sum(r["tokens"] for r in results) / wall, "results": results}
+    # the passes' padding: rows computed for no request (what a packed layout would save at most)
+    after = server.rows() if before is not None else None
+    padded = after[1] - before[1] if after else 0.0
+    pad = (padded - (after[0] - before[0])) / padded if padded else float("nan")
+    return {"tok_s": sum(r["tokens"] for r in results) / wall, "results": results, "padding": pad}
 
 
 def pct(values, q):
@@ -193,7 +207,8 @@ def main():
             s.close()
     print(f"\n{args.build}: greedy, {args.tokens} tokens, {args.requests} requests per client, {args.rounds} "
           f"round(s), {args.threads} threads")
-    print("clients  server                                   method   tok/s  vs batch-1  TPOT p50/p90 ms  TTFT p50 ms")
+    print("clients  server                                   method   tok/s  vs batch-1  TPOT p50/p90 ms  TTFT p50 ms"
+          "  padding")
     mismatches = 0
     for c in levels:
         for s, m in configs:
@@ -206,7 +221,8 @@ def main():
                 ref = [r["text"] for run in rows[(c, servers[0].name, m)] for r in run["results"]]
                 mismatches += sum(a != b["text"] for a, b in zip(ref, res))
             print(f"{c:>7}  {s.name:<40} {m:<8} {tok_s:6.1f}  {tok_s / base:9.2f}x  {pct([r['tpot'] for r in res], .5) * 1e3:6.0f}"
-                  f" / {pct([r['tpot'] for r in res], .9) * 1e3:5.0f}  {pct([r['ttft'] for r in res], .5) * 1e3:10.0f}")
+                  f" / {pct([r['tpot'] for r in res], .9) * 1e3:5.0f}  {pct([r['ttft'] for r in res], .5) * 1e3:10.0f}"
+                  f"  {statistics.median(run['padding'] for run in runs):7.2f}")
     print(f"batched answers differing from the one-at-a-time server's: {mismatches}")
 
 

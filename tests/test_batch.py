@@ -1,7 +1,7 @@
 """Batched decoding (runtime/batch.py, backends/slots.py): every request's output equals its batch-1 output.
 
-One tiny GGUF build on specexport's CPU kernels (the mixed-type file of test_gguf_exact, its own draft),
-requests of every batched method and of several prompt lengths in one batch, joining and leaving
+One tiny GGUF build on specexport's CPU kernels (the mixed-type file of test_gguf_exact, its own draft,
+Medusa heads and an EAGLE-3 head), requests of every method and of several prompt lengths in one batch, joining and leaving
 mid-stream; seeded sampling; a G-test through the batched loop with a planted cache mix-up; cancellation,
 a failing request and a request past its deadline under load."""
 from __future__ import annotations
@@ -16,20 +16,34 @@ from specexport.errors import SpecexportError
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, write_yaml, run_build):
+    """The mixed-type GGUF as target and draft, with Medusa heads that guess the target's own next token
+    again (zero blocks, its lm_head: accepted where the output repeats) and an EAGLE-3 head."""
+    from specexport.export.gguf import hf_folder_from_gguf
+    from specexport.heads.medusa import save_medusa_1
     from specexport.plugins import cpu
 
     if not cpu.status().available:
         pytest.skip(cpu.status().line())
+    from safetensors.numpy import load_file
+
     import test_gguf_exact as tge
+    from test_eagle_build import write_eagle3
 
     root = tmp_path_factory.mktemp("batch")
     path = tge.write_mixed_gguf(root / "tiny-mixed.gguf")
     out = root / "out"
-    yaml = write_yaml(root / "m.yaml", name="b", target={"path": path}, draft={"path": path}, max_seq_len=128,
-                      max_verify_tokens=8, precisions=["gguf"],
-                      quality_gates={"gguf": {"min_top1": 0.0, "max_kl": 100.0}}, output=out)
     with pytest.MonkeyPatch.context() as mp:               # conversions to a cache of its own (test_gguf_exact)
         mp.setenv("SPECEXPORT_CACHE", str(root / "cache"))
+        ckpt = hf_folder_from_gguf(path)                   # the heads are written against its weights
+        lm_head = load_file(str(ckpt / "model.safetensors"))["lm_head.weight"]
+        V, H = lm_head.shape
+        zero = [(np.zeros((H, H), np.float32), np.zeros(H, np.float32))]
+        save_medusa_1(root / "medusa", [zero] * 3, [lm_head] * 3)
+        write_eagle3(root / "eagle3", ckpt, draft_vocab=V, layers=[0, 1, 1])
+        yaml = write_yaml(root / "m.yaml", name="b", target={"path": path}, draft={"path": path}, max_seq_len=128,
+                          max_verify_tokens=8, precisions=["fp32", "gguf"], medusa={"path": root / "medusa", "top_k": 4},
+                          eagle={"path": root / "eagle3", "top_k": 4},
+                          quality_gates={"gguf": {"min_top1": 0.0, "max_kl": 100.0}}, output=out)
         assert run_build(yaml, "--no-bench") == 0
     return out
 
@@ -43,9 +57,10 @@ def pipe(built):
 
 
 PROMPTS = [[1, 40, 41, 42], [1, 7, 300, 5, 9, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71, 73],
-           [5], [1, 40, 41, 42, 40, 41, 42, 40, 41], list(range(2, 40)), [9, 9, 9, 9]]
+           [5], [1, 40, 41, 42, 40, 41, 42, 40, 41], list(range(2, 40)), [9, 9, 9, 9], [5], [1, 40, 41, 42]]
 METHODS = [dict(method="vanilla"), dict(method="draft", gamma=3), dict(method="lookup", gamma=4),
-           dict(method="suffix"), dict(method="draft", tree="small"), dict(method="draft", gamma=2, draft_stop=0.3)]
+           dict(method="suffix"), dict(method="draft", tree="small"), dict(method="draft", gamma=2, draft_stop=0.3),
+           dict(method="medusa", tree="small"), dict(method="eagle", tree={"top_k": 2, "depth": 3, "total_tokens": 6})]
 
 
 def _requests(**common):
@@ -64,6 +79,7 @@ def test_batched_greedy_equals_each_requests_batch1_output(pipe):
     got = pipe.generate_many(requests, max_batch=3)             # six requests through three slots
     assert [o.token_ids for o in got] == want
     assert any(o.stats.accepted for o in got)                   # speculation accepted tokens in the batch
+    assert got[6].stats.accepted                                # ... Medusa's too
     with pipe.batch(4) as batch:
         assert batch.exact and batch.slots == 4
         handles = [batch.submit(**r) for r in requests]
@@ -114,8 +130,8 @@ def test_a_cancelled_or_failing_request_leaves_the_others_intact(pipe, monkeypat
 
 def test_batch_options_are_checked_in_the_callers_thread(pipe):
     with pipe.batch(2) as batch:
-        with pytest.raises(SpecexportError, match="does not decode in a batch"):
-            batch.submit(prompt_ids=[1, 2], method="medusa")
+        with pytest.raises(SpecexportError, match="method"):
+            batch.submit(prompt_ids=[1, 2], method="no-such-method")
         with pytest.raises(SpecexportError, match="gamma"):
             batch.submit(prompt_ids=[1, 2], method="draft", gamma=99)
     with pytest.raises(SpecexportError, match="max_batch"):
@@ -189,7 +205,7 @@ def test_sixteen_concurrent_openai_clients_against_a_batched_server(pipe):
     from specexport.serve.guard import Limits
 
     texts = ["the cat sat on the mat", "one two three four five six", "a b c a b c a b", "hello world hello"]
-    methods = ["vanilla", "suffix", "draft", "lookup"]
+    methods = ["vanilla", "suffix", "draft", "lookup", "medusa", "eagle"]
     want = {(t, m): pipe.generate(t, max_new_tokens=16, method=m, temperature=0, suffix_share=False).text
             for t in texts for m in methods}
     s = LiveServer(create_app(pipe, method="vanilla", limits=Limits(max_batch=4)))
@@ -200,7 +216,7 @@ def test_sixteen_concurrent_openai_clients_against_a_batched_server(pipe):
             c = s.openai(timeout=120)
             results = []
             for j in range(3):
-                t, m = texts[(k + j) % 4], methods[(k // 4 + j) % 4]
+                t, m = texts[(k + j) % 4], methods[(k // 4 + j) % 6]
                 extra = {"method": m, "suffix_cache": False}
                 if j == 1:
                     stream = c.completions.create(model="b", prompt=t, max_tokens=16, temperature=0, stream=True,

@@ -5,7 +5,10 @@
         outputs = [h.result() for h in handles]          # GenerationOutput each, as pipe.generate's
 
 Each request runs the unchanged decode loop (runtime/loop.py) on its own thread, against a slot of the
-shared target (backends/slots.py) and, when it drafts with the draft model, a slot of the shared draft.
+shared target (backends/slots.py) and, when it drafts with the draft model, a slot of the shared draft;
+Medusa and EAGLE requests get heads of their own on the shared heads session (`sharing()`: own buffers, an
+EAGLE head its own cache), called from the request's thread between passes, not batched (docs/serving.md
+has why: measured).
 A slot's forward blocks in the Scheduler until every live request is blocked too; then one pass runs:
 the draft's waiting calls first (those drafting), else the target's, which by then holds every live
 request's call (each round ends with exactly one target call, a prefill chunk counts as one). So the
@@ -23,8 +26,6 @@ import threading
 
 from specexport.errors import SpecexportError
 from specexport.runtime.backends.slots import SlotModel
-
-BATCHED_METHODS = ("vanilla", "draft", "lookup", "suffix", "auto")     # medusa/eagle: their heads are not slotted yet
 
 
 class Scheduler:
@@ -134,17 +135,23 @@ class Batch:
         self.target.observer = self._observe
         self._draft: SlotModel | None = None
         self.observer = None                # observer(model name, B, Tp, real rows) after each pass (metrics)
-        self._draft_lock = threading.Lock()
+        self._open_lock = threading.Lock()       # opens the shared draft / heads once
         self._admit = threading.Semaphore(self.slots)
         self._threads: list[threading.Thread] = []
 
     def draft_model(self) -> SlotModel:
-        with self._draft_lock:
+        with self._open_lock:
             if self._draft is None:
                 self._draft = SlotModel(self.pipe.draft, self.slots, self.scheduler.submit, name="draft",
                                         rows_per_pass=self.rows_per_pass)
                 self._draft.observer = self._observe
             return self._draft
+
+    def heads(self, kind: str):
+        """A request's own Medusa heads or EAGLE head ("medusa", "eagle") on the pipeline's heads session."""
+        with self._open_lock:
+            shared = self.pipe.medusa if kind == "medusa" else self.pipe.eagle
+        return shared.sharing()
 
     def _observe(self, *args) -> None:
         if self.observer is not None:
@@ -152,10 +159,6 @@ class Batch:
 
     def request(self, prompt: str | None = None, **options):
         """A request's options checked (Pipeline.request's, the method's too), in the caller's thread."""
-        method = options.get("method", "draft")
-        if method not in BATCHED_METHODS:
-            raise SpecexportError(f"method: {method!r} does not decode in a batch yet (batched: "
-                                  f"{', '.join(BATCHED_METHODS)}); use Pipeline.generate for it")
         request = self.pipe.request(prompt, **options)
         self.pipe._proposer(request, self.pipe)
         return request
@@ -186,7 +189,7 @@ class Batch:
                 return drafts[-1]
 
             try:
-                pieces = self.pipe.decode_request(request, target, draft, done=done)
+                pieces = self.pipe.decode_request(request, target, draft, done=done, heads=self.heads)
                 try:
                     yield from pieces
                 finally:

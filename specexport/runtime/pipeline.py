@@ -42,11 +42,13 @@ class Request:
 
 
 class _RequestPipe:
-    """The pipeline as a batched request sees it: `draft` is the request's slot of the shared draft
-    (taken on first use); the rest is the pipeline's (proposer_for reads both)."""
+    """The pipeline as a batched request sees it: `draft` is the request's slot of the shared draft, `medusa`
+    and `eagle` its own heads on the shared sessions (each taken on first use, through the batch); the rest is
+    the pipeline's (proposer_for reads both)."""
 
-    def __init__(self, pipe, draft):
-        self._pipe, self._draft_slot, self._draft = pipe, draft, None
+    def __init__(self, pipe, draft, heads):
+        self._pipe, self._draft_slot, self._heads = pipe, draft, heads
+        self._draft, self._own = None, {}
         self.auto_note = None
 
     @property
@@ -57,13 +59,11 @@ class _RequestPipe:
 
     @property
     def medusa(self):
-        raise SpecexportError("method medusa does not decode in a batch yet (its heads have no slots); "
-                              "use Pipeline.generate for it")
+        return self._own.get("medusa") or self._own.setdefault("medusa", self._heads("medusa"))
 
     @property
     def eagle(self):
-        raise SpecexportError("method eagle does not decode in a batch yet (its head's cache has no slots); "
-                              "use Pipeline.generate for it")
+        return self._own.get("eagle") or self._own.setdefault("eagle", self._heads("eagle"))
 
     def __getattr__(self, name):
         return getattr(self._pipe, name)
@@ -292,10 +292,11 @@ class Pipeline:
         return proposer_for(pipe, method, gamma, draft_stop, lookup_branches, tree, sampled_children,
                             request.suffix_scope, request.suffix_share)
 
-    def decode_request(self, request: "Request", target, draft, *, done):
+    def decode_request(self, request: "Request", target, draft, *, done, heads=None):
         """Yield the text pieces of `request` decoded on `target` (a backend), drafting on draft() (called
-        once, when the proposer needs the draft model); done(GenerationOutput) at the end."""
-        proposer = self._proposer(request, self if target is self.target else _RequestPipe(self, draft))
+        once, when the proposer needs the draft model) and heads(kind) ("medusa", "eagle": the request's own,
+        called once when its proposer needs them); done(GenerationOutput) at the end."""
+        proposer = self._proposer(request, self if target is self.target else _RequestPipe(self, draft, heads))
         ids, stop, suffix_share, suffix_scope = request.ids, request.stop, request.suffix_share, request.suffix_scope
         stats, detok = DecodeStats(), IncrementalDetokenizer(self.tokenizer, ids.tolist())
         out_ids, text, reason = [], "", "length"

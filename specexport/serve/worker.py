@@ -1,8 +1,7 @@
 """One loaded model, decoding up to `max_batch` requests at a time, each on a thread of its own.
 
 Requests queue (FIFO) on an executor of max_batch threads; with max_batch > 1 the running ones decode
-together, every round of each in one target pass (runtime/batch.py), each answer its batch-1 answer;
-a method that does not batch (medusa, eagle) decodes one request at a time beside the batch. The
+together, every round of each in one target pass (runtime/batch.py), each answer its batch-1 answer. The
 event loop only waits on each job's asyncio queue, which the decode threads fill through
 call_soon_threadsafe.
 ONNX Runtime releases the GIL while it runs, so the server keeps answering (/health, new requests,
@@ -27,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from specexport.errors import SpecexportError
-from specexport.runtime.batch import BATCHED_METHODS, auto_max_batch
+from specexport.runtime.batch import auto_max_batch
 from specexport.runtime.methods import auto_summary, resolve_default_method, stored_choice  # noqa: F401  (the server's API)
 from specexport.serve.protocol import RequestError
 
@@ -115,7 +114,7 @@ class ModelWorker:
             metrics.watch_batch(self.slots, lambda: self.running)
             if self.batch is not None:
                 self.batch.observer = metrics.batch_pass
-        self._solo = threading.Lock()       # the methods that do not batch: one request at a time
+        self._solo = threading.Lock()       # without a batch: one request at a time
         self._executor = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="specexport-decode")
         self._lock = threading.Lock()
         self.waiting = 0            # queued jobs
@@ -216,7 +215,7 @@ class ModelWorker:
         method = options.pop("method", None) or self.default_method
         self.pipe.auto_note = None
         used = self._auto_choice()["method"] if method == "auto" else method
-        if self.batch is not None and used in BATCHED_METHODS:
+        if self.batch is not None:
             result = {}
             request = self.batch.request(prompt_ids=job.prompt_ids, method=method, **options)
             stream = self.batch.stream(request, done=lambda out: result.setdefault("output", out))

@@ -81,14 +81,14 @@ class HeadBuffers:
 
 class OrtEagleHead(Backend):
     def __init__(self, model_dir, *, io: EagleIO, capacity: int, max_tokens: int, threads: int | None = 1,
-                 spin: bool = False, optimization: str = "all", **_):
+                 spin: bool = False, optimization: str = "all", session=None, **_):
         from specexport.runtime.backends.ort import _binding_calls, open_session
         from specexport._optional import require
 
         super().__init__(capacity=capacity, max_tokens=max_tokens, vocab_size=0)
         ort = require("onnxruntime")
-        self.session = open_session(Path(model_dir) / "model.onnx", threads=threads, spin=spin,
-                                    optimization=optimization)
+        self.session = session or open_session(Path(model_dir) / "model.onnx", threads=threads, spin=spin,
+                                               optimization=optimization)
         self.io, self.top_k, self.hidden_size = io, io.top_k, io.hidden_size
         self.binding = self.session.io_binding()
         self._bind_in, self._bind_out, self._run = _binding_calls(ort, self.session, self.binding)
@@ -144,6 +144,12 @@ class OrtEagleHead(Backend):
             self._run()
             self.timings.setdefault((phase, T), []).append(self.clock() - start)
         return HeadStep(b.ids[0, :R], b.logprobs[0, :R], b.hidden[0, :T])
+
+    def sharing(self) -> "OrtEagleHead":
+        """A head on this session with a cache, buffers and a binding of its own: a batched request's, which
+        may run while another request's head runs (ONNX Runtime's Run is thread-safe; nothing else shared)."""
+        return OrtEagleHead(None, io=self.io, capacity=self.capacity, max_tokens=self.max_tokens,
+                            session=self.session)
 
     def _move_rows(self, keep: np.ndarray) -> None:
         raise SpecexportError("EAGLE head: rows are committed in order (the accepted text), never compacted")

@@ -22,10 +22,10 @@ class OrtHeads:
     timings: dict | None = None
     clock = staticmethod(time.perf_counter)
 
-    def __init__(self, model_dir, *, io: HeadsIO, threads: int | None = 1, spin: bool = False, **_):
+    def __init__(self, model_dir, *, io: HeadsIO, threads: int | None = 1, spin: bool = False, session=None, **_):
         from specexport.runtime.backends.ort import open_session
 
-        self.session = open_session(Path(model_dir) / "model.onnx", threads=threads, spin=spin)
+        self.session = session or open_session(Path(model_dir) / "model.onnx", threads=threads, spin=spin)
         self.io = io
         self.num_heads, self.top_k = io.num_heads, io.top_k
         self._hidden = np.zeros((1, 1, io.hidden_size), np.float32)                 # [1, 1, H]
@@ -50,6 +50,11 @@ class OrtHeads:
             self.session.run_with_iobinding(self.binding)
             self.timings.setdefault(("decode", 1), []).append(self.clock() - start)
         return self.ids[0, 0]
+
+    def sharing(self) -> "OrtHeads":
+        """Heads on this session with buffers and a binding of their own: a batched request's, which may
+        run while another request's run (ONNX Runtime's Run is thread-safe; the bindings are not shared)."""
+        return OrtHeads(None, io=self.io, session=self.session)
 
     def close(self) -> None:
         """Nothing to release: no buffers outside the session, which goes with the object."""
