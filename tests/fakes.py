@@ -94,14 +94,13 @@ def _check_tree_mask(mask: np.ndarray) -> np.ndarray:
     assert mask.shape == (T, T), mask.shape
     assert np.all(np.diag(mask)), "tree_mask: every row must see itself"
     assert not np.any(np.triu(mask, 1)), "tree_mask: a row sees a later row"
-    parents = np.full(T, -1, dtype=np.int64)
-    for i in range(T):
-        anc = np.flatnonzero(mask[i, :i])
-        if len(anc):
-            parents[i] = anc[-1]
-            closure = mask[parents[i]].copy()
-            closure[i] = True
-            assert np.array_equal(mask[i], closure), f"tree_mask row {i} is not its parent's row plus itself"
+    below = np.tril(mask, -1)                                   # vectorized: the statistical tests call it per pass
+    has = below.any(1)
+    parents = np.where(has, T - 1 - np.argmax(below[:, ::-1], axis=1), -1).astype(np.int64)
+    closure = np.where(has[:, None], mask[np.maximum(parents, 0)], False)
+    closure[np.arange(T), np.arange(T)] = True
+    bad = np.flatnonzero((closure != mask).any(1))
+    assert not len(bad), f"tree_mask row {bad[0]} is not its parent's row plus itself"
     return parents
 
 
@@ -291,11 +290,14 @@ class TabularEagleHead(Backend):
         self._pending = T
         ids, lps, hidden = [], [], np.empty((T, 2), np.float32)
         for i in range(T):
-            visible = (np.arange(P) if past_mask is None else np.flatnonzero(past_mask[i])).tolist()
-            visible += list(range(P, P + i)) if past_mask is None else []
+            if past_mask is None:                                   # the last row it sees (-1: none)
+                last = P + i - 1
+            else:
+                seen_rows = np.flatnonzero(past_mask[i])
+                last = int(seen_rows[-1]) if len(seen_rows) else -1
             prev = int(states[i][-1])
-            if visible:
-                seen = int(self.rows[visible[-1]])
+            if last >= 0:
+                seen = int(self.rows[last])
                 assert seen == prev, f"row {P + i}: its input state says previous token {prev}, its cache {seen}"
             hidden[i] = (prev, tokens[i])
             ids.append(self.order[prev, tokens[i]])

@@ -85,6 +85,8 @@ def test_batched_greedy_equals_each_requests_batch1_output(pipe):
         handles = [batch.submit(**r) for r in requests]
         outs = [h.result() for h in handles]
         passes, rows = batch.target.passes, batch.target.rows_run
+        eagle = batch.eagle_model()                             # the EAGLE head's calls shared passes too
+        assert eagle is not None and eagle.rows_run > eagle.passes > 0
     assert [o.token_ids for o in outs] == want
     assert rows > passes                                        # passes held several requests' rows
 
@@ -126,6 +128,27 @@ def test_a_cancelled_or_failing_request_leaves_the_others_intact(pipe, monkeypat
     assert results == [w for i, w in enumerate(want) if i not in (1, 3)]
     cancelled = handles[1].result()
     assert cancelled is None or len(cancelled.token_ids) < len(want[1])
+
+
+def test_eagle_head_rows_are_checked_exact_before_they_share_passes(pipe, monkeypatch):
+    """The head (our attention, fp32 matmuls) gives a call the same bits alone and beside a longer slot's
+    call; a pass that writes over a longer slot's rows (planted) is caught, and a batch then gives each
+    EAGLE request a head of its own: its answers are still its lone answers."""
+    from specexport.runtime import batch as batch_module
+    from specexport.runtime.backends import head_slots
+
+    assert head_slots.rows_exact(pipe.eagle)
+    base = head_slots.EagleSlots._base
+    # planted: a pass written at the shortest slot's length (over the longer one's committed rows)
+    monkeypatch.setattr(head_slots.EagleSlots, "_base", lambda self, lo, B: min(v.length for v in self.views[lo:lo + B]))
+    assert not head_slots.rows_exact(pipe.eagle)
+    monkeypatch.setattr(head_slots.EagleSlots, "_base", base)
+    monkeypatch.setattr(batch_module, "rows_exact", lambda head: False)
+    requests = [r for r in _requests(suffix_share=False) if r["method"] == "eagle"] * 2
+    want = _alone(pipe, requests)
+    with pipe.batch(2) as batch:
+        assert [h.result().token_ids for h in [batch.submit(**r) for r in requests]] == want
+        assert batch.eagle_model() is None
 
 
 def test_batch_options_are_checked_in_the_callers_thread(pipe):

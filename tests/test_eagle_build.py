@@ -162,6 +162,7 @@ def eagle_builds(tiny_root, tiny_checkpoints, tokenizer, write_yaml, run_build):
 
 def test_builds_record_the_head_its_check_and_the_auto_tree(eagle_builds):
     from specexport.manifest import listed_files, read_manifest
+    from specexport.plugins import cpu
 
     expected = {"e1": (1, [], None, []), "e3": (3, [1, 2, 2], 200, [1, 2]), "e3x": (3, [1, 1, 2], 200, [1, 2])}
     for name, (version, layers, vocab, target_layers) in expected.items():
@@ -172,6 +173,10 @@ def test_builds_record_the_head_its_check_and_the_auto_tree(eagle_builds):
         assert (e["target_ids"] is None) == (version == 1) and (vocab is None or len(e["target_ids"]) == vocab)
         stage = e["precisions"]["fp32"]
         assert stage["parity_max_rel_error"] <= stage["parity_tolerance"] and stage["parity_rows"] > 10
+        # where the CPU kernels load (and the heads' size allows), the graph as the runtime runs it (our
+        # attention) is checked too
+        ours = cpu.status().available and e["io"]["head_dim"] % 8 == 0
+        assert ("tree, our attention" in stage["parity_per_phase"]) == ours, (name, stage["parity_per_phase"])
         auto = e["auto_tree"]
         assert len(auto["candidates"]) == 3 and auto["predicted_speedup"] == max(c["predicted_speedup"]
                                                                                 for c in auto["candidates"])

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specexport.plugins.cpu.graph import kernel_attention  # noqa: F401  (gguf_graph's, as before)
+
 
 @dataclass
 class RawBlocks:
@@ -51,23 +53,6 @@ def kernel_node(builder, at: int, node, kind: str, raw: RawBlocks, prefix: str) 
     else:
         builder._node(at, "GgufGather", [blocks, node.input[1]], [out], domain=cpu.DOMAIN, **attrs)
     builder.removed.add(at)
-
-
-def kernel_attention(nodes: list) -> None:
-    """com.microsoft GroupQueryAttention nodes (export/gqa.py: no rotary inside, an additive bias) become
-    specexport.cpu GroupQueryAttention, in place. Their head size must be a multiple of 8 (the op says so)."""
-    from specexport.plugins import cpu
-
-    for node in nodes:
-        if node.domain != "com.microsoft" or node.op_type != "GroupQueryAttention":
-            continue
-        ins = list(node.input) + [""] * (11 - len(node.input))
-        if any(ins[7:10]) or not ins[10]:
-            raise ValueError(f"{node.name}: GroupQueryAttention with rotary or position inputs, or without a bias, "
-                             "is not the contract the CPU kernels' attention takes (export/gqa.py)")
-        del node.input[:]
-        node.input.extend(ins[:7] + [ins[10]])
-        node.domain = cpu.DOMAIN
 
 
 def kernel_groups(nodes: list) -> list:

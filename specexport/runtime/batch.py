@@ -5,12 +5,11 @@
         outputs = [h.result() for h in handles]          # GenerationOutput each, as pipe.generate's
 
 Each request runs the unchanged decode loop (runtime/loop.py) on its own thread, against a slot of the
-shared target (backends/slots.py) and, when it drafts with the draft model, a slot of the shared draft;
-Medusa and EAGLE requests get heads of their own on the shared heads session (`sharing()`: own buffers, an
-EAGLE head its own cache), called from the request's thread between passes, not batched (docs/serving.md
-has why: measured).
+shared target (backends/slots.py) and, when it drafts with the draft model or an EAGLE head, a slot of the
+shared draft or head (backends/head_slots.py: where the head's rows are exact in a pass, else a head of
+its own); Medusa requests get heads of their own on the shared session (stateless: `sharing()`).
 A slot's forward blocks in the Scheduler until every live request is blocked too; then one pass runs:
-the draft's waiting calls first (those drafting), else the target's, which by then holds every live
+the draft's or head's waiting calls first (those drafting), else the target's, which by then holds every live
 request's call (each round ends with exactly one target call, a prefill chunk counts as one). So the
 target's passes are lockstep rounds over all requests, and requests join and leave at round
 boundaries without anyone waiting for a whole generation.
@@ -25,6 +24,7 @@ import queue
 import threading
 
 from specexport.errors import SpecexportError
+from specexport.runtime.backends.head_slots import EagleSlots, rows_exact
 from specexport.runtime.backends.slots import SlotModel
 
 
@@ -134,6 +134,7 @@ class Batch:
         self.target = SlotModel(pipe.target, self.slots, self.scheduler.submit, rows_per_pass=self.rows_per_pass)
         self.target.observer = self._observe
         self._draft: SlotModel | None = None
+        self._eagle: EagleSlots | bool | None = None        # False: the head's rows are not exact in a pass
         self.observer = None                # observer(model name, B, Tp, real rows) after each pass (metrics)
         self._open_lock = threading.Lock()       # opens the shared draft / heads once
         self._admit = threading.Semaphore(self.slots)
@@ -147,10 +148,21 @@ class Batch:
                 self._draft.observer = self._observe
             return self._draft
 
-    def heads(self, kind: str):
-        """A request's own Medusa heads or EAGLE head ("medusa", "eagle") on the pipeline's heads session."""
+    def eagle_model(self) -> EagleSlots | None:
+        """The EAGLE head's slots (opened once), None where its rows are not exact in a pass (rows_exact)."""
         with self._open_lock:
-            shared = self.pipe.medusa if kind == "medusa" else self.pipe.eagle
+            if self._eagle is None:
+                head = self.pipe.eagle
+                self._eagle = EagleSlots(head, self.slots, self.scheduler.submit) if rows_exact(head) else False
+                if self._eagle:
+                    self._eagle.observer = self._observe
+            return self._eagle or None
+
+    def medusa(self):
+        """A request's own Medusa heads on the pipeline's heads session (stateless: nothing to batch but the
+        read of their weights, a small part of a round)."""
+        with self._open_lock:
+            shared = self.pipe.medusa
         return shared.sharing()
 
     def _observe(self, *args) -> None:
@@ -181,21 +193,29 @@ class Batch:
             self.scheduler.join()
             between = self.scheduler.between_passes
             target = between(self.target.view)
-            drafts = []
+            taken = [target]                # slots this request holds, released at its end
 
             def draft():                    # the draft's slot, taken when the proposer first asks for it
-                model = self.draft_model()
-                drafts.append(between(model.view))
-                return drafts[-1]
+                taken.append(between(self.draft_model().view))
+                return taken[-1]
+
+            def heads(kind: str):           # its Medusa heads or EAGLE head, when the proposer first asks
+                if kind == "medusa":
+                    return self.medusa()
+                model = self.eagle_model()
+                if model is None:           # rows not exact in a pass: a head of its own, unbatched
+                    return self.pipe.eagle.sharing()
+                taken.append(between(model.view))
+                return taken[-1]
 
             try:
-                pieces = self.pipe.decode_request(request, target, draft, done=done, heads=self.heads)
+                pieces = self.pipe.decode_request(request, target, draft, done=done, heads=heads)
                 try:
                     yield from pieces
                 finally:
                     pieces.close()
             finally:
-                between(lambda: [v.model.release(v) for v in (target, *drafts)])
+                between(lambda: [v.model.release(v) for v in taken])
                 self.scheduler.leave()
 
     def _serve(self, request, handle: Handle) -> None:

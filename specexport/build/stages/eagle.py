@@ -69,7 +69,9 @@ def _export_and_check(ctx, hp, target_dir, partial):
     target graph's features: (file names, parity report, the open target session)."""
     from specexport.export.validate import parity_case
     from specexport.heads.eagle_graph import export_head, head_parity
+    from specexport.plugins.cpu.graph import with_our_attention
     from specexport.quant.quality import runtime_session
+    from specexport.runtime.backends.ort import open_session
 
     cfg, target, w = ctx.config, ctx.model("target"), hp.weights
     embed, lm_head = target_embeddings(target, w.version)
@@ -83,6 +85,12 @@ def _export_and_check(ctx, hp, target_dir, partial):
         seq = case.seq[:min(len(case.seq), 24)]
         feats = target_features(session, target.io, seq, w)
         report = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", seq, feats[:-1])
+        ours = with_our_attention(partial / "model.onnx", hp.io.head_dim)
+        if ours is not None:        # where the kernels load, the runtime runs the head on our attention
+            mine = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", seq, feats[:-1],
+                               session=open_session(partial / "model.onnx", threads=None, spin=False, model=ours))
+            report["per_phase"].update({f"{k}, our attention": v for k, v in mine["per_phase"].items()})
+            report["max_rel_error"] = max(report["max_rel_error"], mine["max_rel_error"])
     if not report["max_rel_error"] <= cfg.parity_tolerance:
         raise ParityError(f"{hp.role} head: parity check failed: relative error {report['max_rel_error']:.3e} "
                           f"({', '.join(f'{k} {v:.2e}' for k, v in report['per_phase'].items())}) > tolerance "

@@ -82,13 +82,15 @@ class HeadBuffers:
 class OrtEagleHead(Backend):
     def __init__(self, model_dir, *, io: EagleIO, capacity: int, max_tokens: int, threads: int | None = 1,
                  spin: bool = False, optimization: str = "all", session=None, **_):
-        from specexport.runtime.backends.ort import _binding_calls, open_session
         from specexport._optional import require
+        from specexport.plugins.cpu.graph import with_our_attention
+        from specexport.runtime.backends.ort import _binding_calls, open_session
 
         super().__init__(capacity=capacity, max_tokens=max_tokens, vocab_size=0)
         ort = require("onnxruntime")
         self.session = session or open_session(Path(model_dir) / "model.onnx", threads=threads, spin=spin,
-                                               optimization=optimization)
+                                               optimization=optimization,
+                                               model=with_our_attention(Path(model_dir) / "model.onnx", io.head_dim))
         self.io, self.top_k, self.hidden_size = io, io.top_k, io.hidden_size
         self.binding = self.session.io_binding()
         self._bind_in, self._bind_out, self._run = _binding_calls(ort, self.session, self.binding)
@@ -157,3 +159,4 @@ class OrtEagleHead(Backend):
     @property
     def kv_bytes(self) -> int:
         return self.buffers.k.nbytes + self.buffers.v.nbytes
+

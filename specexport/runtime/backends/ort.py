@@ -84,9 +84,11 @@ OPTIMIZATION_LEVELS = {"all": "ORT_ENABLE_ALL", "basic": "ORT_ENABLE_BASIC"}
 
 
 def open_session(path: Path, *, threads: int | None, spin: bool, stop_spin: bool = False,
-                 session_options: dict | None = None, optimization: str = "all"):
+                 session_options: dict | None = None, optimization: str = "all", model=None):
     """An ORT CPU session of a built graph, with one-line errors naming the file. stop_spin: the pool's
-    threads spin within a run but stop at its end (sessions that take turns: a target and its draft)."""
+    threads spin within a run but stop at its end (sessions that take turns: a target and its draft).
+    model: the graph at `path` as rewritten in memory (an onnx ModelProto whose weights stay in the data
+    file beside `path`), run instead of the file's."""
     ort = require("onnxruntime")
     if not path.is_file():
         raise SpecexportError(f"{path}: missing (the build output is incomplete; rebuild it)")
@@ -106,9 +108,15 @@ def open_session(path: Path, *, threads: int | None, spin: bool, stop_spin: bool
         opts.add_session_config_entry("session.force_spinning_stop", "1")
     for key, value in (session_options or {}).items():
         setattr(opts, key, value)
-    cpu.register(opts, path)
+    if model is None:
+        cpu.register(opts, path)
+    else:                               # external weights are read from the file's folder
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+        if any(o.domain == cpu.DOMAIN for o in model.opset_import):
+            opts.register_custom_ops_library(str(cpu.status().library))
     try:
-        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(model.SerializeToString() if model is not None else str(path), opts,
+                                       providers=["CPUExecutionProvider"])
     except Exception as err:        # onnxruntime raises its own Fail/InvalidProtobuf/... types
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise SpecexportError(f"{path}: ONNX Runtime could not load it ({first.strip()[:300]}); the build "

@@ -48,36 +48,26 @@ class Call:
     last_only: bool
     out: StepOutput | None = None
     error: BaseException | None = None
+    extra: dict | None = None           # an EAGLE head's call: positions, states, past_mask (head_slots.py)
 
 
-class SlotModel:
-    """The caches and output buffers of `slots` batch rows over one ONNX Runtime session (an OrtBackend's:
-    its weights are not loaded twice). submit(model, call) blocks until a pass has run the call (the
-    scheduler in runtime/batch.py); run(calls) is that pass."""
+class Slots:
+    """What every slotted graph shares: the slots in use (packed at 0..n-1, their caches moved down when one
+    below is freed), the plan that groups a pass's calls, and the pass count. A subclass allocates the
+    caches (`k`, `v`: lists of [slots, Hkv, rows, D]) and output buffers and implements `_pass`,
+    `_rows_held` and `_grow`. submit(model, call) blocks until a pass has run the call (the scheduler in
+    runtime/batch.py); run(calls) is that pass."""
+    view_class: type = None                             # SlotView, set below
 
-    def __init__(self, backend, slots: int, submit, *, name: str = "target", rows_per_pass: int | None = None):
+    def _setup(self, backend, slots: int, submit, name: str) -> None:
         from specexport._optional import require
         from specexport.runtime.backends.ort import _binding_calls
 
         if not hasattr(backend, "session"):
             raise SpecexportError(f"batched decoding runs on the onnxruntime CPU backend; the {name} is on "
                                   f"{type(backend).__name__}")
-        io = backend.io
-        self.io, self.name, self.slots, self.submit = io, name, slots, submit
-        self.capacity, self.vocab_size = backend.capacity, io.vocab_size
-        self.max_tokens = backend.max_tokens           # a lone request's rounds and prompt chunks, as batch-1's
-        self.min_tokens = backend.min_tokens
-        self.rows_per_pass = rows_per_pass or self.max_tokens   # shared out among the slots in use (share)
-        self.exact_trees = backend.exact_trees
-        rows = self.capacity + self.max_tokens          # P <= capacity - 1, plus a padded pass of Tp rows
-        shape = (slots, io.num_kv_heads, rows, io.head_dim)
-        self.k = [np.zeros(shape, np.float32) for _ in range(io.num_layers)]
-        self.v = [np.zeros(shape, np.float32) for _ in range(io.num_layers)]
-        T, aux_width = min(self.max_tokens, self.rows_per_pass), len(io.aux_hidden_layers) * io.hidden_size
-        self.logits = np.zeros(slots * T * io.vocab_size, np.float32)      # flat: each pass views [B, R, V]
-        self.hidden = np.zeros(slots * T * io.hidden_size, np.float32)
-        self.aux_width = aux_width
-        self.aux = np.zeros(slots * T * aux_width, np.float32) if aux_width else None
+        self.io, self.name, self.slots, self.submit = backend.io, name, slots, submit
+        self.capacity, self.max_tokens = backend.capacity, backend.max_tokens
         self.session = backend.session
         self.binding = self.session.io_binding()
         self._bind_in, self._bind_out, self._run = _binding_calls(require("onnxruntime"), self.session, self.binding)
@@ -87,17 +77,16 @@ class SlotModel:
         self.observer = None                            # observer(name, B, Tp, real rows) after each pass
         self.fixed_rows = FIXED_ROWS
 
-    def share(self) -> int:
-        """Rows a slot's round (or prompt chunk) takes now: a lone request's as batch-1's; else the pass's
-        rows over the slots in use, each a row at least (rows cost compute past a few on a CPU)."""
-        n = len(self.views)
-        return self.max_tokens if n <= 1 else max(1, min(self.max_tokens, self.rows_per_pass // n))
+    def _caches(self, num_layers: int, kv_heads: int, rows: int, head_dim: int) -> None:
+        shape = (self.slots, kv_heads, rows, head_dim)
+        self.k = [np.zeros(shape, np.float32) for _ in range(num_layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(num_layers)]
 
     def view(self) -> "SlotView":
         """A new request's slot; SpecexportError when all are taken (the caller admits at most `slots`)."""
         if len(self.views) >= self.slots:
             raise SpecexportError(f"{self.name}: all {self.slots} slots are in use")
-        view = SlotView(self, len(self.views))
+        view = self.view_class(self, len(self.views))
         self.views.append(view)
         return view
 
@@ -120,7 +109,7 @@ class SlotModel:
         group, singles = self.plan(calls)
         passes = [group, *([c] for c in singles)]             # the plan keeps one call in the group at least
         need = sum(self._extent(g)[0] * max(self.min_tokens, max(len(c.tokens) for c in g)) for g in passes)
-        if need > self.logits.size // self.vocab_size:          # a plan's rows past the buffers: grow them
+        if need > self._rows_held():                           # a plan's rows past the buffers: grow them
             self._grow(need)
         offset = 0
         for g in passes:
@@ -146,6 +135,35 @@ class SlotModel:
         """(slots in the pass, the first): the range from the lowest calling slot to the highest."""
         slots = [c.view.slot for c in g]
         return max(slots) - min(slots) + 1, min(slots)
+
+
+
+class SlotModel(Slots):
+    """A target or draft graph's slots over its OrtBackend's session (the weights are not loaded twice)."""
+
+    def __init__(self, backend, slots: int, submit, *, name: str = "target", rows_per_pass: int | None = None):
+        self._setup(backend, slots, submit, name)
+        io = self.io
+        self.vocab_size = io.vocab_size
+        self.min_tokens = backend.min_tokens
+        self.rows_per_pass = rows_per_pass or self.max_tokens   # shared out among the slots in use (share)
+        self.exact_trees = backend.exact_trees
+        # P <= capacity - 1, plus a padded pass of Tp rows
+        self._caches(io.num_layers, io.num_kv_heads, self.capacity + self.max_tokens, io.head_dim)
+        T, aux_width = min(self.max_tokens, self.rows_per_pass), len(io.aux_hidden_layers) * io.hidden_size
+        self.logits = np.zeros(slots * T * io.vocab_size, np.float32)      # flat: each pass views [B, R, V]
+        self.hidden = np.zeros(slots * T * io.hidden_size, np.float32)
+        self.aux_width = aux_width
+        self.aux = np.zeros(slots * T * aux_width, np.float32) if aux_width else None
+
+    def share(self) -> int:
+        """Rows a slot's round (or prompt chunk) takes now: a lone request's as batch-1's; else the pass's
+        rows over the slots in use, each a row at least (rows cost compute past a few on a CPU)."""
+        n = len(self.views)
+        return self.max_tokens if n <= 1 else max(1, min(self.max_tokens, self.rows_per_pass // n))
+
+    def _rows_held(self) -> int:
+        return self.logits.size // self.vocab_size
 
     def _grow(self, rows: int) -> None:
         self.logits = np.zeros(rows * self.vocab_size, np.float32)
@@ -261,3 +279,6 @@ class SlotView(Backend):
         s = self.slot
         for buf in (*self.model.k, *self.model.v):
             buf[s, :, dest] = buf[s, :, src]           # fancy indexing copies the source rows first
+
+
+Slots.view_class = SlotView
