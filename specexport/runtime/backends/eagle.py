@@ -79,6 +79,16 @@ class HeadBuffers:
         return mask
 
 
+def check_call(head, T: int, features, own) -> None:
+    """A head call's checks (this head's and a batch slot's): its rows fit, it reads one kind of state."""
+    if not 1 <= T <= head.max_tokens:
+        raise SpecexportError(f"EAGLE head: {T} rows in one call, it takes 1..{head.max_tokens}")
+    if head.length + T > head.capacity:
+        raise SpecexportError(f"EAGLE head: KV capacity exceeded: {head.length} cached + {T} new > {head.capacity}")
+    if (features is None) == (own is None):
+        raise SpecexportError("EAGLE head: each call reads either the target's features or its own states")
+
+
 class OrtEagleHead(Backend):
     def __init__(self, model_dir, *, io: EagleIO, capacity: int, max_tokens: int, threads: int | None = 1,
                  spin: bool = False, optimization: str = "all", session=None, **_):
@@ -110,12 +120,7 @@ class OrtEagleHead(Backend):
         ones too, which `past_mask` None gives them through causal order). last_only: top-K of the
         last row only. phase: the tag `timings` files the call under ("prefill" for the prompt's rows)."""
         T, P, b = len(tokens), self.length, self.buffers
-        if not 1 <= T <= self.max_tokens:
-            raise SpecexportError(f"EAGLE head: {T} rows in one call, it takes 1..{self.max_tokens}")
-        if P + T > self.capacity:
-            raise SpecexportError(f"EAGLE head: KV capacity exceeded: {P} cached + {T} new > {self.capacity}")
-        if (features is None) == (own is None):
-            raise SpecexportError("EAGLE head: each call reads either the target's features or its own states")
+        check_call(self, T, features, own)
         self._pending = T
         feats, mine = b.features[:, :T], b.own[:, :T]
         if features is not None:

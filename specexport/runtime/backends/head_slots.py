@@ -14,14 +14,25 @@ request a head of its own instead (OrtEagleHead.sharing), unbatched but exact.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from specexport.errors import SpecexportError
 from specexport.io_spec import (ATTENTION_MASK, DRAFT_HIDDEN, FEATURES, HIDDEN_STATES, INPUT_IDS, LOGITS_ROWS,
                                 POSITION_IDS, TOPK_IDS, TOPK_LOGPROBS)
 from specexport.runtime.backends.base import Backend
-from specexport.runtime.backends.eagle import HeadStep
+from specexport.runtime.backends.eagle import HeadStep, check_call
 from specexport.runtime.backends.slots import Call, Slots, SlotView
+
+
+@dataclass(frozen=True)
+class HeadInputs:
+    """What a head call brings besides its tokens (OrtEagleHead.draft's arguments)."""
+    positions: np.ndarray               # [T]
+    feats: np.ndarray | None            # [T, F] the target's features, or None
+    own: np.ndarray | None              # [T, H] the head's own states, or None
+    past_mask: np.ndarray | None        # [T, length] cached rows each row sees (None: all, a chain after them)
 
 
 class EagleSlots(Slots):
@@ -61,16 +72,16 @@ class EagleSlots(Slots):
         for b, call in by_slot.items():
             L, T, x = self.views[lo + b].length, len(call.tokens), call.extra
             tokens[b, :T], tokens[b, T:] = call.tokens, call.tokens[-1]
-            positions[b, :T], positions[b, T:] = x["positions"], x["positions"][-1]
-            if x["features"] is not None:
-                features[b, :T] = x["features"]
+            positions[b, :T], positions[b, T:] = x.positions, x.positions[-1]
+            if x.feats is not None:
+                features[b, :T] = x.feats
             else:
-                own[b, :T] = x["own"]
-            if x["past_mask"] is None:                  # catching up: every cached row, a chain after them
+                own[b, :T] = x.own
+            if x.past_mask is None:                  # catching up: every cached row, a chain after them
                 mask[b, :T, :L] = True
                 mask[b, :T, P:P + T] = np.tri(T, dtype=bool)
             else:
-                mask[b, :T, :L] = x["past_mask"]
+                mask[b, :T, :L] = x.past_mask
             if R == 1:
                 rows[b, 0] = T - 1
         self._bind(tokens, positions, mask, rows, features, own, B, Tp, R, lo, offset)
@@ -127,19 +138,13 @@ class EagleSlotView(SlotView):
     def draft(self, tokens, positions, *, features=None, own=None, past_mask=None, last_only: bool = False,
               phase: str = "decode") -> HeadStep:
         """As OrtEagleHead.draft (its checks too); the call waits for a pass of the batch."""
-        T, P = len(tokens), self.length
+        T = len(tokens)
         if self.closed:
             raise SpecexportError(f"{self.model.name}: this request's slot was released")
-        if not 1 <= T <= self.max_tokens:
-            raise SpecexportError(f"EAGLE head: {T} rows in one call, it takes 1..{self.max_tokens}")
-        if P + T > self.capacity:
-            raise SpecexportError(f"EAGLE head: KV capacity exceeded: {P} cached + {T} new > {self.capacity}")
-        if (features is None) == (own is None):
-            raise SpecexportError("EAGLE head: each call reads either the target's features or its own states")
+        check_call(self, T, features, own)
         self._pending = T
         call = Call(self, np.asarray(tokens, np.int64), None, None, last_only,
-                    extra={"positions": np.asarray(positions, np.int64), "features": features, "own": own,
-                           "past_mask": past_mask})
+                    extra=HeadInputs(np.asarray(positions, np.int64), features, own, past_mask))
         self.model.submit(self.model, call)
         if call.error is not None:
             raise call.error
@@ -159,9 +164,9 @@ def rows_exact(head, seed: int = 0) -> bool:
 
     def call(view, T, *, level: bool):
         P = view.length
-        extra = {"positions": np.full(T, P) if level else P + np.arange(T), "features": None, "own": None,
-                 "past_mask": rng.random((T, P)) < 0.5 if level else None}
-        extra["own" if level else "features"] = rng.standard_normal((T, H if level else F)).astype(np.float32)
+        states = rng.standard_normal((T, H if level else F)).astype(np.float32)
+        extra = HeadInputs(np.full(T, P) if level else P + np.arange(T), None if level else states,
+                           states if level else None, rng.random((T, P)) < 0.5 if level else None)
         return Call(view, rng.integers(0, V, T), None, None, False, extra=extra)
 
     def outputs(c) -> list[np.ndarray]:

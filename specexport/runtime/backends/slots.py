@@ -48,7 +48,7 @@ class Call:
     last_only: bool
     out: StepOutput | None = None
     error: BaseException | None = None
-    extra: dict | None = None           # an EAGLE head's call: positions, states, past_mask (head_slots.py)
+    extra: object = None                # an EAGLE head's call: head_slots.HeadInputs
 
 
 class Slots:
