@@ -294,7 +294,7 @@ def test_a_request_past_its_deadline_leaves_the_batch_and_the_others_answer_as_a
     deadline (a 5x margin on a loaded machine, as test_serve_limits' deadline test)."""
     import httpx
     import openai
-    from test_serve_limits import LiveServer, metric_values
+    from test_serve_limits import LiveServer, metric_values, wait_for
 
     from specexport.runtime.backends.slots import SlotModel
     from specexport.serve.app import create_app
@@ -329,8 +329,11 @@ def test_a_request_past_its_deadline_leaves_the_batch_and_the_others_answer_as_a
             answers = list(pool.map(short, texts))
             assert slow.result(timeout=60) == 504
         assert answers == [want[t] for t in texts]
+        timeouts = ("specexport_decodes_total", frozenset({("outcome", "timeout")}))
+        # the server answers 504 at the deadline; the decode thread counts it when it stops (after its pass)
+        wait_for(lambda: timeouts in metric_values(httpx.get(f"{s.url}/metrics").text), "the timeout counted", 30)
         page = metric_values(httpx.get(f"{s.url}/metrics").text)
-        assert page[("specexport_decodes_total", frozenset({("outcome", "timeout")}))] == 1
+        assert page[timeouts] == 1
         real = page[("specexport_batch_rows_total", frozenset({("model", "target"), ("kind", "real")}))]
         assert real > page[("specexport_batch_passes_total", frozenset({("model", "target")}))]   # shared passes
         assert short(texts[0]) == want[texts[0]]                           # the slot freed, the model serving

@@ -184,20 +184,19 @@ class ModelWorker:
                 return
             job.state, self.waiting, self.running = "running", self.waiting - 1, self.running + 1
         started = time.monotonic()
-        outcome = "error"
+        outcome, event = "error", None
         try:
             if self.metrics is not None:
                 self.metrics.queue_time.observe(started - job.arrived)
             event = self._decode(job)
             outcome = {"done": "done", "cancelled": job.reason or "cancelled"}.get(event.kind) or {
                 504: "timeout", 503: "shutdown"}.get(event.status, "error")
-            job.emit(event)
         except SpecexportError as err:               # bad parameters for this build: the client's error
             outcome = "invalid"
-            job.emit(Event("error", text=str(err), status=400))
+            event = Event("error", text=str(err), status=400)
         except Exception as err:                     # a bug: logged, answered as 500, the server stays up
             log.exception("decode failed")
-            job.emit(Event("error", text=f"internal error: {type(err).__name__}: {err}", status=500))
+            event = Event("error", text=f"internal error: {type(err).__name__}: {err}", status=500)
         finally:
             ended = time.monotonic()
             with self._lock:
@@ -205,6 +204,8 @@ class ModelWorker:
                 self._service_s = 0.8 * self._service_s + 0.2 * (ended - started) if self._service_s else ended - started
             if self.metrics is not None and outcome != "done":
                 self.metrics.decodes.labels(outcome).inc()
+            if event is not None:                    # last: a client that has its answer sees the metrics count it
+                job.emit(event)
 
     def _decode(self, job: Job) -> Event:
         if job.cancelled.is_set():
