@@ -81,7 +81,7 @@ def _isolated_costs(pipe, dp, max_t: int, clock, reps: int = 20) -> dict:
     target for T = 1..max_t, draft T = 1: for the γ prediction beyond the sizes the runs made."""
     if dp is not None:
         pipe.use_draft_precision(dp)
-    ctx = (3 + np.arange(max(1, min(64, pipe.capacity - max_t)))) % pipe.target.vocab_size
+    ctx = _context(pipe, max_t)
     target = {t: [] for t in range(1, max_t + 1)}
     draft = []
     for _ in range(reps):
@@ -93,6 +93,11 @@ def _isolated_costs(pipe, dp, max_t: int, clock, reps: int = 20) -> dict:
             "draft": {1: statistics.median(draft)} if draft else {}}
 
 
+def _context(pipe, rows: int) -> np.ndarray:
+    """The timed forwards' context: 64 tokens (fewer when max_seq_len leaves no room for `rows` more)."""
+    return (3 + np.arange(max(1, min(64, pipe.capacity - rows)))) % pipe.target.vocab_size
+
+
 PASS_ROWS = (1, 2, 4, 8, 16)
 
 
@@ -102,7 +107,7 @@ def _pass_curve(pipe, clock, reps: int = 7) -> dict:
     nothing committed, so every pass sees the same context. {M: seconds}."""
     backend = pipe.target
     sizes = [m for m in PASS_ROWS if m <= backend.max_tokens]
-    ctx = (3 + np.arange(max(1, min(64, pipe.capacity - sizes[-1])))) % backend.vocab_size
+    ctx = _context(pipe, sizes[-1])
     backend.reset()
     backend.forward(ctx, phase="prefill")
     backend.commit(len(ctx))

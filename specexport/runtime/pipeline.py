@@ -59,11 +59,16 @@ class _RequestPipe:
 
     @property
     def medusa(self):
-        return self._own.get("medusa") or self._own.setdefault("medusa", self._heads("medusa"))
+        return self._own_heads("medusa")
 
     @property
     def eagle(self):
-        return self._own.get("eagle") or self._own.setdefault("eagle", self._heads("eagle"))
+        return self._own_heads("eagle")
+
+    def _own_heads(self, kind: str):
+        if kind not in self._own:
+            self._own[kind] = self._heads(kind)
+        return self._own[kind]
 
     def __getattr__(self, name):
         return getattr(self._pipe, name)

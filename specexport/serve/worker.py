@@ -114,7 +114,6 @@ class ModelWorker:
             metrics.watch_batch(self.slots, lambda: self.running)
             if self.batch is not None:
                 self.batch.observer = metrics.batch_pass
-        self._solo = threading.Lock()       # without a batch: one request at a time
         self._executor = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="specexport-decode")
         self._lock = threading.Lock()
         self.waiting = 0            # queued jobs
@@ -222,10 +221,10 @@ class ModelWorker:
             stream = self.batch.stream(request, done=lambda out: result.setdefault("output", out))
             note = auto_summary(self._auto_choice(), self.pipe.dir) if method == "auto" else ""
             return self._pieces(job, stream, lambda: (result["output"], note), used)
-        with self._solo:
-            stream = self.pipe.stream(prompt_ids=job.prompt_ids, method=method, **options)
-            return self._pieces(job, stream, lambda: (self.pipe.last_output,
-                                                      (self.pipe.auto_note or "") if method == "auto" else ""), used)
+        # without a batch the executor has one thread: one request at a time on the pipeline
+        stream = self.pipe.stream(prompt_ids=job.prompt_ids, method=method, **options)
+        return self._pieces(job, stream, lambda: (self.pipe.last_output,
+                                                  (self.pipe.auto_note or "") if method == "auto" else ""), used)
 
     def _pieces(self, job: Job, stream, result, used: str) -> Event:
         """Run a decode's pieces into the job's events; result() -> (GenerationOutput, note) at the end."""

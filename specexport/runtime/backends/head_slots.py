@@ -85,11 +85,7 @@ class EagleSlots(Slots):
             if R == 1:
                 rows[b, 0] = T - 1
         self._bind(tokens, positions, mask, rows, features, own, B, Tp, R, lo, offset)
-        self._run()
-        self.passes += 1
-        self.rows_run += sum(len(c.tokens) for c in calls)
-        if self.observer is not None:
-            self.observer(self.name, B, Tp, sum(len(c.tokens) for c in calls))
+        self._run_pass(calls, B, Tp)
         K, H = self.top_k, self.hidden_size
         ids = self.ids[offset * K:(offset + B * R) * K].reshape(B, R, K)
         logprobs = self.logprobs[offset * K:(offset + B * R) * K].reshape(B, R, K)

@@ -130,6 +130,15 @@ class Slots:
         k = min(range(len(ordered)), key=cost)
         return ordered[:len(ordered) - k], ordered[len(ordered) - k:]
 
+    def _run_pass(self, calls: list[Call], B: int, Tp: int) -> None:
+        """Run the bound pass and count it (passes, real rows, the observer)."""
+        self._run()
+        real = sum(len(c.tokens) for c in calls)
+        self.passes += 1
+        self.rows_run += real
+        if self.observer is not None:
+            self.observer(self.name, B, Tp, real)
+
     @staticmethod
     def _extent(g: list[Call]) -> tuple[int, int]:
         """(slots in the pass, the first): the range from the lowest calling slot to the highest."""
@@ -200,12 +209,7 @@ class SlotModel(Slots):
             if R == 1:
                 rows[b, 0] = T - 1
         self._bind_pass(tokens, positions, mask, rows, B, Tp, R, lo, offset)
-        self._run()
-        real = sum(len(c.tokens) for c in calls)
-        self.passes += 1
-        self.rows_run += real
-        if self.observer is not None:
-            self.observer(self.name, B, Tp, real)
+        self._run_pass(calls, B, Tp)
         V, H = self.vocab_size, self.io.hidden_size
         logits = self.logits[offset * V:(offset + B * R) * V].reshape(B, R, V)
         hidden = self.hidden[offset * H:(offset + B * Tp) * H].reshape(B, Tp, H)
