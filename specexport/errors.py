@@ -17,3 +17,7 @@ def shown(value) -> str:
     """A key or path as the user wrote it, quoted when printing it plainly would break a one-line error."""
     text = str(value)
     return text if text.isprintable() and text.strip() == text and text else repr(value)
+
+
+class KernelsUnavailable(SpecexportError):
+    """specexport's CPU kernels could not be built or loaded here; the message says why (plugins/cpu)."""

@@ -50,3 +50,18 @@ MARKERS = {  # marker -> (skip when, why)
     "no_trt": (has_tensorrt, "checks behaviour without TensorRT, and TensorRT imports here"),
     "no_ort_cuda": (has_ort_cuda, "checks the CPU-only onnxruntime, and onnxruntime-gpu is installed here"),
 }
+
+
+REQUIRE_KERNELS = "SPECEXPORT_REQUIRE_KERNELS"
+
+
+def kernels_missing(why: str):
+    """Where specexport's CPU kernels (or a tool their tests need) are missing: skip, or, when
+    SPECEXPORT_REQUIRE_KERNELS=1 (CI sets it), fail: CI must not go green with the kernels untested."""
+    import os
+
+    import pytest
+
+    if os.environ.get(REQUIRE_KERNELS, "") not in ("", "0"):
+        pytest.fail(f"{REQUIRE_KERNELS} is set and {why}", pytrace=False)
+    pytest.skip(why)

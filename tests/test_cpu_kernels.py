@@ -4,12 +4,14 @@ bit for bit, each row's bits independent of the pass (M, row order, threads), pl
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from machine import kernels_missing
 from specexport.plugins import cpu
 from specexport.quant.gguf_blocks import SUPPORTED, random_blocks
 from tests.close import assert_close
@@ -24,7 +26,7 @@ def kernels():
     try:
         return cpu.Kernels()
     except cpu.KernelsUnavailable as err:          # no compiler: the stock route is tested elsewhere
-        pytest.skip(f"the CPU kernels do not build here: {err}")
+        kernels_missing(f"the CPU kernels do not build here: {err}")
 
 
 def blocks(rng, qtype: str, n: int, k: int) -> np.ndarray:
@@ -107,8 +109,8 @@ def emulated_vnni():
     try:
         k = cpu.Kernels(cpu.build(with_ort=False, emulate_vnni=True))
     except cpu.KernelsUnavailable as err:
-        pytest.skip(f"the CPU kernels do not build here: {err}")
-    if "avx2" not in k.paths() + k.refused():
+        kernels_missing(f"the CPU kernels do not build here: {err}")
+    if "avx2" not in (cpu.expected_paths() or set()):
         pytest.skip("the VNNI paths are emulated with AVX2, which this CPU lacks")
     return k
 
@@ -214,7 +216,7 @@ def _session(qtype: str, w: np.ndarray, k: int, threads: int, exact: int = 0):
 
     status = cpu.status()
     if not status.available:
-        pytest.skip(status.line())
+        kernels_missing(status.line())
     node = helper.make_node("GgufMatMul", ["X", "W"], ["Y"], domain=cpu.DOMAIN, type=cpu.TYPES[qtype], K=k,
                             N=w.shape[0], exact=exact)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["B", "T", k])],
@@ -260,7 +262,7 @@ def test_one_node_of_several_weights_gives_each_output_its_own_matmuls_bits(kern
     ort = pytest.importorskip("onnxruntime")
     status = cpu.status()
     if not status.available:
-        pytest.skip(status.line())
+        kernels_missing(status.line())
     rng = np.random.default_rng(10)
     k = 512
     ws = {"Q4_K": blocks(rng, "Q4_K", 70, k), "Q6_K": blocks(rng, "Q6_K", 9, k), "Q4_1": blocks(rng, "Q4_1", 130, k)}
@@ -336,11 +338,11 @@ def test_model_yaml_chooses_the_kernels(monkeypatch):
 
 # -- planted bugs: the checks above must fail on them ------------------------------------------------
 
-def _planted(name: str):
+def _planted(name: str, emulate_vnni: bool = False):
     try:
-        return cpu.Kernels(cpu.build(with_ort=False, plant=name))
+        return cpu.Kernels(cpu.build(with_ort=False, plant=name, emulate_vnni=emulate_vnni))
     except cpu.KernelsUnavailable as err:
-        pytest.skip(f"the CPU kernels do not build here: {err}")
+        kernels_missing(f"the CPU kernels do not build here: {err}")
 
 
 def test_a_block_scale_read_off_by_one_is_caught():
@@ -353,10 +355,10 @@ def test_a_block_scale_read_off_by_one_is_caught():
 
 
 def test_a_tile_that_drops_its_last_row_is_caught(monkeypatch):
+    if "avx2" not in (cpu.expected_paths() or set()):
+        pytest.skip("the bug is planted in the AVX2 path, which this CPU cannot run")
     monkeypatch.setenv("SPECEXPORT_KERNEL_SELFCHECK", "off")    # read once, at the library's first call
     bad = _planted("drop_last_row")
-    if "avx2" not in bad.paths():
-        pytest.skip("the bug is planted in the AVX2 path, which this CPU cannot run")
     rng = np.random.default_rng(9)
     w, x = blocks(rng, "Q6_K", 9, 256), rng.standard_normal((3, 256)).astype(np.float32)
     assert not np.array_equal(bad.matmul("Q6_K", x, w, path="avx2"), bad.matmul("Q6_K", x, w, path="ref"))
@@ -365,7 +367,7 @@ def test_a_tile_that_drops_its_last_row_is_caught(monkeypatch):
 def test_a_path_that_differs_from_the_reference_is_refused_at_load_and_said(kernels):
     """The library's self-check (every SIMD path against the reference before it runs) on the planted
     tile bug, in a fresh process (the check runs once per process and library)."""
-    if "avx2" not in kernels.paths():
+    if "avx2" not in (cpu.expected_paths() or set()):
         pytest.skip("the bug is planted in the AVX2 path, which this CPU cannot run")
     lib = _planted("drop_last_row").lib
     code = ("import sys; from specexport.plugins import cpu; k = cpu.Kernels(cpu.Path(sys.argv[1])); "
@@ -374,5 +376,164 @@ def test_a_path_that_differs_from_the_reference_is_refused_at_load_and_said(kern
     out = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True, env=env, check=True)
     paths, refused, resolved = out.stdout.strip().split(" ")
     assert (paths, resolved) == ("ref", "0") and "avx2" in refused.split(","), out.stdout + out.stderr
-    line = cpu.Status(lib, "ref", "ref", refused="avx2").line()
-    assert "avx2 refused: its bits differed from the reference's" in line
+    line = cpu.Status(lib, "ref", "ref", refused="avx2: Q4_0 K=32 M=2: int8 matmul").line()
+    assert "refused: its bits differed from the reference's in the self-check: avx2: Q4_0 K=32 M=2" in line
+
+
+# -- the safety net: what the CPU promises runs, checked; what cannot build is said -----------------------
+
+def test_this_cpu_runs_every_path_its_flags_promise_with_nothing_refused(kernels):
+    """The paths /proc/cpuinfo's flags promise are the library's, none refused by the self-check: a SIMD
+    path whose bits broke is refused at load, and this is where that fails the suite (the loops above then
+    compare the reference with itself)."""
+    expected = cpu.expected_paths()
+    if expected is None:
+        pytest.skip("this OS has no /proc/cpuinfo to hold the library to")
+    assert kernels.refused() == [], f"refused by the self-check: {kernels.refused_why()}"
+    assert expected <= set(kernels.paths()), f"{sorted(expected - set(kernels.paths()))} missing; " \
+                                             f"left out: {cpu.left_out(kernels.lib)}"
+    assert kernels.selfcheck().startswith(",".join(p for p in kernels.paths() if p != "ref") or "nothing")
+    status = cpu.status()
+    if status.available:                          # the ONNX Runtime library: the same, and its best path runs
+        assert not status.refused and not status.left_out, status.line()
+        best = [p for p in ("neon", "avx512vnni", "avxvnni", "avx2", "ref") if p in expected][0]
+        assert status.path == best or os.environ.get("SPECEXPORT_KERNEL_PATH"), status.line()
+
+
+def test_a_planted_vnni_bug_is_refused_by_the_self_check_and_caught_by_the_tests():
+    """A bug in the VNNI-only code (the activations' signs lost in vpdpbusd's step), in the emulated library:
+    the self-check refuses both VNNI paths, naming the first case; with the check off it computes wrong bits."""
+    if "avx2" not in (cpu.expected_paths() or set()):
+        pytest.skip("the VNNI paths are emulated with AVX2, which this CPU lacks")
+    lib = _planted("vnni_quads", emulate_vnni=True).lib
+    code = ("import sys, numpy as np; from specexport.plugins import cpu; k = cpu.Kernels(cpu.Path(sys.argv[1])); "
+            "print(','.join(k.paths()), ','.join(k.refused()), sep='|'); print(k.refused_why()); "
+            "r = np.random.default_rng(0); x = r.standard_normal((2, 32)).astype(np.float32); "
+            "w = np.frombuffer(bytes(r.integers(0, 256, 34 * 3, dtype=np.uint8)), np.uint8).reshape(3, 34).copy(); "
+            "w[:, 1] = 0x1c; print(int(np.array_equal(k.matmul('Q8_0', x, w, path=sys.argv[2]), "
+            "k.matmul('Q8_0', x, w, path='ref'))))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECEXPORT_KERNEL")}
+    out = subprocess.run([sys.executable, "-c", code, str(lib), "avx2"], capture_output=True, text=True, env=env,
+                         check=True).stdout.splitlines()
+    assert out[0] == "ref,avx2|avxvnni,avx512vnni" and "avxvnni: Q4_0 K=32 M=1: int8 matmul" in out[1], out
+    env["SPECEXPORT_KERNEL_SELFCHECK"] = "off"
+    out = subprocess.run([sys.executable, "-c", code, str(lib), "avxvnni"], capture_output=True, text=True, env=env,
+                         check=True).stdout.splitlines()
+    assert out[0] == "ref,avx2,avxvnni,avx512vnni|" and out[-1] == "0", out
+
+
+def test_the_self_check_is_reported_and_so_is_turning_it_off(kernels):
+    env = {**os.environ, "SPECEXPORT_KERNEL_SELFCHECK": "off"}
+    code = "from specexport.plugins import cpu; s = cpu.status(); print(s.selfcheck); print(s.line())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    if "stock" in out:
+        kernels_missing(out)
+    assert out.startswith("off (SPECEXPORT_KERNEL_SELFCHECK=off)") and "self-check off" in out, out
+    if len(kernels.paths()) > 1:
+        assert "int8 matmul (8 types, 2 K, rows 1-9/12/13/16/17" in kernels.selfcheck()
+
+
+def test_an_edit_to_any_source_or_header_builds_the_library_anew(tmp_path, monkeypatch):
+    """The cache key covers every .cc and .h beside the package (sx_attn.h too), the flags and the ORT headers."""
+    here = tmp_path / "cpu"
+    shutil.copytree(cpu.HERE, here, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(cpu, "HERE", here)
+    cxx = cpu.compiler()
+    key = cpu.cache_key(cxx, cpu.sources(), None, [])
+    for name in sorted(p.name for p in here.iterdir() if p.suffix in (".h", ".cc")):
+        original = (here / name).read_bytes()
+        (here / name).write_bytes(original + b"\n// edited\n")
+        assert cpu.cache_key(cxx, cpu.sources(), None, []) != key, name
+        (here / name).write_bytes(original)
+    assert cpu.cache_key(cxx, cpu.sources(), None, []) == key
+    assert cpu.cache_key(cxx, cpu.sources(), None, ["-DSX_EMULATE_VNNI"]) != key
+    assert cpu.cache_key([*cxx, "-g"], cpu.sources(), None, []) != key
+
+
+def test_cxx_with_arguments_is_a_compiler_and_a_missing_one_is_said(monkeypatch):
+    monkeypatch.setenv("CXX", "env g++")
+    assert cpu.compiler() == ["env", "g++"]
+    monkeypatch.setenv("CXX", "/nonexistent/g++ -O2")
+    with pytest.raises(cpu.KernelsUnavailable, match=r"CXX=/nonexistent/g\+\+ -O2: /nonexistent/g\+\+ is not a command"):
+        cpu.compiler()
+
+
+def test_an_optional_unit_that_does_not_compile_is_left_out_and_said(tmp_path, monkeypatch):
+    """A toolchain that cannot assemble the VNNI unit (binutils < 2.36): the library builds without those
+    paths (AVX2 kept), and says which were left out and the compiler's line."""
+    if "avx2" not in (cpu.expected_paths() or set()):
+        pytest.skip("the VNNI unit is x86's")
+    fake = tmp_path / "old-as"
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in *sx_vnni.cc) '
+                    'echo "Error: no such instruction: {evex} vpdpbusd" >&2; exit 1;; esac; done\n'
+                    'exec g++ "$@"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("SPECEXPORT_CACHE", str(tmp_path / "cache"))
+    k = cpu.Kernels(cpu.build(with_ort=False))
+    assert k.paths() == ["ref", "avx2"] and k.refused() == []
+    assert cpu.left_out(k.lib) == {"sx_vnni.cc": {"paths": ["avxvnni", "avx512vnni"],
+                                                  "why": "Error: no such instruction: {evex} vpdpbusd"}}
+
+
+def test_status_never_raises_it_says_why_the_stock_route_runs(tmp_path, monkeypatch):
+    """An unwritable cache (a file where its folder should be) and an ONNX Runtime older than the C API the ops
+    need: each a reason, never an exception."""
+    import onnxruntime
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    if cpu.status().available:                       # the headers from where they are: no fetch in this test
+        monkeypatch.setenv("SPECEXPORT_ORT_INCLUDE", str(cpu.ort_include(fetch=False)))
+    monkeypatch.setenv("SPECEXPORT_CACHE", str(blocker / "cache"))
+    cpu.status.cache_clear()
+    try:
+        st = cpu.status()
+        assert not st.available and "not-a-folder" in st.reason, st
+        monkeypatch.setattr(onnxruntime, "__version__", "1.20.1")
+        cpu.status.cache_clear()
+        st = cpu.status()
+        assert not st.available and "onnxruntime 1.20.1 is older than 1.21" in st.reason, st
+    finally:
+        monkeypatch.undo()
+        cpu.status.cache_clear()
+
+
+def test_the_ort_headers_are_taken_only_with_their_pinned_digests(tmp_path, monkeypatch):
+    """headers.py: the package's headers are kept only when each has 1.21.0's sha256; the Debian mirror is the
+    machine's own (one-line or deb822 sources), never a host of ours."""
+    import io
+    import tarfile
+
+    from specexport.plugins.cpu import headers
+
+    def deb(files: dict[str, bytes]) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:xz") as tar:
+            for name, data in files.items():
+                info = tarfile.TarInfo(f"./usr/include/onnxruntime/{name}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        return b"!<arch>\n" + ar_member("debian-binary", b"2.0\n") + ar_member("data.tar.xz", buf.getvalue())
+
+    def ar_member(name: str, data: bytes) -> bytes:
+        head = f"{name:<16}{0:<12}{0:<6}{0:<6}{100644:<8}{len(data):<10}`\n".encode()
+        return head + data + b"\n" * (len(data) & 1)
+
+    fake = {n: b"// not ONNX Runtime's\n" for n in headers.NAMES}
+    assert headers._headers_of(deb(fake)) == fake
+    package = tmp_path / "libonnxruntime-dev_1.21.0_amd64.deb"
+    package.write_bytes(deb(fake))
+    monkeypatch.setattr(headers, "_apt_download", lambda tmp: package)
+    with pytest.raises(cpu.KernelsUnavailable, match=r"does not hold 1\.21\.0's onnxruntime_c_api\.h, .* \(sha256 "
+                                                     r"pinned\): install Debian's libonnxruntime-dev"):
+        headers._fetch(tmp_path / "ort")
+    assert not (tmp_path / "ort").exists()
+    one = tmp_path / "sources.list"
+    one.write_text("# deb http://example.invalid/debian bookworm main\ndeb [arch=amd64] http://mirror.test/debian bookworm main\n")
+    deb822 = tmp_path / "debian.sources"
+    deb822.write_text("Types: deb\nURIs: http://security.test/debian-security\nSuites: bookworm-security\n\n"
+                      "Types: deb\nURIs: http://other.test/debian\nSuites: bookworm\n")
+    assert headers._debian_mirror([one]) == "http://mirror.test/debian"
+    assert headers._debian_mirror([tmp_path / "absent", deb822]) == "http://other.test/debian"
+    assert headers._debian_mirror([tmp_path / "absent"]) is None

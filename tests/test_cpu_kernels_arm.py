@@ -10,18 +10,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from machine import kernels_missing
 from specexport.plugins import cpu
 from specexport.quant.gguf_blocks import SUPPORTED
 from tests.test_cpu_kernels import QK, blocks
 
 CXX, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
-pytestmark = pytest.mark.skipif(not (shutil.which(CXX) and shutil.which(QEMU)),
-                                reason=f"needs {CXX} and {QEMU} (apt-get install g++-aarch64-linux-gnu qemu-user)")
 
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> Path:
     """tests/cpu/driver.cc and the kernels, compiled for AArch64 with the flags the package uses there."""
+    if not (shutil.which(CXX) and shutil.which(QEMU)):
+        kernels_missing(f"the ARM tests need {CXX} and {QEMU} (apt-get install g++-aarch64-linux-gnu qemu-user)")
     out = tmp_path_factory.mktemp("arm")
     objs = []
     for src in cpu.sources("aarch64"):

@@ -12,6 +12,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
+from machine import kernels_missing  # noqa: E402
 from specexport.quant.gguf_blocks import SUPPORTED, decode, random_blocks  # noqa: E402
 
 # GGUF tensor -> block type, every supported type at least once, affine and symmetric, 4 and 8 bits
@@ -85,7 +86,7 @@ def kernels_route(request, monkeypatch):
         monkeypatch.setenv("SPECEXPORT_KERNELS", "off")
     cpu.status.cache_clear()
     if request.param == "ours" and not cpu.status().available:
-        pytest.skip(cpu.status().line())
+        kernels_missing(cpu.status().line())
     yield request.param
     monkeypatch.undo()
     cpu.status.cache_clear()

@@ -54,12 +54,16 @@ def inspect(output_dir, as_json, verify, verbose):
     console.print(table)
     from specexport.plugins import cpu
 
+    ours = False
     for role, mm in m["models"].items():
         for precision, e in mm["precisions"].items():
             line = cpu.describe(e)
             if line:
+                ours = ours or line.startswith("CPU kernels: specexport's")
                 console.print(f"{role} {precision}: {line}; rows {e.get('trees', '?')} (trees), min_tokens "
                               f"{e.get('min_tokens', '?')}")
+    if ours:
+        console.print(f"CPU kernels' self-check: {cpu.status().selfcheck}")
     console.print(checks_table(m, title="checks"))
     if verbose:
         for role, mm in m["models"].items():

@@ -197,7 +197,8 @@ class Pipeline:
         """The EAGLE head (runtime/backends/eagle.py), opened on first use."""
         if self._eagle is None:
             self._eagle = open_eagle(self.dir, self.manifest, kind=self.backend_kind, capacity=self.capacity,
-                                     max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK))
+                                     max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
+                                     target_precision=self.precision)
         return self._eagle
 
     @property

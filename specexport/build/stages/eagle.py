@@ -85,8 +85,11 @@ def _export_and_check(ctx, hp, target_dir, partial):
         seq = case.seq[:min(len(case.seq), 24)]
         feats = target_features(session, target.io, seq, w)
         report = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", seq, feats[:-1])
-        ours = with_our_attention(partial / "model.onnx", hp.io.head_dim)
-        if ours is not None:        # where the kernels load, the runtime runs the head on our attention
+        # a target in `gguf` (our kernels) runs the head on our attention too: checked here; no other build
+        # compiles the kernels for its head
+        gguf = "gguf" in target.config.precisions
+        ours = with_our_attention(partial / "model.onnx", hp.io.head_dim) if gguf else None
+        if ours is not None:
             mine = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", seq, feats[:-1],
                                session=open_session(partial / "model.onnx", threads=None, spin=False, model=ours))
             report["per_phase"].update({f"{k}, our attention": v for k, v in mine["per_phase"].items()})

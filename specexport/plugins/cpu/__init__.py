@@ -4,66 +4,60 @@
     "specexport.cpu" (GgufMatMul, GgufGather; sx_ort.cc) and a C interface for tests and benchmarks.
 
 Compiled by the system's C++ compiler into $SPECEXPORT_CACHE/kernels/<key>/ (default ~/.cache/specexport),
-the key a digest of the sources, the compiler's version and the flags, so an edit or another compiler
-builds anew and concurrent first uses build once (a file lock, an atomic rename). Why not a build backend
-at install: pip's wheel of ONNX Runtime has no C headers, and a missing compiler would fail the install;
-here a missing piece leaves the stock route (MatMulNBits) running and `status()` says why.
-
-ONNX Runtime's C API headers come from Debian's libonnxruntime-dev (1.21: the C API is versioned, so a
-library built on those headers runs in later runtimes): $SPECEXPORT_ORT_INCLUDE, else a system copy
-(/usr/include/onnxruntime), else the package fetched once (pinned digest) and unpacked with the standard
-library into the cache. Nothing of ONNX Runtime is stored in this repository.
+the key a digest of every source and header here, ONNX Runtime's headers, the compiler's version and the
+flags, so an edit or another compiler builds anew and concurrent first uses build once (a file lock, an
+atomic rename). Why not a build backend at install: pip's wheel of ONNX Runtime has no C headers, and a
+missing compiler would fail the install; here a missing piece leaves the stock route (MatMulNBits) running
+and `status()` says why. An optional unit the toolchain cannot compile (the VNNI paths on an assembler older
+than binutils 2.36) is left out, and said, instead of failing the library. ONNX Runtime's headers: headers.py.
 
 Environment: SPECEXPORT_KERNELS=off hides the library (the stock route runs); SPECEXPORT_KERNEL_PATH
 (ref, avx2, avxvnni, avx512vnni, neon) forces a kernel path; SPECEXPORT_KERNEL_SELFCHECK=off lets a SIMD
-path run without first checking its bits against the reference's (planted-bug tests); CXX names the compiler.
+path run without first checking its bits against the reference's (planted-bug tests; `inspect` says so);
+CXX names the compiler (arguments allowed: "ccache g++").
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import hashlib
-import io
+import json
 import os
 import platform
+import re
+import shlex
 import shutil
 import subprocess
-import tarfile
 import tempfile
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from specexport.config import cache_base
-from specexport.errors import SpecexportError
+from specexport.errors import KernelsUnavailable
+from specexport.plugins.cpu import headers
+
+__all__ = ["KernelsUnavailable", "Kernels", "Status", "status", "build", "register", "describe", "uses_kernels",
+           "expected_paths"]
 
 DOMAIN = "specexport.cpu"
 HERE = Path(__file__).parent
-KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_avx2.cc", "sx_neon.cc")
-HEADERS = ("sx_kernels.h", "sx_blocks.h", "sx_act.h")
+KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_selfcheck.cc", "sx_avx2.cc", "sx_vnni.cc", "sx_neon.cc")
+OPTIONAL = {"sx_vnni.cc": ("avxvnni", "avx512vnni")}    # unit -> the paths it holds (left out if it won't compile)
 ORT_SOURCE = "sx_ort.cc"
 PATHS = {"ref": 0, "avx2": 1, "neon": 3, "avxvnni": 4, "avx512vnni": 5}
 # GGUF type name -> ggml's id (the ops' `type` attribute)
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 BLOCK = {t: 256 if t.endswith("_K") else 32 for t in TYPES}   # weights per (super-)block along K
-
-ORT_DEB = ("https://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb",
-           "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08")
-ORT_HEADER_NAMES = ("onnxruntime_c_api.h", "onnxruntime_cxx_api.h", "onnxruntime_cxx_inline.h",
-                    "onnxruntime_float16.h", "onnxruntime_lite_custom_op.h")
-
-
-class KernelsUnavailable(SpecexportError):
-    """The library could not be built or loaded here; the message says why."""
+ORT_FLOOR = (1, headers.API_VERSION)                           # the C API the ops' headers ask for
 
 
 def flags(source: str) -> list[str]:
     """The compiler flags of one source file. -ffp-contract=off: the float steps are the reference's,
     never fused differently by one translation unit (bit-identical paths)."""
     out = ["-O2", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden"]
-    if source == "sx_avx2.cc":
+    if source in ("sx_avx2.cc", "sx_vnni.cc"):
         out += ["-mavx2", "-mfma", "-mf16c"]
     if source == "sx_neon.cc":
         out += ["-march=armv8.2-a+dotprod"]
@@ -71,78 +65,37 @@ def flags(source: str) -> list[str]:
 
 
 def sources(arch: str | None = None) -> list[str]:
-    """The kernel sources this architecture compiles (the AVX2 file on x86-64, the NEON one on AArch64)."""
+    """The kernel sources this architecture compiles (the x86 files on x86-64, the NEON one on AArch64)."""
     arch = arch or platform.machine()
-    only = {"sx_avx2.cc": ("x86_64", "AMD64"), "sx_neon.cc": ("aarch64", "arm64")}
+    x86, arm = ("x86_64", "AMD64"), ("aarch64", "arm64")
+    only = {"sx_avx2.cc": x86, "sx_vnni.cc": x86, "sx_neon.cc": arm}
     return [s for s in KERNEL_SOURCES if arch in only.get(s, (arch,))]
 
 
-def compiler() -> str:
-    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+def compiler() -> list[str]:
+    """The C++ compiler's command: $CXX split as a shell would ("ccache g++"), else g++, c++ or clang++."""
+    env = os.environ.get("CXX", "").strip()
+    if env:
+        cmd = shlex.split(env)
+        if not shutil.which(cmd[0]):
+            raise KernelsUnavailable(f"CXX={env}: {cmd[0]} is not a command here")
+        return cmd
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not cxx:
         raise KernelsUnavailable("no C++ compiler found (set CXX, or install g++)")
-    return cxx
+    return [cxx]
 
 
-def _compiler_id(cxx: str) -> str:
+def _compiler_id(cxx: list[str]) -> str:
     try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
+        return subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as err:
-        raise KernelsUnavailable(f"the C++ compiler {cxx} does not run: {err}") from err
+        raise KernelsUnavailable(f"the C++ compiler {' '.join(cxx)} does not run: {err}") from err
 
 
 def ort_include(fetch: bool = True) -> Path:
-    """A folder with ONNX Runtime's C/C++ API headers (see the module's docstring for the order)."""
-    env = os.environ.get("SPECEXPORT_ORT_INCLUDE")
-    candidates = [Path(env)] if env else [Path("/usr/include/onnxruntime"), cache_base() / "kernels" / "ort-1.21.0"]
-    for c in candidates:
-        if all((c / h).is_file() for h in ORT_HEADER_NAMES):
-            return c
-    if env:
-        raise KernelsUnavailable(f"SPECEXPORT_ORT_INCLUDE={env} lacks {', '.join(ORT_HEADER_NAMES)}")
-    if not fetch:
-        raise KernelsUnavailable("ONNX Runtime's C headers are not here and fetching them was not allowed")
-    return _fetch_headers(candidates[-1])
-
-
-def _fetch_headers(dest: Path) -> Path:
-    """Debian's libonnxruntime-dev, its headers unpacked into dest (an ar archive holding data.tar.xz)."""
-    url, digest = ORT_DEB
-    try:
-        with urllib.request.urlopen(url, timeout=20) as r:
-            deb = r.read()
-    except OSError as err:
-        raise KernelsUnavailable(f"ONNX Runtime's C headers: could not fetch {url} ({err}); install Debian's "
-                                 f"libonnxruntime-dev or set SPECEXPORT_ORT_INCLUDE") from err
-    if hashlib.sha256(deb).hexdigest() != digest:
-        raise KernelsUnavailable(f"ONNX Runtime's C headers: {url} does not have the pinned sha256 {digest}")
-    data = _ar_member(deb, "data.tar.xz")
-    tmp = Path(tempfile.mkdtemp(prefix=".ort-", dir=_mkdir(dest.parent)))
-    try:                                 # unpacked beside dest, renamed whole: never a half-filled dest
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
-            for m in tar.getmembers():
-                if m.isfile() and Path(m.name).name in ORT_HEADER_NAMES and "include/onnxruntime/" in m.name:
-                    (tmp / Path(m.name).name).write_bytes(tar.extractfile(m).read())
-        tmp.rename(dest)
-    except (OSError, tarfile.TarError) as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not all((dest / h).is_file() for h in ORT_HEADER_NAMES):     # else another process got there first
-            raise KernelsUnavailable(f"ONNX Runtime's C headers: unpacking {url} failed ({err})") from err
-    return dest
-
-
-def _ar_member(blob: bytes, name: str) -> bytes:
-    """One member of a Unix ar archive (a .deb): 8-byte magic, then 60-byte headers, 2-byte aligned."""
-    if not blob.startswith(b"!<arch>\n"):
-        raise KernelsUnavailable("ONNX Runtime's C headers: the package is not an ar archive")
-    at = 8
-    while at + 60 <= len(blob):
-        head = blob[at:at + 60]
-        member, size = head[:16].decode().strip().rstrip("/"), int(head[48:58].decode().strip())
-        if member == name:
-            return blob[at + 60:at + 60 + size]
-        at += 60 + size + (size & 1)
-    raise KernelsUnavailable(f"ONNX Runtime's C headers: the package has no {name}")
+    """A folder with ONNX Runtime's C/C++ API headers (headers.py says from where)."""
+    return headers.include(fetch, os.environ.get("SPECEXPORT_ORT_INCLUDE"))
 
 
 def _mkdir(p: Path) -> Path:
@@ -150,20 +103,30 @@ def _mkdir(p: Path) -> Path:
     return p
 
 
+def cache_key(cxx: list[str], srcs: list[str], include: Path | None, defines: list[str]) -> str:
+    """Every file here the compiler may read (all sources and headers, not only the listed ones), the ORT
+    headers, the compiler's version and every unit's flags."""
+    h = hashlib.sha256(_compiler_id(cxx).encode() + " ".join(cxx).encode())
+    for f in sorted(p for p in HERE.iterdir() if p.suffix in (".cc", ".h")):
+        h.update(f.name.encode() + f.read_bytes())
+    for s in srcs:
+        h.update(s.encode() + " ".join(flags(s) + defines).encode())
+    h.update(headers.digest(include).encode() if include else b"no ORT")
+    return h.hexdigest()[:16]
+
+
 def build(with_ort: bool = True, *, plant: str | None = None, emulate_vnni: bool = False) -> Path:
     """Compile (once per key) and return the shared library's path. with_ort: the ONNX Runtime ops too
     (needs the headers); without them: the C interface only. plant: a -DSX_PLANT_<name> build with a
     deliberate bug, for the tests that must catch it. emulate_vnni: a test library whose VNNI paths run on
-    any AVX2 CPU, their dot-product instructions computed exactly with AVX2 (sx_avx2.cc's VnniDot)."""
+    any AVX2 CPU, their dot-product instructions computed exactly with AVX2 (sx_vnni.cc's VnniDot). A unit in
+    OPTIONAL that does not compile is left out (left_out() says which and why)."""
     cxx = compiler()
     srcs = sources() + ([ORT_SOURCE] if with_ort else [])
     include = ort_include() if with_ort else None
     defines = ([f"-DSX_PLANT_{plant.upper()}"] if plant else []) + (["-DSX_EMULATE_VNNI"] if emulate_vnni else [])
-    h = hashlib.sha256(_compiler_id(cxx).encode())
-    for s in srcs + list(HEADERS):
-        h.update(s.encode() + (HERE / s).read_bytes() + " ".join(flags(s) + defines).encode())
     name = "libspecexport_cpu.so" if with_ort else "libspecexport_kernels.so"
-    folder = cache_base() / "kernels" / h.hexdigest()[:16]
+    folder = cache_base() / "kernels" / cache_key(cxx, srcs, include, defines)
     lib = folder / name
     if lib.is_file():
         return lib
@@ -173,17 +136,32 @@ def build(with_ort: bool = True, *, plant: str | None = None, emulate_vnni: bool
         if lib.is_file():
             return lib
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            objs = []
+            objs, left = [], {}
             for s in srcs:
                 obj = Path(tmp) / (s + ".o")
-                cmd = [cxx, *flags(s), *defines, "-I", str(HERE), *(["-I", str(include)] if include else []),
+                cmd = [*cxx, *flags(s), *defines, "-I", str(HERE), *(["-I", str(include)] if include else []),
                        "-c", str(HERE / s), "-o", str(obj)]
-                _run(cmd, s)
+                try:
+                    _run(cmd, s)
+                except KernelsUnavailable as err:
+                    if s not in OPTIONAL:
+                        raise
+                    left[s] = {"paths": list(OPTIONAL[s]), "why": str(err).splitlines()[-1][:300]}
+                    continue
                 objs.append(str(obj))
             out = Path(tmp) / name
-            _run([cxx, "-shared", "-o", str(out), *objs], "linking")
+            _run([*cxx, "-shared", "-o", str(out), *objs], "linking")
+            (folder / f"{name}.left-out.json").write_text(json.dumps(left))
             out.rename(lib)                          # atomic: a half-written library is never seen
     return lib
+
+
+def left_out(lib: Path) -> dict:
+    """The optional units a built library lacks: {unit: {"paths": [...], "why": compiler's line}}."""
+    try:
+        return json.loads((lib.parent / f"{lib.name}.left-out.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _run(cmd: list[str], what: str) -> None:
@@ -193,6 +171,30 @@ def _run(cmd: list[str], what: str) -> None:
         raise KernelsUnavailable(f"compiling specexport's CPU kernels failed at {what}:\n{tail}")
 
 
+def expected_paths() -> set[str] | None:
+    """The kernel paths this CPU's flags say it runs (Linux's /proc/cpuinfo), or None where it cannot be read:
+    what the tests hold the library to, so a path refused or left out fails them instead of hiding."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    words = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            words |= set(value.split())
+    out = {"ref"}
+    if {"avx2", "fma", "f16c"} <= words:
+        out.add("avx2")
+        if "avx_vnni" in words:
+            out.add("avxvnni")
+        if {"avx512_vnni", "avx512vl"} <= words:
+            out.add("avx512vnni")
+    if "asimddp" in words and platform.machine() in ("aarch64", "arm64"):
+        out.add("neon")
+    return out
+
+
 @dataclass(frozen=True)
 class Status:
     """Whether the kernels run here: the ONNX Runtime library's path, or why not (once per process)."""
@@ -200,7 +202,9 @@ class Status:
     paths: str = ""                # the kernel paths this CPU runs, e.g. "ref,avx2"
     path: str = ""                 # the one that runs (SPECEXPORT_KERNEL_PATH or the best)
     reason: str = ""
-    refused: str = ""              # paths this CPU has that failed the self-check against the reference
+    refused: str = ""              # paths this CPU has that failed the self-check, each with its first difference
+    selfcheck: str = ""            # what the self-check covered, or that it was off
+    left_out: str = ""             # paths this library lacks because their unit did not compile, and why
 
     @property
     def available(self) -> bool:
@@ -208,28 +212,50 @@ class Status:
 
     def line(self) -> str:
         if self.available:
-            refused = (f"; {self.refused} refused: its bits differed from the reference's in the self-check"
+            refused = (f"; refused: its bits differed from the reference's in the self-check: {self.refused}"
                        if self.refused else "")
-            return f"CPU kernels: specexport's ({self.path} path; this CPU runs {self.paths}{refused})"
+            left = f"; left out: {self.left_out}" if self.left_out else ""
+            off = "; self-check off: SPECEXPORT_KERNEL_SELFCHECK=off" if self.selfcheck.startswith("off") else ""
+            return f"CPU kernels: specexport's ({self.path} path; this CPU runs {self.paths}{refused}{left}{off})"
         return f"CPU kernels: ONNX Runtime's stock MatMulNBits ({self.reason})"
 
 
 @functools.cache
 def status() -> Status:
-    """Build and load the library once per process; never raises (the reason is in the Status)."""
+    """Build and load the library once per process. Never raises: whatever stops it (no compiler, no
+    headers, an unwritable cache, an old ONNX Runtime) becomes the Status's reason and the stock route runs."""
     if os.environ.get("SPECEXPORT_KERNELS", "").lower() in ("off", "0", "no", "stock"):
         return Status(None, reason="SPECEXPORT_KERNELS=off")
     try:
-        lib = build()
-        c = _load(lib)
+        return _status()
     except KernelsUnavailable as err:
         return Status(None, reason=str(err))
+    except Exception as err:      # noqa: BLE001 -- documented never to raise: an OSError of the cache, ...
+        return Status(None, reason=f"{type(err).__name__}: {err}")
+
+
+def _status() -> Status:
+    _check_runtime()
+    lib = build()
+    c = _load(lib)
     path = c.sx_resolve(-1)
     if path < 0:
         return Status(None, reason=f"SPECEXPORT_KERNEL_PATH={os.environ.get('SPECEXPORT_KERNEL_PATH')} "
                                    f"is not a path this CPU runs ({c.sx_paths().decode()})")
     names = {v: k for k, v in PATHS.items()}
-    return Status(lib, c.sx_paths().decode(), names[path], refused=c.sx_refused().decode())
+    left = "; ".join(f"{','.join(v['paths'])} ({unit}: {v['why']})" for unit, v in left_out(lib).items())
+    return Status(lib, c.sx_paths().decode(), names[path], refused=c.sx_refused_why().decode(),
+                  selfcheck=c.sx_selfcheck().decode(), left_out=left)
+
+
+def _check_runtime() -> None:
+    """The installed ONNX Runtime has the C API our ops are built for (else it would register nothing)."""
+    import onnxruntime
+
+    found = tuple(int(x) for x in re.findall(r"\d+", onnxruntime.__version__)[:2])
+    if found < ORT_FLOOR:
+        raise KernelsUnavailable(f"onnxruntime {onnxruntime.__version__} is older than "
+                                 f"{'.'.join(map(str, ORT_FLOOR))}, whose C API the kernels' ops need")
 
 
 def describe(entry: dict) -> str | None:
@@ -273,6 +299,8 @@ def _load(lib: Path):
     P, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     c.sx_paths.restype = ctypes.c_char_p
     c.sx_refused.restype = ctypes.c_char_p
+    c.sx_refused_why.restype = ctypes.c_char_p
+    c.sx_selfcheck.restype = ctypes.c_char_p
     c.sx_resolve.argtypes = [i]
     c.sx_row_bytes.restype = ctypes.c_size_t
     c.sx_row_bytes.argtypes = [i, i64]
@@ -300,6 +328,12 @@ class Kernels:
     def refused(self) -> list[str]:
         """Paths this CPU has whose self-check disagreed with the reference (they do not run)."""
         return [p for p in self.c.sx_refused().decode().split(",") if p]
+
+    def refused_why(self) -> str:
+        return self.c.sx_refused_why().decode()
+
+    def selfcheck(self) -> str:
+        return self.c.sx_selfcheck().decode()
 
     def row_bytes(self, qtype: str, K: int) -> int:
         return int(self.c.sx_row_bytes(TYPES[qtype], K))

@@ -21,6 +21,10 @@ SX_API int sx_version(void);
 SX_API const char* sx_paths(void);
 // Paths this CPU has whose self-check disagreed with the reference ("" when none): they do not run.
 SX_API const char* sx_refused(void);
+// For each refused path, the first case that differed ("avx2: type 12 K=768 M=5: int8 matmul; ...").
+SX_API const char* sx_refused_why(void);
+// What the self-check covered here, or that it was turned off.
+SX_API const char* sx_selfcheck(void);
 // The path SX_AUTO resolves to (or `forced` if runnable; -1 if not).
 SX_API int sx_resolve(int forced);
 // Bytes per row of W for `type` and K; 0 if the type is unknown or K not a multiple of its block.

@@ -304,7 +304,13 @@ struct Attention {
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                               const OrtApiBase* api_base) {
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
-  if (!api) return nullptr;  // a runtime older than our headers: nothing registered, the session says why
+  if (!api) {  // a runtime older than our headers: say so through the first API version, which every runtime has
+    const OrtApi* v1 = api_base->GetApi(1);
+    const std::string why = "specexport's CPU kernels need ONNX Runtime >= 1." + std::to_string(ORT_API_VERSION) +
+                            " (C API " + std::to_string(ORT_API_VERSION) + "); this runtime is " +
+                            api_base->GetVersionString();
+    return v1 ? v1->CreateStatus(ORT_FAIL, why.c_str()) : nullptr;
+  }
   Ort::InitApi(api);
   static Ort::CustomOpDomain domain{"specexport.cpu"};
   static std::unique_ptr<Ort::Custom::OrtLiteCustomOp> matmul{Ort::Custom::CreateLiteCustomOp<GgufMatMul>("GgufMatMul", "CPUExecutionProvider")};

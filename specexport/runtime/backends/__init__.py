@@ -16,6 +16,7 @@ from pathlib import Path
 from specexport.errors import SpecexportError
 from specexport.io_spec import EagleIO, HeadsIO, ModelIO
 from specexport.manifest import check_files
+from specexport.plugins.cpu import DOMAIN
 
 KINDS = ("onnxruntime", "tensorrt")
 HEADS_KINDS = ("onnxruntime",)            # kinds with a Medusa-heads and an EAGLE-head implementation
@@ -138,15 +139,18 @@ def open_medusa(out_dir, manifest: dict, *, kind: str):
     return open_heads(kind, Path(out_dir) / stage["dir"], io=HeadsIO.from_dict(entry["io"]))
 
 
-def open_eagle(out_dir, manifest: dict, *, kind: str, capacity: int, max_tokens: int):
+def open_eagle(out_dir, manifest: dict, *, kind: str, capacity: int, max_tokens: int, target_precision: str):
     """The build's EAGLE head (fp32), on backend `kind`: its cache holds capacity + the build's scratch
     rows (a draft tree's levels), its calls take max_tokens rows or its top-K, whichever is more; an
-    error when the build made none."""
+    error when the build made none. Its attention is ours (batched heads share passes on it) only where the
+    target's `target_precision` graph runs on our kernels: no other build compiles or fetches anything."""
     entry = manifest.get("heads", {}).get("eagle")
     if entry is None:
         raise SpecexportError("method: 'eagle' was not built (no eagle: head in the model.yaml)")
     stage = entry["precisions"]["fp32"]
     check_files(Path(out_dir), stage["files"])
     io = EagleIO.from_dict(entry["io"])
+    target = manifest["models"]["target"]["precisions"].get(target_precision) or {}
+    ours = ((target.get("quantization") or {}).get("kernels") or {}).get("ops") == DOMAIN
     return open_eagle_head(kind, Path(out_dir) / stage["dir"], io=io, capacity=capacity + entry["scratch_rows"],
-                           max_tokens=max(max_tokens, io.top_k))
+                           max_tokens=max(max_tokens, io.top_k), our_attention=ours)

@@ -91,7 +91,7 @@ def check_call(head, T: int, features, own) -> None:
 
 class OrtEagleHead(Backend):
     def __init__(self, model_dir, *, io: EagleIO, capacity: int, max_tokens: int, threads: int | None = 1,
-                 spin: bool = False, optimization: str = "all", session=None, **_):
+                 spin: bool = False, optimization: str = "all", session=None, our_attention: bool = False, **_):
         from specexport._optional import require
         from specexport.plugins.cpu.graph import with_our_attention
         from specexport.runtime.backends.ort import _binding_calls, open_session
@@ -100,7 +100,8 @@ class OrtEagleHead(Backend):
         ort = require("onnxruntime")
         self.session = session or open_session(Path(model_dir) / "model.onnx", threads=threads, spin=spin,
                                                optimization=optimization,
-                                               model=with_our_attention(Path(model_dir) / "model.onnx", io.head_dim))
+                                               model=with_our_attention(Path(model_dir) / "model.onnx", io.head_dim)
+                                               if our_attention else None)
         self.io, self.top_k, self.hidden_size = io, io.top_k, io.hidden_size
         self.binding = self.session.io_binding()
         self._bind_in, self._bind_out, self._run = _binding_calls(ort, self.session, self.binding)
