@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 VERSION = "0.3.36"           # llama-cpp-python; its vendor/llama.cpp is the llama.cpp that runs
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"   # its sdist, pinned
 TARGETS = ("llama-server", "llama-completion", "llama-speculative-simple", "llama-bench")
 BY = "benchmarks/build_llama_cpp.py"
 # -march=native turns on ggml's AMX kernels where the CPU has AMX; on these machines (Xeon with AMX, under
@@ -50,9 +51,10 @@ def build(jobs: int) -> Path:
     src = folder / "src"                     # kept, with the build tree: adding a target later is incremental
     if not (src / "CMakeLists.txt").is_file():
         with tempfile.TemporaryDirectory() as tmp:
-            run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", tmp,
-                 f"llama-cpp-python=={VERSION}"])
-            sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+            from specexport.pinned import pip_download
+
+            # the sdist's hash is checked before pip runs any of its code (its metadata step)
+            sdist = pip_download(f"llama-cpp-python=={VERSION}", SDIST_SHA256, Path(tmp), sdist=True)
             with tarfile.open(sdist) as tar:
                 tar.extractall(tmp, filter="data")
             (next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp").rename(src)

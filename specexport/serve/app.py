@@ -16,20 +16,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import time
 import uuid
 
 from specexport._optional import require
-from specexport.errors import SpecexportError
 from specexport.chat import load_chat_template
-from specexport.serve.guard import Guard, Limits
+from specexport.serve.guard import Guard, Limits, is_loopback
 from specexport.serve.metrics import CONTENT_TYPE, Metrics
 from specexport.serve.protocol import ChatRequest, CompletionRequest, ErrorResponse, RequestError, error_body
 from specexport.serve.worker import Event, ModelWorker
 
 fastapi = require("fastapi")          # the [serve] extra; a missing one names it
 Request = fastapi.Request               # module level: FastAPI resolves the handlers' annotations here
+run_in_threadpool = require("starlette.concurrency").run_in_threadpool
+log = logging.getLogger("specexport.serve")
 
 POLL_S = 0.25          # how often a waiting non-streamed request checks that its client is still there
 
@@ -48,7 +50,8 @@ COMPLETION_RESPONSES = {200: {"description": "The completion (JSON), or with `st
 
 
 def create_app(pipe, *, method: str = "auto", name: str | None = None, api_key: str | None = None,
-               limits: Limits | None = None):
+               limits: Limits | None = None, host: str = "127.0.0.1"):
+    """host: where the server listens (a keyless one on loopback answers loopback Host names only: guard.py)."""
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
@@ -70,7 +73,8 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None, api_key: 
 
     app = fastapi.FastAPI(title="specexport", lifespan=lifespan)
     app.state.worker, app.state.model_name, app.state.metrics, app.state.limits = worker, name, metrics, limits
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, metrics=metrics)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, metrics=metrics,
+                       loopback=is_loopback(host))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, err):
@@ -102,9 +106,10 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None, api_key: 
                             status_code=err.status_code, headers=getattr(err, "headers", None))
 
     @app.exception_handler(Exception)
-    async def _bug(request, err):
-        return JSONResponse(error_body(f"internal error: {type(err).__name__}: {err}", kind="server_error"),
-                            status_code=500)
+    async def _bug(request, err):           # the details go to the log, never to the client
+        ref = uuid.uuid4().hex[:12]
+        log.error("internal error %s on %s %s", ref, request.method, request.url.path, exc_info=err)
+        return JSONResponse(error_body(f"internal error (logged as {ref})", kind="server_error"), status_code=500)
 
     @app.get("/health", responses={503: {"description": "Shutting down"}})
     async def health():
@@ -126,7 +131,8 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None, api_key: 
     async def completions(body: CompletionRequest, request: Request):
         arrived = time.monotonic()
         _check_model(body.model, name)
-        ids = _prompt_ids(pipe, body.prompt, param="prompt")
+        # tokenizing a body of up to --max-body-bytes is CPU work: off the event loop, which serves everyone
+        ids = await run_in_threadpool(_prompt_ids, pipe, body.prompt, param="prompt")
         return await _respond(body, request, ids, max_new=body.max_tokens, chat=False, arrived=arrived)
 
     @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
@@ -136,8 +142,12 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None, api_key: 
         if chat_template is None:
             raise RequestError(f"messages: the model {name!r} has no chat template (its tokenizer defines none); "
                                f"use /v1/completions", param="messages")
-        text = chat_template.render(body.rendered_messages())
-        ids = pipe.tokenizer.encode(text, add_special_tokens=False).ids
+
+        def chat_ids() -> list[int]:
+            text = chat_template.render(body.rendered_messages())
+            return pipe.tokenizer.encode(text, add_special_tokens=False).ids
+
+        ids = await run_in_threadpool(chat_ids)
         _check_length(pipe, ids, param="messages")
         max_new = body.max_completion_tokens or body.max_tokens or pipe.capacity - len(ids)
         return await _respond(body, request, ids, max_new=max_new, chat=True, arrived=arrived)
@@ -295,12 +305,9 @@ def _prompt_ids(pipe, prompt, *, param: str) -> list[int]:
             raise RequestError(f"{param}: token ids must be in 0..{vocab - 1}", param=param)
     else:
         text = prompt[0] if isinstance(prompt, list) else prompt
-        try:
-            ids = pipe.encode(text)
-        except SpecexportError as err:
-            if isinstance(text, str):           # too long: refused as such (code context_length_exceeded)
-                _check_length(pipe, pipe.tokenizer.encode(text).ids, param=param)
-            raise RequestError(str(err), param=param) from None
+        if not isinstance(text, str):
+            raise RequestError(f"{param}: expected a string, a list of strings or a list of token ids", param=param)
+        ids = pipe.tokenizer.encode(text).ids     # once, as generate() feeds it; too long: said below
     _check_length(pipe, ids, param=param)
     return ids
 

@@ -7,6 +7,12 @@ metrics by route and status.
 The key: `Authorization: Bearer KEY`, compared in constant time (hmac.compare_digest of SHA-256
 digests, so neither the content nor the length leaks through timing). /health stays open (load
 balancers and orchestrators probe it without credentials).
+
+Without a key, a web page the user visits could reach a loopback server: by DNS rebinding (a name of the
+page's that now points at 127.0.0.1: its Host header is that name) or by a cross-site POST (a "simple"
+text/plain request a browser sends without asking; it carries an Origin header). So a keyless server on
+loopback answers only Host headers that are loopback names, and any keyless server refuses a request whose
+Origin is another site's (403). Clients that are not browsers (curl, the openai client) send no Origin.
 """
 from __future__ import annotations
 
@@ -14,7 +20,9 @@ import hashlib
 import hmac
 import json
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
+from specexport.serve import is_loopback
 from specexport.serve.protocol import error_body
 
 OPEN_PATHS = frozenset({"/health"})
@@ -48,10 +56,20 @@ def key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8")).digest()
 
 
+def _host_of(value: str) -> str:
+    """A Host header's or an Origin's host, without port or scheme."""
+    try:
+        return urlsplit(value if "//" in value else f"//{value}").hostname or ""
+    except ValueError:
+        return ""
+
+
 class Guard:
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, metrics=None):
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, metrics=None, loopback: bool = False):
+        """loopback: the server listens on loopback only (then, keyless, it answers loopback Host names only)."""
         self.app, self.max_body_bytes, self.metrics = app, max_body_bytes, metrics
         self._digest = key_digest(api_key) if api_key else None
+        self.loopback = loopback
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -71,6 +89,10 @@ class Guard:
             if problem:
                 return await _reply(counted, 401, error_body(problem, code="invalid_api_key"),
                                     [(b"www-authenticate", b'Bearer realm="specexport"')])
+        if self._digest is None:
+            problem = self._site_problem(headers)
+            if problem:
+                return await _reply(counted, 403, error_body(problem, code="forbidden"))
         if scope.get("method") in ("GET", "HEAD", "OPTIONS", "DELETE") and b"content-length" not in headers \
                 and b"transfer-encoding" not in headers:
             return await self.app(scope, receive, counted)
@@ -130,6 +152,22 @@ class Guard:
             return "incorrect API key provided"
         return None
 
+    def _site_problem(self, headers: dict) -> str | None:
+        """Why a keyless server refuses this request's Host or Origin (the module's docstring), or None."""
+        host = _host_of(headers.get(b"host", b"").decode("latin-1"))
+        if self.loopback and not is_loopback(host):
+            return (f"Host {host or '(none)'!r}: this server listens on loopback without an API key and answers "
+                    "loopback names only (localhost, 127.0.0.1, [::1]); start it with --api-key to serve others")
+        origin = headers.get(b"origin")
+        if origin is not None and origin.decode("latin-1") != "null":
+            site = _host_of(origin.decode("latin-1"))
+            if not (is_loopback(site) or site == host):
+                return (f"Origin {origin.decode('latin-1')!r}: a page of another site may not use this server "
+                        "without an API key (start it with --api-key)")
+        elif origin is not None:
+            return "Origin 'null': a sandboxed page may not use this server without an API key"
+        return None
+
     def _too_large(self, size: str) -> dict:
         return error_body(f"the request body is {size}; this server accepts at most {self.max_body_bytes} bytes "
                           f"(--max-body-bytes)", code="request_too_large")
@@ -144,13 +182,40 @@ def _json_problem(body: bytes) -> str | None:
     except UnicodeDecodeError as err:
         return f"the request body is not valid UTF-8 (byte {err.start}: {err.reason})"
     try:
-        value = json.loads(text)
+        value = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as err:
         return f"the request body is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
     except (ValueError, RecursionError) as err:
         return f"the request body is not valid JSON: {str(err) or type(err).__name__}"
     if not isinstance(value, dict):
         return f"the request body must be a JSON object, got {_json_kind(value)}"
+    where = _surrogate_at(value)
+    if where is not None:
+        return (f"{where or 'a key'}: a lone surrogate (an unpaired \\ud800-\\udfff escape) is not a character; "
+                "the text must be valid Unicode")
+    return None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON (numbers must be finite)")
+
+
+def _surrogate_at(value, path: str = ""):
+    """The dotted path of the first string (or key) holding a lone surrogate, or None. Iterative: the body's
+    depth is bounded by the parser, not by this walk."""
+    stack = [(value, path)]
+    while stack:
+        v, at = stack.pop()
+        if isinstance(v, str):
+            if any("\ud800" <= c <= "\udfff" for c in v):
+                return at
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if any("\ud800" <= c <= "\udfff" for c in k):
+                    return f"{at}.{k.encode('utf-8', 'backslashreplace').decode()}".lstrip(".")
+                stack.append((x, f"{at}.{k}".lstrip(".")))
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}.{i}".lstrip(".")) for i, x in enumerate(v))
     return None
 
 

@@ -22,6 +22,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -193,9 +194,10 @@ class ModelWorker:
         except SpecexportError as err:               # bad parameters for this build: the client's error
             outcome = "invalid"
             event = Event("error", text=str(err), status=400)
-        except Exception as err:                     # a bug: logged, answered as 500, the server stays up
-            log.exception("decode failed")
-            event = Event("error", text=f"internal error: {type(err).__name__}: {err}", status=500)
+        except Exception:                            # a bug: logged, answered as 500, the server stays up
+            ref = uuid.uuid4().hex[:12]
+            log.exception("decode failed (internal error %s)", ref)
+            event = Event("error", text=f"internal error (logged as {ref})", status=500)
         finally:
             ended = time.monotonic()
             with self._lock:

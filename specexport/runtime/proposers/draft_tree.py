@@ -29,6 +29,9 @@ class DraftTree(Proposer):
         self.draft, self.sampled = draft, sampled
         self.round_keyed = sampled          # sampled children come from the rng
         self.tree, self.ranks = from_rank_paths(paths)          # [T], ranks[0] = -1 (root)
+        if int(self.ranks.max()) >= draft.vocab_size:
+            raise ValueError(f"tree: rank {int(self.ranks.max())} is beyond the draft's vocabulary of "
+                             f"{draft.vocab_size} tokens")
         self.max_depth = int(self.tree.depths.max())
         self.max_nodes = self.tree.size - 1
         self.capacity = draft.capacity
