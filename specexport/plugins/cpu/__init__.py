@@ -43,10 +43,12 @@ __all__ = ["KernelsUnavailable", "Kernels", "Status", "status", "build", "regist
 
 DOMAIN = "specexport.cpu"
 HERE = Path(__file__).parent
-KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_selfcheck.cc", "sx_avx2.cc", "sx_vnni.cc", "sx_neon.cc")
-OPTIONAL = {"sx_vnni.cc": ("avxvnni", "avx512vnni")}    # unit -> the paths it holds (left out if it won't compile)
+KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_selfcheck.cc", "sx_avx2.cc", "sx_vnni.cc", "sx_amx.cc",
+                  "sx_neon.cc")
+# unit -> the paths it holds: left out (and said) where the toolchain cannot compile it
+OPTIONAL = {"sx_vnni.cc": ("avxvnni", "avx512vnni"), "sx_amx.cc": ("amx",)}
 ORT_SOURCE = "sx_ort.cc"
-PATHS = {"ref": 0, "avx2": 1, "neon": 3, "avxvnni": 4, "avx512vnni": 5}
+PATHS = {"ref": 0, "avx2": 1, "neon": 3, "avxvnni": 4, "avx512vnni": 5, "amx": 6}
 # GGUF type name -> ggml's id (the ops' `type` attribute)
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 BLOCK = {t: 256 if t.endswith("_K") else 32 for t in TYPES}   # weights per (super-)block along K
@@ -57,8 +59,11 @@ def flags(source: str) -> list[str]:
     """The compiler flags of one source file. -ffp-contract=off: the float steps are the reference's,
     never fused differently by one translation unit (bit-identical paths)."""
     out = ["-O2", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden"]
-    if source in ("sx_avx2.cc", "sx_vnni.cc"):
+    if source in ("sx_avx2.cc", "sx_vnni.cc", "sx_amx.cc"):
         out += ["-mavx2", "-mfma", "-mf16c"]
+    if source == "sx_amx.cc":      # runs only where the CPU has them (sx_dispatch.cc's cpu_has)
+        out += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512vbmi", "-mamx-tile",
+                "-mamx-int8"]
     if source == "sx_neon.cc":
         out += ["-march=armv8.2-a+dotprod"]
     return out
@@ -68,7 +73,7 @@ def sources(arch: str | None = None) -> list[str]:
     """The kernel sources this architecture compiles (the x86 files on x86-64, the NEON one on AArch64)."""
     arch = arch or platform.machine()
     x86, arm = ("x86_64", "AMD64"), ("aarch64", "arm64")
-    only = {"sx_avx2.cc": x86, "sx_vnni.cc": x86, "sx_neon.cc": arm}
+    only = {"sx_avx2.cc": x86, "sx_vnni.cc": x86, "sx_amx.cc": x86, "sx_neon.cc": arm}
     return [s for s in KERNEL_SOURCES if arch in only.get(s, (arch,))]
 
 
@@ -146,7 +151,9 @@ def build(with_ort: bool = True, *, plant: str | None = None, emulate_vnni: bool
                 except KernelsUnavailable as err:
                     if s not in OPTIONAL:
                         raise
-                    left[s] = {"paths": list(OPTIONAL[s]), "why": str(err).splitlines()[-1][:300]}
+                    lines = str(err).splitlines()[1:] or [str(err)]
+                    first = next((x for x in lines if "error" in x.lower()), lines[-1])
+                    left[s] = {"paths": list(OPTIONAL[s]), "why": first.strip()[:300]}
                     continue
                 objs.append(str(obj))
             out = Path(tmp) / name
@@ -178,11 +185,9 @@ def expected_paths() -> set[str] | None:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    words = set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            words |= set(value.split())
+    words = set()                      # x86's "flags" lines, AArch64's "Features" lines
+    for line in re.findall(r"^(?:flags|Features)\s*:(.*)$", text, re.M):
+        words |= set(line.split())
     out = {"ref"}
     if {"avx2", "fma", "f16c"} <= words:
         out.add("avx2")
@@ -190,6 +195,8 @@ def expected_paths() -> set[str] | None:
             out.add("avxvnni")
         if {"avx512_vnni", "avx512vl"} <= words:
             out.add("avx512vnni")
+            if {"amx_int8", "amx_tile", "avx512bw", "avx512vbmi"} <= words:   # listed only where the OS saves tiles
+                out.add("amx")
     if "asimddp" in words and platform.machine() in ("aarch64", "arm64"):
         out.add("neon")
     return out

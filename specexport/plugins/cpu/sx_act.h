@@ -1,6 +1,5 @@
 // Activations quantized once per row per op (int8 mode): per block of the weight type (32 or 256),
-// one float scale, int8 values, the sum of each 16 values (the K types' min and zero-point terms) and, for
-// the 32-weight types, the sum of each 4 values as a float (an affine block's min term, lane by lane).
+// one float scale, int8 values and the sum of each 16 values (the affine types' min terms).
 #pragma once
 #include <cmath>
 #include <cstddef>
@@ -12,35 +11,27 @@ namespace sx {
 struct ActRow {
   int8_t* q;     // [K]
   float* d;      // [K / qk]
-  float* s4;     // [K / 4], qk == 32 only (exact: |sum| <= 508)
-  int16_t* s16;  // [K / 16]
+  int16_t* s16;  // [K / 16] (exact: |sum| <= 2032)
 };
 
-static inline size_t s4_floats(int64_t K, int qk) { return qk == 32 ? (size_t)(K / 4) : 0; }
-
-static inline size_t act_row_bytes(int64_t K, int qk) {
-  return (size_t)K + 4 * (size_t)(K / qk) + 4 * s4_floats(K, qk) + 2 * (size_t)(K / 16);
-}
+static inline size_t act_row_bytes(int64_t K, int qk) { return (size_t)K + 4 * (size_t)(K / qk) + 2 * (size_t)(K / 16); }
 
 static inline ActRow act_row(const void* base, int64_t m, int64_t K, int qk) {
   uint8_t* p = (uint8_t*)base + (size_t)m * act_row_bytes(K, qk);
   ActRow r;  // scales first: aligned for any K
   r.d = (float*)p;
-  r.s4 = (float*)(p + 4 * (K / qk));
-  r.s16 = (int16_t*)(p + 4 * (K / qk) + 4 * s4_floats(K, qk));
-  r.q = (int8_t*)(p + 4 * (K / qk) + 4 * s4_floats(K, qk) + 2 * (K / 16));
+  r.s16 = (int16_t*)(p + 4 * (K / qk));
+  r.q = (int8_t*)(p + 4 * (K / qk) + 2 * (K / 16));
   return r;
 }
 
-// The sums of each 16 values (and of each 4, for the 32-weight types), from a row's int8 values.
-static inline void row_sums(int64_t K, int qk, ActRow r) {
+// The sums of each 16 values, from a row's int8 values.
+static inline void row_sums(int64_t K, int, ActRow r) {
   for (int64_t g = 0; g < K / 16; ++g) {
     int s = 0;
     for (int i = 0; i < 16; ++i) s += r.q[16 * g + i];
     r.s16[g] = (int16_t)s;
   }
-  for (size_t g = 0; g < s4_floats(K, qk); ++g)
-    r.s4[g] = (float)(r.q[4 * g] + r.q[4 * g + 1] + r.q[4 * g + 2] + r.q[4 * g + 3]);
 }
 
 // d = max|x| / 127, q = round-half-even(x / d) (in the current rounding mode, as nearbyint): the reference

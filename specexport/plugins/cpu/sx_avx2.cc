@@ -47,7 +47,6 @@ void sx_avx2_quantize_row(const float* x, int64_t K, int qk, ActRow r) {
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
   for (int64_t i = 0; i < K; i += 32) {
     const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, _mm256_loadu_si256((const __m256i*)(r.q + i))), ones16);
-    if (qk == 32) _mm256_storeu_ps(r.s4 + i / 4, _mm256_cvtepi32_ps(s4));
     const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(s4, s4), s4);  // element 0: lanes 0..3, element 4: 4..7
     r.s16[i / 16] = (int16_t)_mm256_extract_epi32(s, 0);
     r.s16[i / 16 + 1] = (int16_t)_mm256_extract_epi32(s, 4);

@@ -179,32 +179,20 @@ static inline void unpack(int t, const uint8_t* b, Unpacked& u) {
 // The K types' zero point in the stored codes (code = v + Z): Q6_K's 6-bit codes are v + 32.
 static inline int k_zero(int t) { return t == Q6_K ? 32 : 0; }
 
-// The K types in int8 mode: eight integer lanes per block, as one 256-bit multiply-add register holds them
-// on x86 and two sdot registers on Arm. Lane l: bytes 4l..4l+3 of each 32-weight chunk, s * code * q summed
-// over the chunks, less the zero point's share Z * (s * a16) of 16-weight groups 2l and 2l+1; Mn[l] the
-// mins' share of the same groups. Exact integers: the order inside a lane does not matter.
-// Per lane l: the zero point's share zc[l] = Z * (s * a16 over groups 2l, 2l+1) and the mins' mn[l].
-static inline void k_lane_terms(int t, const Unpacked& u, const int16_t* a16, int32_t* zc, int32_t* mn) {
-  const int z = k_zero(t);
-  for (int l = 0; l < 8; ++l) {
-    zc[l] = z * ((int32_t)u.s[2 * l] * a16[2 * l] + (int32_t)u.s[2 * l + 1] * a16[2 * l + 1]);
-    mn[l] = (int32_t)u.mn[2 * l] * a16[2 * l] + (int32_t)u.mn[2 * l + 1] * a16[2 * l + 1];
-  }
-}
-
-static inline void k_lanes(int t, const Unpacked& u, const int8_t* q, const int16_t* a16, int32_t* I, int32_t* Mn) {
-  const int z = k_zero(t);
-  int32_t zc[8];
-  k_lane_terms(t, u, a16, zc, Mn);
-  for (int l = 0; l < 8; ++l) {
-    int32_t acc = 0;
-    for (int j = 0; j < 8; ++j)
-      for (int i = 4 * l; i < 4 * l + 4; ++i) {
-        const int k = 32 * j + i;
-        acc += (int32_t)u.s[k / 16] * ((int32_t)u.v[k] + z) * q[k];
-      }
-    I[l] = acc - zc[l];
-  }
+// int8 mode: a block's two exact integers against one row of quantized activations q (its block) with
+// a16 the row's sums of each 16 q (sx_act.h):
+//   I  = sum_k s[k/16] * v[k] * q[k]            (every type: s = 1 for the 32-weight types)
+//   Mn = sum_g mn[g] * a16[g]                    (the affine types' min term: Q4_K/Q5_K's mins, Q4_1/Q5_1's 1s)
+// |I| < 2^28 and |Mn| < 2^22: exact in int32 whatever the order of the additions, so every kernel may sum them
+// in any order (lanes, tiles, matrix units) and still give these integers.
+static inline void block_ints(const TypeInfo& ti, const Unpacked& u, const int8_t* q, const int16_t* a16, int32_t* I,
+                              int32_t* Mn) {
+  int32_t acc = 0, mins = 0;
+  for (int k = 0; k < ti.qk; ++k) acc += (int32_t)u.s[k / 16] * u.v[k] * q[k];
+  if (ti.kind != SYM)
+    for (int g = 0; g < ti.qk / 16; ++g) mins += (int32_t)u.mn[g] * a16[g];
+  *I = acc;
+  *Mn = mins;
 }
 
 // The block's float weights, computed as the gguf package's dequantization computes them (float32).

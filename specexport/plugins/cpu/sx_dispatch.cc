@@ -4,6 +4,11 @@
 #if defined(__aarch64__) && defined(__APPLE__)
 #include <sys/sysctl.h>
 #endif
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__aarch64__) && defined(__linux__)
 #include <sys/auxv.h>
 #ifndef HWCAP_ASIMDDP
@@ -33,6 +38,8 @@ __attribute__((weak)) void sx_avxvnni_gemm(int, const void*, int64_t, int64_t, c
                                            int64_t);
 __attribute__((weak)) void sx_avx512vnni_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
                                               float*, int64_t);
+__attribute__((weak)) void sx_amx_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                                       int64_t);
 #endif
 void sx_ref_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 #if defined(__aarch64__)
@@ -46,8 +53,30 @@ void sx_ref_attend(const sx::AttnRow&);
 
 namespace {
 
-constexpr int ALL[] = {SX_REF, SX_AVX2, SX_AVXVNNI, SX_AVX512VNNI, SX_NEON};
-constexpr int BEST_FIRST[] = {SX_NEON, SX_AVX512VNNI, SX_AVXVNNI, SX_AVX2};
+constexpr int ALL[] = {SX_REF, SX_AVX2, SX_AVXVNNI, SX_AVX512VNNI, SX_AMX, SX_NEON};
+constexpr int BEST_FIRST[] = {SX_NEON, SX_AMX, SX_AVX512VNNI, SX_AVXVNNI, SX_AVX2};
+
+#if defined(__x86_64__) && defined(__linux__)
+// AMX as the OS and hypervisor grant it (MATRIX-ENGINES.md 6.4): the CPU's AMX-TILE and AMX-INT8 bits, the
+// OS's XCR0 tile state, the kernel's support and this process's permission (asked once), a palette.
+bool amx_usable() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+    unsigned lo, hi;
+    asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3) != 3) return false;
+    unsigned long supported = 0;
+    if (syscall(SYS_arch_prctl, 0x1021 /* ARCH_GET_XCOMP_SUPP */, &supported) || ((supported >> 17) & 3) != 3)
+      return false;
+    if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */)) return false;
+    return __get_cpuid_count(0x1d, 0, &a, &b, &c, &d) && a >= 1;
+  }();
+  return ok;
+}
+#else
+bool amx_usable() { return false; }
+#endif
 
 void ref_attend_group(const sx::AttnRow* rows, int64_t n) {
   for (int64_t i = 0; i < n; ++i) sx_ref_attend(rows[i]);
@@ -74,6 +103,9 @@ bool cpu_has(int path) {
       return cpu_has(SX_AVX2) && sx_avx512vnni_gemm && __builtin_cpu_supports("avx512vnni") &&
              __builtin_cpu_supports("avx512vl");
 #endif
+    case SX_AMX:  // its steps around the tiles use AVX-512 (BW, VL, VNNI, VBMI)
+      return sx_amx_gemm && cpu_has(SX_AVX512VNNI) && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vbmi") && amx_usable();
 #endif
 #if defined(__aarch64__) && defined(__linux__)
     case SX_NEON: return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
@@ -95,6 +127,7 @@ const char* name(int path) {
     case SX_NEON: return "neon";
     case SX_AVXVNNI: return "avxvnni";
     case SX_AVX512VNNI: return "avx512vnni";
+    case SX_AMX: return "amx";
     default: return "?";
   }
 }
@@ -109,6 +142,7 @@ SxKernels kernels(int path) {
       return {sx_avx2_quantize_row, sx_avxvnni_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
     case SX_AVX512VNNI:
       return {sx_avx2_quantize_row, sx_avx512vnni_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
+    case SX_AMX: return {sx_avx2_quantize_row, sx_amx_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
 #endif
 #if defined(__aarch64__)
     case SX_NEON: return {sx_ref_quantize_row, sx_neon_gemm, sx_neon_gemm_exact, sx_neon_attend, neon_attend_group};
@@ -126,7 +160,7 @@ bool checking() {
 // reference; and, for a refused path, the first case that differed.
 struct States {
   int state[8] = {0};
-  std::string why[8];
+  std::string why[8];  // indexed by path id (< 8)
 };
 
 const States& states() {
@@ -158,7 +192,7 @@ std::string names_where(int want) {
 
 }  // namespace
 
-extern "C" int sx_version(void) { return 4; }  // 4: the self-check covers every op, tile and row count
+extern "C" int sx_version(void) { return 5; }  // 5: one integer and one float step per block (sx_ref.cc)
 
 extern "C" const char* sx_paths(void) {
   static const std::string out = names_where(1);

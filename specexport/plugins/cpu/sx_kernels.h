@@ -12,7 +12,7 @@ extern "C" {
 
 // Kernel paths. SX_AUTO picks the best the CPU has; every path equals SX_REF bit for bit. The VNNI paths are
 // the AVX2 path with VNNI's integer dot products (AVX-VNNI's VEX encoding, or AVX512-VNNI's EVEX on ymm).
-enum { SX_AUTO = -1, SX_REF = 0, SX_AVX2 = 1, SX_NEON = 3, SX_AVXVNNI = 4, SX_AVX512VNNI = 5 };
+enum { SX_AUTO = -1, SX_REF = 0, SX_AVX2 = 1, SX_NEON = 3, SX_AVXVNNI = 4, SX_AVX512VNNI = 5, SX_AMX = 6 };
 
 SX_API int sx_version(void);
 // Path names, "ref,avx2": those this CPU and this build can run. A SIMD path runs only after it computed the

@@ -1,7 +1,8 @@
 // The NEON path (AArch64 with the dot-product extension, e.g. Jetson Orin's Cortex-A78AE; compiled with
 // -march=armv8.2-a+dotprod). Equal to sx_ref.cc bit for bit: the integer dot products are exact (sdot on
 // the codes and the int8 activations), the float steps the reference's, in its order.
-// Not tuned yet: one column at a time, blocks unpacked by the shared scalar code.
+// Not tuned yet: one column at a time, blocks unpacked by the shared scalar code. The block's integers in int32
+// lanes (exact), then the reference's float steps.
 #include <arm_neon.h>
 
 #include <vector>
@@ -18,64 +19,35 @@ void sx_neon_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t
   const TypeInfo ti = type_info(type);
   const int64_t nb = K / ti.qk;
   const size_t rb = (size_t)nb * ti.bytes;
-  std::vector<float> acc(8 * M);
+  std::vector<float> acc(M);
   std::vector<ActRow> rows(M);
   for (int64_t m = 0; m < M; ++m) rows[m] = act_row(act, m, K, ti.qk);
   Unpacked u;
+  int8_t code[256];
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t i = 0; i < 8 * M; ++i) acc[i] = 0.f;
+    for (int64_t m = 0; m < M; ++m) acc[m] = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
       unpack(type, W + n * rb + b * ti.bytes, u);
       const float mf = ti.kind == KMIN ? -u.m : u.m;
-      if (ti.qk == 256) {  // the K types: the reference's eight integer lanes (k_lanes) as two sdot registers
-        const int z = k_zero(type);
-        int8_t code[256];
-        for (int i = 0; i < 256; ++i) code[i] = (int8_t)(u.v[i] + z);  // <= 63: an int8 still
-        for (int64_t m = 0; m < M; ++m) {
-          const int8_t* q = rows[m].q + b * 256;
-          const int16_t* s16 = rows[m].s16 + b * 16;
-          int32x4_t lo = vdupq_n_s32(0), hi = vdupq_n_s32(0);  // lanes 0..3: bytes 0..15 of each chunk; 4..7: 16..31
-          for (int j = 0; j < 8; ++j) {
-            lo = vmlaq_n_s32(lo, vdotq_s32(vdupq_n_s32(0), vld1q_s8(code + 32 * j), vld1q_s8(q + 32 * j)), u.s[2 * j]);
-            hi = vmlaq_n_s32(hi, vdotq_s32(vdupq_n_s32(0), vld1q_s8(code + 32 * j + 16), vld1q_s8(q + 32 * j + 16)),
-                             u.s[2 * j + 1]);
-          }
-          int32_t zc[8], mn[8];
-          k_lane_terms(type, u, s16, zc, mn);
-          lo = vsubq_s32(lo, vld1q_s32(zc));
-          hi = vsubq_s32(hi, vld1q_s32(zc + 4));
-          const float da = rows[m].d[b];
-          const float32x4_t dd = vdupq_n_f32(u.d * da), mm = vdupq_n_f32(mf * da);
-          float32x4_t a0 = vld1q_f32(&acc[8 * m]), a1 = vld1q_f32(&acc[8 * m + 4]);
-          a0 = vfmaq_f32(a0, vcvtq_f32_s32(lo), dd);
-          a1 = vfmaq_f32(a1, vcvtq_f32_s32(hi), dd);
-          if (ti.kind != SYM) {
-            a0 = vfmaq_f32(a0, vcvtq_f32_s32(vld1q_s32(mn)), mm);
-            a1 = vfmaq_f32(a1, vcvtq_f32_s32(vld1q_s32(mn + 4)), mm);
-          }
-          vst1q_f32(&acc[8 * m], a0);
-          vst1q_f32(&acc[8 * m + 4], a1);
+      const int z = k_zero(type);  // Q6_K's codes are v + 32 (<= 63: an int8 still); sdot on the codes
+      for (int i = 0; i < ti.qk; ++i) code[i] = (int8_t)(u.v[i] + z);
+      for (int64_t m = 0; m < M; ++m) {  // the block's integers (sx_blocks.h's block_ints) by sdot, 16 at a time
+        const int8_t* q = rows[m].q + b * ti.qk;
+        const int16_t* a16 = rows[m].s16 + b * (ti.qk / 16);
+        int32x4_t I = vdupq_n_s32(0);
+        int32_t Mn = 0, zero = 0;
+        for (int g = 0; g < ti.qk / 16; ++g) {
+          I = vmlaq_n_s32(I, vdotq_s32(vdupq_n_s32(0), vld1q_s8(code + 16 * g), vld1q_s8(q + 16 * g)), u.s[g]);
+          Mn += (int32_t)u.mn[g] * a16[g];
+          zero += (int32_t)u.s[g] * a16[g];
         }
-        continue;
-      }
-      for (int64_t m = 0; m < M; ++m) {  // the 32-weight types: lanes 0..3 bytes 0..15, lanes 4..7 bytes 16..31
-        const int8_t* q = rows[m].q + b * 32;
-        const int32x4_t lo = vdotq_s32(vdupq_n_s32(0), vld1q_s8(u.v), vld1q_s8(q));
-        const int32x4_t hi = vdotq_s32(vdupq_n_s32(0), vld1q_s8(u.v + 16), vld1q_s8(q + 16));
+        const int32_t isum = vaddvq_s32(I) - z * zero;  // the codes' zero point taken out
         const float da = rows[m].d[b];
-        const float32x4_t dd = vdupq_n_f32(u.d * da), mm = vdupq_n_f32(mf * da);
-        float32x4_t a0 = vld1q_f32(&acc[8 * m]), a1 = vld1q_f32(&acc[8 * m + 4]);
-        a0 = vfmaq_f32(a0, vcvtq_f32_s32(lo), dd);
-        a1 = vfmaq_f32(a1, vcvtq_f32_s32(hi), dd);
-        if (ti.kind != SYM) {
-          a0 = vfmaq_f32(a0, vld1q_f32(rows[m].s4 + 8 * b), mm);
-          a1 = vfmaq_f32(a1, vld1q_f32(rows[m].s4 + 8 * b + 4), mm);
-        }
-        vst1q_f32(&acc[8 * m], a0);
-        vst1q_f32(&acc[8 * m + 4], a1);
+        acc[m] = std::fmaf((float)isum, u.d * da, acc[m]);
+        if (ti.kind != SYM) acc[m] = std::fmaf((float)Mn, mf * da, acc[m]);
       }
     }
-    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = tree8(&acc[8 * m]);
+    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = acc[m];
   }
 }
 

@@ -24,48 +24,32 @@ extern "C" size_t sx_act_bytes(int type, int64_t M, int64_t K) {
 
 void sx_ref_quantize_row(const float* x, int64_t K, int qk, ActRow r) { quantize_row(x, K, qk, r); }
 
-// Column n, every row, block by block: eight integer lanes per block, each into its own float lane
-// (acc += I * (d * da); acc += Mn * (m * da)), then the lanes reduced ((0+4)+(2+6)) + ((1+5)+(3+7)).
-// The K types (256 weights): sx_blocks.h's k_lanes. The 32-weight types: lane l = weights 4l..4l+3 (one
-// 256-bit multiply-add register on x86, two sdot registers on Arm), Mn the sum of their activations (the
-// affine types' min). Each output's float steps are a chain of its own, so a kernel may run any columns and
-// rows side by side.
+// Column n, every row, block by block: the block's two integers (sx_blocks.h's block_ints), then one fused
+// multiply-add each into the output's float (acc += I * (d * da); acc += Mn * (m' * da), m' = -m for the K
+// types' mins, m for Q4_1/Q5_1's), blocks in order. Each output's float steps are a chain of its own, so a
+// kernel may run any columns and rows side by side, and sum each block's integers any way it likes.
 void sx_ref_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
                  int64_t ldy) {
   const TypeInfo ti = type_info(type);
   const int64_t nb = K / ti.qk;
   const size_t rb = sx_row_bytes(type, K);
-  std::vector<float> acc(8 * M);
+  std::vector<float> acc(M);
   Unpacked u;
   for (int64_t n = n0; n < n1; ++n) {
-    for (int64_t i = 0; i < 8 * M; ++i) acc[i] = 0.f;
+    for (int64_t m = 0; m < M; ++m) acc[m] = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
       unpack(type, W + n * rb + b * ti.bytes, u);
       const float mf = ti.kind == KMIN ? -u.m : u.m;
       for (int64_t m = 0; m < M; ++m) {
         const ActRow a = act_row(act, m, K, ti.qk);
-        const int8_t* q = a.q + b * ti.qk;
-        int32_t I[8], Mn[8];
-        if (ti.qk == 256) {
-          k_lanes(type, u, q, a.s16 + b * 16, I, Mn);
-        } else {
-          for (int l = 0; l < 8; ++l) {
-            I[l] = Mn[l] = 0;
-            for (int i = 4 * l; i < 4 * l + 4; ++i) {
-              I[l] += (int32_t)u.v[i] * q[i];
-              Mn[l] += q[i];
-            }
-          }
-        }
+        int32_t I, Mn;
+        block_ints(ti, u, a.q + b * ti.qk, a.s16 + b * (ti.qk / 16), &I, &Mn);
         const float da = a.d[b];
-        for (int l = 0; l < 8; ++l) {
-          float& lane = acc[8 * m + l];
-          lane = std::fmaf((float)I[l], u.d * da, lane);
-          if (ti.kind != SYM) lane = std::fmaf((float)Mn[l], mf * da, lane);
-        }
+        acc[m] = std::fmaf((float)I, u.d * da, acc[m]);
+        if (ti.kind != SYM) acc[m] = std::fmaf((float)Mn, mf * da, acc[m]);
       }
     }
-    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = tree8(&acc[8 * m]);
+    for (int64_t m = 0; m < M; ++m) Y[m * ldy + n] = acc[m];
   }
 }
 

@@ -183,8 +183,20 @@ inline float tree8v(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
 }
 
-// A K block's integer lanes against NR rows: part[r] = I's eight lanes, mins[r] = Mn's (sx_blocks.h's
-// k_lanes). The codes are unsigned (maddubs' first operand); Q6_K's zero point is taken out per lane.
+// Lane i < N: the sum of v[i]'s eight int32 lanes (exact); lanes past N: 0. Nine instructions for eight sums.
+template <int N>
+inline __m256i sums8(const __m256i* v) {
+  const __m256i z = _mm256_setzero_si256();
+  auto at = [&](int i) { return i < N ? v[i] : z; };
+  const __m256i h01 = _mm256_hadd_epi32(at(0), at(1)), h23 = _mm256_hadd_epi32(at(2), at(3));
+  const __m256i h45 = _mm256_hadd_epi32(at(4), at(5)), h67 = _mm256_hadd_epi32(at(6), at(7));
+  const __m256i g0 = _mm256_hadd_epi32(h01, h23), g1 = _mm256_hadd_epi32(h45, h67);  // [0..3 | 0..3], [4..7 | 4..7]
+  return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+
+// A K block's integers against NR rows, as eight int32 lanes each (their sum is sx_blocks.h's block_ints):
+// part[r] for I, mins[r] for Mn. The codes are unsigned (maddubs' first operand); Q6_K's zero point is
+// taken out per lane.
 template <class L, class D, int NR>
 inline void block_rows(const L& blk, const ActRow* rows, int64_t b, __m256i* part, __m256i* mins) {
   __m256i acc[NR];
@@ -213,52 +225,87 @@ inline void block_rows(const L& blk, const ActRow* rows, int64_t b, __m256i* par
   }
 }
 
-// One column's K blocks (256 weights) against NR rows: each block's eight integer lanes (sx_blocks.h's
-// k_lanes) into the row's eight float lanes (acc += I * (d * da); acc += Mn * (-m * da)), as the
-// reference; the float lanes stay in registers along the column.
+// One column's K blocks (256 weights) against NR rows: each block's integers summed (lane r: row r), then
+// acc += I * (d * da); acc += Mn * (-m * da), row r's float steps in lane r, as the reference's. da8: the
+// rows' activation scales, eight floats a block (rows in lanes). out: eight floats, row r in lane r.
 template <class L, class D, int NR>
-inline void kcolumn(const TypeInfo& ti, const uint8_t* col, int64_t nb, const ActRow* rows, float* out) {
-  __m256 acc[NR];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r) acc[r] = _mm256_setzero_ps();
+inline void kcolumn(const TypeInfo& ti, const uint8_t* col, int64_t nb, const ActRow* rows, const float* da8,
+                    float* out) {
+  constexpr bool both = L::kmin && NR <= 4;  // I and Mn summed in one pass of sums8
+  __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t l = 0; l < ti.bytes; l += 64)  // eight blocks ahead
       _mm_prefetch((const char*)(col + (b + 8) * ti.bytes + l), _MM_HINT_T0);
     const L blk(col + b * ti.bytes);
-    __m256i part[NR], mins[NR] = {};
-    block_rows<L, D, NR>(blk, rows, b, part, mins);
-    const __m256 dv = _mm256_set1_ps(blk.d), mv = _mm256_set1_ps(-blk.m);
-#pragma GCC unroll 8
-    for (int r = 0; r < NR; ++r) {
-      const __m256 da = _mm256_set1_ps(rows[r].d[b]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[r]), _mm256_mul_ps(dv, da), acc[r]);
-      if constexpr (L::kmin) acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_mul_ps(mv, da), acc[r]);
+    __m256i ints[2 * NR], *mins = ints + NR;
+    block_rows<L, D, NR>(blk, rows, b, ints, mins);
+    const __m256 da = _mm256_loadu_ps(da8 + 8 * b);
+    __m256 I, Mn;
+    if constexpr (both) {
+      const __m256 both8 = _mm256_cvtepi32_ps(sums8<2 * NR>(ints));  // lanes 0..NR-1: I, NR..2NR-1: Mn
+      I = both8;
+      Mn = _mm256_permutevar8x32_ps(both8, _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                             _mm256_set1_epi32(NR)));
+    } else {
+      I = _mm256_cvtepi32_ps(sums8<NR>(ints));
+      if constexpr (L::kmin) Mn = _mm256_cvtepi32_ps(sums8<NR>(mins));
     }
+    acc = _mm256_fmadd_ps(I, _mm256_mul_ps(_mm256_set1_ps(blk.d), da), acc);
+    if constexpr (L::kmin) acc = _mm256_fmadd_ps(Mn, _mm256_mul_ps(_mm256_set1_ps(-blk.m), da), acc);
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+  _mm256_storeu_ps(out, acc);
 }
 
-// The 32-weight types: a tile of NR rows x NC columns, block by block. Each block of the NC columns unpacked
-// once into a register (signed types as |v| and the rows' activations given v's sign: maddubs' unsigned
-// operand, exact), each row's activations loaded once; each output's eight integer lanes (one madd register)
-// into its eight float lanes, as the reference. NC columns side by side: one output's float chain is a
-// fused multiply-add per block, latency-bound alone.
+// One row (a one-row pass) against NC <= 4 neighbouring columns' K blocks: the columns' integers summed in
+// one sums8 (lane c: I, lane 4 + c: Mn), then the reference's float steps for column c in lane c. Four
+// columns side by side: one column's horizontal sums alone would cost more than its multiply-adds.
+template <class L, class D, int NC>
+inline void kcolumns1(const TypeInfo& ti, const uint8_t* col, size_t rb, int64_t nb, const ActRow* rows,
+                      const float* da8, float* out) {
+  static_assert(NC <= 4, "I and Mn of every column in one register");
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i ints[8] = {};
+    alignas(32) float d[8] = {}, m[8] = {};
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) {
+      const uint8_t* p = col + c * rb + b * ti.bytes;
+      for (int64_t l = 0; l < ti.bytes; l += 64) _mm_prefetch((const char*)(p + 8 * ti.bytes + l), _MM_HINT_T0);
+      const L blk(p);
+      block_rows<L, D, 1>(blk, rows, b, &ints[c], &ints[4 + c]);
+      d[c] = blk.d;
+      m[c] = -blk.m;
+    }
+    const __m256 sums = _mm256_cvtepi32_ps(sums8<L::kmin ? 8 : NC>(ints));  // lanes 0..3: I, 4..7: Mn
+    const __m256 da = _mm256_set1_ps(da8[8 * b]);
+    acc = _mm256_fmadd_ps(sums, _mm256_mul_ps(_mm256_load_ps(d), da), acc);
+    if constexpr (L::kmin) {
+      const __m256 Mn = _mm256_permute2f128_ps(sums, sums, 0x81);  // lanes 4..7 to 0..3, zeros above
+      acc = _mm256_fmadd_ps(Mn, _mm256_mul_ps(_mm256_load_ps(m), da), acc);
+    }
+  }
+  _mm256_storeu_ps(out, acc);
+}
+
+// The 32-weight types: a tile of NR rows x NC columns (NR * NC <= 8), block by block. Each block of the NC
+// columns unpacked once into a register (signed types as |v| and the rows' activations given v's sign:
+// maddubs' unsigned operand, exact), each row's activations loaded once; each output's integer summed into
+// lane r * NC + c, then acc += I * (d * da) [acc += Mn * (m * da)] lane by lane, as the reference's.
+// da8 / mn8: the rows' activation scales and sums (Q4_1/Q5_1's min term), eight a block, rows in lanes.
 template <class L, class D, int NR, int NC>
-inline void tile32(const TypeInfo& ti, const uint8_t* col, size_t rb, int64_t nb, const ActRow* rows, float* out) {
+inline void tile32(const TypeInfo& ti, const uint8_t* col, size_t rb, int64_t nb, const ActRow* rows,
+                   const float* da8, const float* mn8, float* out) {
+  static_assert(NR * NC <= 8, "one register of outputs");
   constexpr bool plus = L::affine, sgn = L::sgn || L::Z != 0;
-  __m256 acc[NR][NC];
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
-  const __m256i lane1 = _mm256_set1_epi32(1);
+  const __m256i to_row = _mm256_setr_epi32(0 / NC, 1 / NC, 2 / NC, 3 / NC, 4 / NC, 5 / NC, 6 / NC, 7 / NC);
+  const __m256i to_col = _mm256_setr_epi32(0 % NC, 1 % NC, 2 % NC, 3 % NC, 4 % NC, 5 % NC, 6 % NC, 7 % NC);
+  __m256 acc = _mm256_setzero_ps();
   const int64_t step = NC * ti.bytes;
   const uint8_t* next = col + NC * rb;  // the next tile's bytes, in order, as this one's blocks go by
   for (int64_t b = 0; b < nb; ++b) {
     for (int64_t off = 0; off < step; off += 64) _mm_prefetch((const char*)(next + b * step + off), _MM_HINT_T0);
     __m256i w[NC], u[NC];
-    __m128 dm[NC];  // (d, m): both halves converted in one instruction
+    __m128i halves = _mm_setzero_si128();  // d of column c in half c, m in half 4 + c
 #pragma GCC unroll 8
     for (int c = 0; c < NC; ++c) {
       const uint8_t* p = col + c * rb + b * ti.bytes;
@@ -266,50 +313,66 @@ inline void tile32(const TypeInfo& ti, const uint8_t* col, size_t rb, int64_t nb
       blk.chunks([&](int, __m256i x) { w[c] = x; });
       if constexpr (L::Z != 0) w[c] = _mm256_sub_epi8(w[c], _mm256_set1_epi8((char)L::Z));  // v = code - Z
       u[c] = sgn ? _mm256_sign_epi8(w[c], w[c]) : w[c];
-      uint32_t h = 0;
-      std::memcpy(&h, p, plus ? 4 : 2);
-      dm[c] = _mm_cvtph_ps(_mm_cvtsi32_si128((int)h));
+      uint16_t h;
+      std::memcpy(&h, p, 2);
+      halves = _mm_insert_epi16(halves, h, c);
+      if constexpr (plus) {
+        std::memcpy(&h, p + 2, 2);
+        halves = _mm_insert_epi16(halves, h, 4 + c);
+      }
     }
+    const __m256 dm = _mm256_cvtph_ps(halves);
+    __m256i I[NR * NC];
 #pragma GCC unroll 8
     for (int r = 0; r < NR; ++r) {
       const __m256i a = _mm256_loadu_si256((const __m256i*)(rows[r].q + 32 * b));
-      const __m128 da = _mm_broadcast_ss(rows[r].d + b);
 #pragma GCC unroll 8
-      for (int c = 0; c < NC; ++c) {
-        const __m256i I = D::quads(u[c], sgn ? _mm256_sign_epi8(a, w[c]) : a);
-        const __m128 s = _mm_mul_ps(dm[c], da);  // (d * da, m * da)
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_broadcastss_ps(s), acc[r][c]);
-        if constexpr (plus)
-          acc[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(rows[r].s4 + 8 * b),
-                                      _mm256_permutevar8x32_ps(_mm256_castps128_ps256(s), lane1), acc[r][c]);
-      }
+      for (int c = 0; c < NC; ++c) I[r * NC + c] = D::quads(u[c], sgn ? _mm256_sign_epi8(a, w[c]) : a);
+    }
+    const __m256 da = _mm256_permutevar8x32_ps(_mm256_loadu_ps(da8 + 8 * b), to_row);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums8<NR * NC>(I)), _mm256_mul_ps(_mm256_permutevar8x32_ps(dm, to_col), da),
+                          acc);
+    if constexpr (plus) {
+      const __m256 m = _mm256_permutevar8x32_ps(dm, _mm256_add_epi32(to_col, _mm256_set1_epi32(4)));
+      acc = _mm256_fmadd_ps(_mm256_permutevar8x32_ps(_mm256_loadu_ps(mn8 + 8 * b), to_row), _mm256_mul_ps(m, da), acc);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < NR; ++r)
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) out[r * NC + c] = tree8v(acc[r][c]);
+  _mm256_storeu_ps(out, acc);
+}
+
+// Per block, the rows' activation scales (and, for the 32-weight types, their block sums as floats: exact),
+// eight floats a block with row r in lane r: what the kernels above load once a block.
+inline void row_tables(const ActRow* rows, int64_t nr, int64_t nb, int qk, std::vector<float>& da8,
+                       std::vector<float>& mn8) {
+  da8.assign((size_t)(8 * nb), 0.f);
+  mn8.assign(qk == 32 ? (size_t)(8 * nb) : 0, 0.f);
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      da8[(size_t)(8 * b + r)] = rows[r].d[b];
+      if (qk == 32) mn8[(size_t)(8 * b + r)] = (float)(rows[r].s16[2 * b] + rows[r].s16[2 * b + 1]);
+    }
 }
 
 // Columns [n0, n1) of NR rows in tiles of NC columns (the last ones one at a time).
 template <class L, class D, int NR, int NC>
-void rows32(const TypeInfo& ti, const uint8_t* W, size_t rb, int64_t nb, const ActRow* rows, int64_t n0, int64_t n1,
-            float* Y, int64_t ldy) {
-  float out[NR * NC];
+void rows32(const TypeInfo& ti, const uint8_t* W, size_t rb, int64_t nb, const ActRow* rows, const float* da8,
+            const float* mn8, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  alignas(32) float out[8];
   int64_t n = n0;
   for (; n + NC <= n1; n += NC) {
-    tile32<L, D, NR, NC>(ti, W + n * rb, rb, nb, rows, out);
+    tile32<L, D, NR, NC>(ti, W + n * rb, rb, nb, rows, da8, mn8, out);
     for (int r = 0; r < NR; ++r)
       for (int c = 0; c < NC; ++c) Y[r * ldy + n + c] = out[r * NC + c];
   }
   for (; n < n1; ++n) {
-    tile32<L, D, NR, 1>(ti, W + n * rb, rb, nb, rows, out);
+    tile32<L, D, NR, 1>(ti, W + n * rb, rb, nb, rows, da8, mn8, out);
     for (int r = 0; r < NR; ++r) Y[r * ldy + n] = out[r];
   }
 }
 
 template <class L, class D>
-using Rows32 = void (*)(const TypeInfo&, const uint8_t*, size_t, int64_t, const ActRow*, int64_t, int64_t, float*, int64_t);
+using Rows32 = void (*)(const TypeInfo&, const uint8_t*, size_t, int64_t, const ActRow*, const float*, const float*,
+                        int64_t, int64_t, float*, int64_t);
 
 // Tiles measured on Zen 3 (one thread, K = 576): 1 row x 4 columns, 2 x 4, then 4 x 2.
 template <class L, class D>
@@ -323,7 +386,7 @@ Rows32<L, D> rows32_for(int64_t rows) {
 }
 
 template <class L, class D>
-using KColumn = void (*)(const TypeInfo&, const uint8_t*, int64_t, const ActRow*, float*);
+using KColumn = void (*)(const TypeInfo&, const uint8_t*, int64_t, const ActRow*, const float*, float*);
 
 template <class L, class D>
 KColumn<L, D> kcolumn_for(int64_t rows) {
@@ -351,33 +414,34 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
 #else
   const int64_t rows_done = M;
 #endif
-  if constexpr (L::qk == 256) {
-    std::vector<float> accv(8 * M);  // row m's eight lanes at 8 m
-    float* acc = accv.data();
-    // R rows at a time, each block unpacked once per R rows. Past R rows, columns in chunks of ~96 KB of
-    // weights, every row tile over a chunk before the next: the chunk stays in L2 across the tiles and a
-    // tile's activations in L1/L2 across the chunk's columns (one pass over DRAM, whatever M).
-    const int64_t chunk = rows_done <= R ? n1 - n0 : std::max<int64_t>(1, (int64_t)((96 << 10) / rb));
-    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-      const int64_t c1 = std::min(n1, c0 + chunk);
-      for (int64_t r = 0; r < rows_done; r += R) {
-        const int64_t nr = std::min<int64_t>(R, rows_done - r);
+  constexpr int64_t RT = L::qk == 256 ? R : 4;  // rows per tile: each block unpacked once per RT rows
+  std::vector<std::vector<float>> da8((size_t)((rows_done + RT - 1) / RT)), mn8(da8.size());
+  for (int64_t r = 0; r < rows_done; r += RT)
+    row_tables(rows.data() + r, std::min<int64_t>(RT, rows_done - r), nb, L::qk, da8[r / RT], mn8[r / RT]);
+  // Past RT rows, columns in chunks of ~96 KB of weights, every row tile over a chunk before the next: the
+  // chunk stays in L2 across the tiles and a tile's activations in L1/L2 across the chunk's columns (one
+  // pass over DRAM, whatever M).
+  const int64_t chunk = rows_done <= RT ? n1 - n0 : std::max<int64_t>(4, (int64_t)((96 << 10) / rb));
+  alignas(32) float out[8];
+  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+    const int64_t c1 = std::min(n1, c0 + chunk);
+    for (int64_t r = 0; r < rows_done; r += RT) {
+      const int64_t nr = std::min<int64_t>(RT, rows_done - r);
+      const float* da = da8[r / RT].data();
+      if constexpr (L::qk == 256) {
         const KColumn<L, D> run = kcolumn_for<L, D>(nr);
-        for (int64_t n = c0; n < c1; ++n) {  // one column at a time: each thread reads one sequential stream
-          run(ti, W + n * rb, nb, rows.data() + r, acc);
-          for (int64_t m = 0; m < nr; ++m) Y[(r + m) * ldy + n] = tree8v(_mm256_loadu_ps(acc + 8 * m));
+        int64_t n = c0;
+        if (nr == 1)                         // four columns a step (kcolumns1)
+          for (; n + 4 <= c1; n += 4) {
+            kcolumns1<L, D, 4>(ti, W + n * rb, rb, nb, rows.data() + r, da, out);
+            for (int c = 0; c < 4; ++c) Y[r * ldy + n + c] = out[c];
+          }
+        for (; n < c1; ++n) {  // one column at a time: each thread reads one sequential stream
+          run(ti, W + n * rb, nb, rows.data() + r, da, out);
+          for (int64_t m = 0; m < nr; ++m) Y[(r + m) * ldy + n] = out[m];
         }
-      }
-    }
-  } else {
-    // Row tiles of up to 4 over column chunks of ~96 KB (as the K types): one pass over DRAM whatever M.
-    constexpr int64_t RT = 4;
-    const int64_t chunk = rows_done <= RT ? n1 - n0 : std::max<int64_t>(4, (int64_t)((96 << 10) / rb));
-    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-      const int64_t c1 = std::min(n1, c0 + chunk);
-      for (int64_t r = 0; r < rows_done; r += RT) {
-        const int64_t nr = std::min<int64_t>(RT, rows_done - r);
-        rows32_for<L, D>(nr)(ti, W, rb, nb, rows.data() + r, c0, c1, Y + r * ldy, ldy);
+      } else {
+        rows32_for<L, D>(nr)(ti, W, rb, nb, rows.data() + r, da, mn8[r / RT].data(), c0, c1, Y + r * ldy, ldy);
       }
     }
   }
