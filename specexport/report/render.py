@@ -127,11 +127,14 @@ def _curve_lines(report: dict) -> list[str]:
              "Median ms of one M-row forward after a 64-token prefill (sizes interleaved, 7 each, nothing "
              "committed): what verifying M tokens costs; flat is what speculation needs.", "",
              "| target | kernels | " + " | ".join(f"M={m}" for m in sizes) + " |", "|" + "---|" * (2 + len(sizes))]
+    tiers = report.get("pass_curve_tiers") or {}
     for tp, curve in curves.items():
         one = curve["1"]
         cells = [f"{curve[str(m)]:.2f} ms" + ("" if m == 1 else f", {curve[str(m)] / one:.2f}x")
                  if str(m) in curve else "-" for m in sizes]
         lines.append(f"| {tp} | {kernels.get(tp, 'ONNX Runtime')} | " + " | ".join(cells) + " |")
+        if tp in tiers:                     # which kernel path each M ran on (the tiers path, measured here)
+            lines.append(f"| {tp} | tier by M | " + " | ".join(tiers[tp].get(str(m), "-") for m in sizes) + " |")
     return lines
 
 

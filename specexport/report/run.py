@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specexport.gamma import store_gamma_choices
 from specexport.manifest import read_manifest, write_json_atomic, write_text_atomic
+from specexport.plugins import cpu
 from specexport.report import accounting as acc
 from specexport.report.choice import _acceptance_drop, _gamma_choice, method_choices
 from specexport.report.folder import REPORT_FILES, claim_report_folder, record_report_files
@@ -109,6 +110,8 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
         "step_costs_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in costs.items()},
         "step_costs_isolated_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in isolated.items()},
         "pass_curve_ms": {tp: {str(m): t * 1e3 for m, t in curve.items()} for tp, curve in curves.items()},
+        "pass_curve_tiers": {tp: {str(m): v for m, v in by_rows.items()} for tp, curve in curves.items()
+                             if (by_rows := cpu.tiers_by_rows(manifest["models"]["target"]["precisions"][tp], curve))},
         "gamma_auto": {f"{tp}/{dp}": c for (tp, dp), c in choice.items()},
         "acceptance_drop": _acceptance_drop(rows),
         "memory": _memory(manifest, pipes, peers),

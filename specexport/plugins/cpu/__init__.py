@@ -18,7 +18,6 @@ CXX names the compiler (arguments allowed: "ccache g++").
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import json
@@ -32,11 +31,11 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 
 from specexport.config import cache_base
 from specexport.errors import KernelsUnavailable
-from specexport.plugins.cpu import headers
+from specexport.plugins.cpu import headers, tiers
+from specexport.plugins.cpu.capi import PATHS, TYPES, Kernels
 
 __all__ = ["KernelsUnavailable", "Kernels", "Status", "status", "build", "register", "describe", "uses_kernels",
            "expected_paths"]
@@ -48,9 +47,6 @@ KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_selfcheck.cc", "sx_avx2.cc"
 # unit -> the paths it holds: left out (and said) where the toolchain cannot compile it
 OPTIONAL = {"sx_vnni.cc": ("avxvnni", "avx512vnni"), "sx_amx.cc": ("amx",)}
 ORT_SOURCE = "sx_ort.cc"
-PATHS = {"ref": 0, "avx2": 1, "neon": 3, "avxvnni": 4, "avx512vnni": 5, "amx": 6}
-# GGUF type name -> ggml's id (the ops' `type` attribute)
-TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 BLOCK = {t: 256 if t.endswith("_K") else 32 for t in TYPES}   # weights per (super-)block along K
 ORT_FLOOR = (1, headers.API_VERSION)                           # the C API the ops' headers ask for
 
@@ -212,6 +208,7 @@ class Status:
     refused: str = ""              # paths this CPU has that failed the self-check, each with its first difference
     selfcheck: str = ""            # what the self-check covered, or that it was off
     left_out: str = ""             # paths this library lacks because their unit did not compile, and why
+    tiers: str = ""                # path "tiers": which path each type's passes of M rows run on (tiers.py)
 
     @property
     def available(self) -> bool:
@@ -223,7 +220,9 @@ class Status:
                        if self.refused else "")
             left = f"; left out: {self.left_out}" if self.left_out else ""
             off = "; self-check off: SPECEXPORT_KERNEL_SELFCHECK=off" if self.selfcheck.startswith("off") else ""
-            return f"CPU kernels: specexport's ({self.path} path; this CPU runs {self.paths}{refused}{left}{off})"
+            tiers = f": {self.tiers}" if self.tiers else ""
+            return (f"CPU kernels: specexport's ({self.path} path{tiers}; this CPU runs {self.paths}{refused}{left}"
+                    f"{off})")
         return f"CPU kernels: ONNX Runtime's stock MatMulNBits ({self.reason})"
 
 
@@ -244,15 +243,21 @@ def status() -> Status:
 def _status() -> Status:
     _check_runtime()
     lib = build()
-    c = _load(lib)
+    k = Kernels(lib)
+    c = k.c
     path = c.sx_resolve(-1)
     if path < 0:
         return Status(None, reason=f"SPECEXPORT_KERNEL_PATH={os.environ.get('SPECEXPORT_KERNEL_PATH')} "
                                    f"is not a path this CPU runs ({c.sx_paths().decode()})")
     names = {v: k for k, v in PATHS.items()}
+    table = ""
+    if names[path] == "tiers":        # measured once per CPU and library, cached; set in the loaded library
+        measured = tiers.load_or_measure(k, lib)
+        tiers.apply(c, measured)
+        table = tiers.describe(measured)
     left = "; ".join(f"{','.join(v['paths'])} ({unit}: {v['why']})" for unit, v in left_out(lib).items())
     return Status(lib, c.sx_paths().decode(), names[path], refused=c.sx_refused_why().decode(),
-                  selfcheck=c.sx_selfcheck().decode(), left_out=left)
+                  selfcheck=c.sx_selfcheck().decode(), left_out=left, tiers=table)
 
 
 def _check_runtime() -> None:
@@ -276,6 +281,27 @@ def describe(entry: dict) -> str | None:
     return f"CPU kernels: ONNX Runtime's stock MatMulNBits (at build: {built.get('why', 'not recorded')})"
 
 
+def tiers_by_rows(entry: dict, rows) -> dict[int, str] | None:
+    """For a built gguf precision on our kernels (`entry`: the manifest's), which path each of its block types
+    runs on at each M of `rows` here: {M: "amx (Q4_K), avx512vnni (Q6_K)"}; None where the graph is not ours
+    or the kernels do not load."""
+    built = (entry.get("quantization") or {}).get("kernels") or {}
+    st = status()
+    if built.get("ops") != DOMAIN or not st.available:
+        return None
+    c = Kernels(st.library).c
+    names = {v: k for k, v in PATHS.items()}
+    types = sorted(entry["quantization"].get("block_types") or {})
+    out = {}
+    for m in rows:
+        by_path: dict[str, list[str]] = {}
+        for t in types:
+            if t in TYPES:
+                by_path.setdefault(names.get(c.sx_tier(TYPES[t], min(m, tiers.MAX_ROWS)), "?"), []).append(t)
+        out[m] = ", ".join(f"{p} ({'/'.join(ts)})" for p, ts in by_path.items())
+    return out
+
+
 def uses_kernels(graph: Path) -> bool:
     """Whether an ONNX file calls our ops (its opset imports name the domain; weights live in the data
     file, so the graph file is small)."""
@@ -296,106 +322,3 @@ def register(opts, graph: Path) -> None:
                                  f"({st.reason}); build it again with SPECEXPORT_KERNELS=off for ONNX Runtime's "
                                  "stock ops")
     opts.register_custom_ops_library(str(st.library))
-
-
-def _load(lib: Path):
-    try:
-        c = ctypes.CDLL(str(lib))
-    except OSError as err:
-        raise KernelsUnavailable(f"{lib} does not load: {err}") from err
-    P, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    c.sx_paths.restype = ctypes.c_char_p
-    c.sx_refused.restype = ctypes.c_char_p
-    c.sx_refused_why.restype = ctypes.c_char_p
-    c.sx_selfcheck.restype = ctypes.c_char_p
-    c.sx_resolve.argtypes = [i]
-    c.sx_row_bytes.restype = ctypes.c_size_t
-    c.sx_row_bytes.argtypes = [i, i64]
-    c.sx_matmul.argtypes = [i, i, i, P, i64, i64, P, i64, P]
-    c.sx_act_bytes.restype = ctypes.c_size_t
-    c.sx_act_bytes.argtypes = [i, i64, i64]
-    c.sx_quantize.argtypes = [i, i, P, i64, i64, P]
-    c.sx_gather.restype = i64
-    c.sx_gather.argtypes = [i, P, i64, i64, P, i64, P]
-    c.sx_attend.argtypes = [i, P, P, P, P, i64, i64, ctypes.c_float, P, P]
-    c.sx_attend_group.argtypes = [i, i64, P, P, P, P, P, i64, i64, ctypes.c_float, P]
-    return c
-
-
-class Kernels:
-    """The C interface through ctypes (tests, benchmarks): one call, one thread."""
-
-    def __init__(self, lib: Path | None = None):
-        self.lib = lib or build(with_ort=False)
-        self.c = _load(self.lib)
-
-    def paths(self) -> list[str]:
-        return self.c.sx_paths().decode().split(",")
-
-    def refused(self) -> list[str]:
-        """Paths this CPU has whose self-check disagreed with the reference (they do not run)."""
-        return [p for p in self.c.sx_refused().decode().split(",") if p]
-
-    def refused_why(self) -> str:
-        return self.c.sx_refused_why().decode()
-
-    def selfcheck(self) -> str:
-        return self.c.sx_selfcheck().decode()
-
-    def row_bytes(self, qtype: str, K: int) -> int:
-        return int(self.c.sx_row_bytes(TYPES[qtype], K))
-
-    def matmul(self, qtype: str, X: np.ndarray, W: np.ndarray, *, path: str = "ref", exact: bool = False) -> np.ndarray:
-        X = np.ascontiguousarray(X, np.float32)
-        W = np.ascontiguousarray(W, np.uint8)
-        (M, K), N = X.shape, W.shape[0]
-        if W.shape[1] != self.row_bytes(qtype, K):
-            raise ValueError(f"W: {list(W.shape)} is not [N, {self.row_bytes(qtype, K)}] for {qtype} and K={K}")
-        Y = np.empty((M, N), np.float32)
-        rc = self.c.sx_matmul(TYPES[qtype], PATHS[path], int(exact), X.ctypes.data, M, K, W.ctypes.data, N,
-                              Y.ctypes.data)
-        if rc:
-            raise ValueError(f"sx_matmul({qtype}, path {path}) refused: code {rc}")
-        return Y
-
-    def quantize(self, qtype: str, X: np.ndarray, *, path: str = "ref") -> np.ndarray:
-        """The int8 mode's quantized activations of X [M, K] (scales, sums and values), as bytes."""
-        X = np.ascontiguousarray(X, np.float32)
-        M, K = X.shape
-        out = np.zeros(self.c.sx_act_bytes(TYPES[qtype], M, K), np.uint8)
-        self.c.sx_quantize(TYPES[qtype], PATHS[path], X.ctypes.data, M, K, out.ctypes.data)
-        return out
-
-    def attend(self, q: np.ndarray, K: np.ndarray, V: np.ndarray, bias: np.ndarray | None, scale: float, *,
-               path: str = "ref") -> np.ndarray:
-        """One query row q [D] over keys K, V [total, D] (cache order); bias [total] or None."""
-        q, K, V = (np.ascontiguousarray(a, np.float32) for a in (q, K, V))
-        b = None if bias is None else np.ascontiguousarray(bias, np.float32)
-        out, scratch = np.empty(q.shape[0], np.float32), np.empty(K.shape[0], np.float32)
-        self.c.sx_attend(PATHS[path], q.ctypes.data, K.ctypes.data, V.ctypes.data, None if b is None else b.ctypes.data,
-                         K.shape[0], q.shape[0], scale, out.ctypes.data, scratch.ctypes.data)
-        return out
-
-    def attend_group(self, q: np.ndarray, K: np.ndarray, V: np.ndarray, bias: np.ndarray | None, scale: float, *,
-                     path: str = "ref") -> np.ndarray:
-        """Rows q [n, D] over the same keys K, V [total, D]; bias [n, total] or None: sx_attend_group."""
-        q, K, V = (np.ascontiguousarray(a, np.float32) for a in (q, K, V))
-        n, total = q.shape[0], K.shape[0]
-        b = None if bias is None else np.ascontiguousarray(bias, np.float32)
-        out, scratch = np.empty_like(q), np.empty((n, total), np.float32)
-        ptrs = (ctypes.c_void_p * n)
-        qs = ptrs(*(q.ctypes.data + i * q.strides[0] for i in range(n)))
-        outs = ptrs(*(out.ctypes.data + i * out.strides[0] for i in range(n)))
-        biases = ptrs(*((None if b is None else b.ctypes.data + i * b.strides[0]) for i in range(n)))
-        self.c.sx_attend_group(PATHS[path], n, qs, biases, outs, K.ctypes.data, V.ctypes.data, total, q.shape[1], scale,
-                               scratch.ctypes.data)
-        return out
-
-    def gather(self, qtype: str, W: np.ndarray, ids: np.ndarray, K: int) -> np.ndarray:
-        W = np.ascontiguousarray(W, np.uint8)
-        ids = np.ascontiguousarray(ids, np.int64)
-        out = np.empty((ids.size, K), np.float32)
-        bad = self.c.sx_gather(TYPES[qtype], W.ctypes.data, W.shape[0], K, ids.ctypes.data, ids.size, out.ctypes.data)
-        if bad >= 0:
-            raise IndexError(f"id {ids.flat[bad]} is outside [0, {W.shape[0]})")
-        return out.reshape(*ids.shape, K)

@@ -1,5 +1,7 @@
 // Which path runs: the best this CPU has (each checked against the reference first: sx_selfcheck.cc), or the one
 // SPECEXPORT_KERNEL_PATH (ref, avx2, avxvnni, avx512vnni, neon) names.
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #if defined(__aarch64__) && defined(__APPLE__)
 #include <sys/sysctl.h>
@@ -128,13 +130,22 @@ const char* name(int path) {
     case SX_AVXVNNI: return "avxvnni";
     case SX_AVX512VNNI: return "avx512vnni";
     case SX_AMX: return "amx";
+    case SX_TIERS: return "tiers";
     default: return "?";
   }
 }
 
+int best_single();
+void tiers_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+
 // Each path's kernels; a path without its own (or not built for this architecture) runs the reference's.
 SxKernels kernels(int path) {
   switch (path) {
+    case SX_TIERS: {  // the gemm by its tier table; everything else the best single path's
+      SxKernels k = kernels(best_single());
+      k.gemm = tiers_gemm;
+      return k;
+    }
 #if defined(__x86_64__)
     case SX_AVX2:
       return {sx_avx2_quantize_row, sx_avx2_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
@@ -190,7 +201,42 @@ std::string names_where(int want) {
   return out;
 }
 
+int best_single() {
+  for (int p : BEST_FIRST)
+    if (runnable(p) && p != SX_AMX) return p;  // the vector paths run every M; the matrix tier only many rows
+  return SX_REF;
+}
+
+int simd_paths() {
+  int n = 0;
+  for (int p : ALL) n += p != SX_REF && runnable(p);
+  return n;
+}
+
+// [type id][M - 1]: M 1..16, then 17 for more rows. 0: not set (the best single path).
+constexpr int TYPES_MAX = 16, TIER_ROWS = 17;
+std::atomic<int> tier_table[TYPES_MAX][TIER_ROWS];
+
+int tier_of(int type, int64_t M) {
+  const int p = tier_table[type & (TYPES_MAX - 1)][std::min<int64_t>(std::max<int64_t>(M, 1), TIER_ROWS) - 1]
+                    .load(std::memory_order_relaxed);
+  return p > 0 ? p : best_single();
+}
+
+void tiers_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
+                int64_t ldy) {
+  kernels(tier_of(type, M)).gemm(type, act, M, K, W, n0, n1, Y, ldy);
+}
+
 }  // namespace
+
+extern "C" int sx_set_tier(int type, int M, int path) {
+  if (!sx::type_info(type).qk || M < 1 || M > TIER_ROWS || path == SX_REF || path == SX_TIERS || !runnable(path)) return 1;
+  tier_table[type][M - 1].store(path, std::memory_order_relaxed);
+  return 0;
+}
+
+extern "C" int sx_tier(int type, int M) { return sx::type_info(type).qk ? tier_of(type, M) : -1; }
 
 extern "C" int sx_version(void) { return 5; }  // 5: one integer and one float step per block (sx_ref.cc)
 
@@ -230,15 +276,14 @@ extern "C" int sx_resolve(int forced) {
   if (forced == SX_AUTO) {
     const char* env = std::getenv("SPECEXPORT_KERNEL_PATH");
     if (env && *env) {
+      if (!std::strcmp(env, "tiers")) return SX_TIERS;
       for (int p : ALL)
         if (!std::strcmp(env, name(p))) return runnable(p) ? p : -1;
       return -1;
     }
-    for (int p : BEST_FIRST)
-      if (runnable(p)) return p;
-    return SX_REF;
+    return simd_paths() > 1 ? SX_TIERS : best_single();
   }
-  return runnable(forced) ? forced : -1;
+  return forced == SX_TIERS || runnable(forced) ? forced : -1;
 }
 
 

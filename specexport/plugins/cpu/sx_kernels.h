@@ -12,7 +12,9 @@ extern "C" {
 
 // Kernel paths. SX_AUTO picks the best the CPU has; every path equals SX_REF bit for bit. The VNNI paths are
 // the AVX2 path with VNNI's integer dot products (AVX-VNNI's VEX encoding, or AVX512-VNNI's EVEX on ymm).
-enum { SX_AUTO = -1, SX_REF = 0, SX_AVX2 = 1, SX_NEON = 3, SX_AVXVNNI = 4, SX_AVX512VNNI = 5, SX_AMX = 6 };
+// SX_TIERS is no instruction set: each pass runs the path its type and row count were measured fastest on
+// (sx_set_tier; every path gives the same bits, so the choice never changes an output).
+enum { SX_AUTO = -1, SX_REF = 0, SX_AVX2 = 1, SX_NEON = 3, SX_AVXVNNI = 4, SX_AVX512VNNI = 5, SX_AMX = 6, SX_TIERS = 7 };
 
 SX_API int sx_version(void);
 // Path names, "ref,avx2": those this CPU and this build can run. A SIMD path runs only after it computed the
@@ -25,8 +27,13 @@ SX_API const char* sx_refused(void);
 SX_API const char* sx_refused_why(void);
 // What the self-check covered here, or that it was turned off.
 SX_API const char* sx_selfcheck(void);
-// The path SX_AUTO resolves to (or `forced` if runnable; -1 if not).
+// The path SX_AUTO resolves to (or `forced` if runnable; -1 if not): SX_TIERS where more than one SIMD path
+// runs here, else the one that does.
 SX_API int sx_resolve(int forced);
+// SX_TIERS's table: passes of M rows (1..16; 17: more) of weights of `type` run on `path` (a runnable SIMD
+// path). Returns 0, or 1 for an unknown type, row count or path. Until set: the best path for every M.
+SX_API int sx_set_tier(int type, int M, int path);
+SX_API int sx_tier(int type, int M);
 // Bytes per row of W for `type` and K; 0 if the type is unknown or K not a multiple of its block.
 SX_API size_t sx_row_bytes(int type, int64_t K);
 // Activation buffer bytes for M rows (int8 mode).

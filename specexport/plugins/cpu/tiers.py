@@ -1,0 +1,139 @@
+"""Which kernel path serves a pass of M rows, measured on this CPU (the `tiers` path, sx_dispatch.cc).
+
+Every path gives the reference's bits, so the choice is a matter of speed only: each weight type's matmul is
+timed on every SIMD path this CPU runs, one thread, at M = 1..16 rows (the passes speculation makes: a draft
+step, a verify of a chain or a tree), interleaved, and each M goes to the fastest; a path displaces the one
+before it in the library's order (the best vector path first) only when MARGIN faster, so paths that run
+the same kernel (a tier without its own kernel for a type, VNNI in two encodings) never trade places on
+noise. Measured once per CPU and library and cached beside the library (tiers-<cpu>.json); never assumed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)     # measured; M between two of them takes the lower one's tier
+MAX_ROWS = 17                                # the table's last row: more than 16
+SHAPE = (1024, 1536)                          # N, K: L2-sized, as one thread's share of a layer's matmul
+REPS = 5
+MARGIN = 0.85                                 # another path is taken when it needs at most 85% of the time
+ORDER = ("avx512vnni", "avxvnni", "avx2", "neon", "amx")   # the library's preference (sx_dispatch.cc)
+
+
+def cpu_id() -> str:
+    """A digest of what decides the speeds: the CPU's model and flags (Linux), else the platform."""
+    import platform
+
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        model = re.findall(r"^model name\s*:(.*)$", text, re.M)[:1]
+        feats = re.findall(r"^(?:flags|Features)\s*:(.*)$", text, re.M)[:1]
+        key = "".join(model + feats) or platform.processor()
+    except OSError:
+        key = platform.platform()
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+RULE = 1                                      # the measurement's version: a new rule measures anew
+
+
+def table_file(lib: Path) -> Path:
+    return lib.parent / f"tiers-{RULE}-{cpu_id()}.json"
+
+
+def load_or_measure(kernels, lib: Path) -> dict[str, list[str]]:
+    """{type: [path for M = 1..17]}: the cached table, else a measurement (then cached, atomically)."""
+    f = table_file(lib)
+    try:
+        table = json.loads(f.read_text())
+        if _valid(table, kernels):
+            return table
+    except (OSError, ValueError):
+        pass
+    table = measure(kernels)
+    try:
+        tmp = Path(tempfile.mkstemp(prefix=".tiers-", dir=f.parent)[1])
+        tmp.write_text(json.dumps(table))
+        os.replace(tmp, f)
+    except OSError:                  # an unwritable cache: measured again next time, nothing else lost
+        pass
+    return table
+
+
+def _valid(table, kernels) -> bool:
+    paths = set(kernels.paths())
+    return isinstance(table, dict) and all(isinstance(v, list) and len(v) == MAX_ROWS and set(v) <= paths
+                                           for v in table.values())
+
+
+def measure(kernels) -> dict[str, list[str]]:
+    """Time each type on each SIMD path at ROWS, interleaved; per type, the fastest path for each M."""
+    from specexport.plugins.cpu import TYPES
+
+    candidates = [p for p in ORDER if p in kernels.paths()]
+    rng = np.random.default_rng(0)
+    N, K = SHAPE
+    table = {}
+    for qtype in TYPES:
+        if len(candidates) < 2:
+            table[qtype] = [candidates[0] if candidates else "ref"] * MAX_ROWS
+            continue
+        w = _blocks(rng, kernels.row_bytes(qtype, K), qtype, N)
+        x = rng.standard_normal((max(ROWS), K)).astype(np.float32)
+        times = {(m, p): [] for m in ROWS for p in candidates}
+        for _ in range(REPS):
+            for m in ROWS:
+                for p in candidates:
+                    t = time.perf_counter()
+                    kernels.matmul(qtype, x[:m], w, path=p)
+                    times[(m, p)].append(time.perf_counter() - t)
+        best = {}
+        for m in ROWS:
+            best[m] = candidates[0]
+            for p in candidates[1:]:
+                if np.median(times[(m, p)]) <= MARGIN * np.median(times[(m, best[m])]):
+                    best[m] = p
+        table[qtype] = [best[max(r for r in ROWS if r <= m)] for m in range(1, MAX_ROWS + 1)]
+    return table
+
+
+def _blocks(rng, row_bytes: int, qtype: str, N: int) -> np.ndarray:
+    """N rows of random blocks with finite fp16 scales (their speed is what is measured, not their values)."""
+    from specexport.plugins.cpu import BLOCK
+
+    size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
+    w = rng.integers(0, 256, (N, row_bytes // size, size), dtype=np.uint8)
+    halves = [208] if qtype == "Q6_K" else [0, 2] if qtype in ("Q4_1", "Q5_1") or BLOCK[qtype] == 256 else [0]
+    for at in halves:
+        w[:, :, at:at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    return w.reshape(N, row_bytes)
+
+
+def apply(c, table: dict[str, list[str]]) -> None:
+    """Set the library's tier table (c: the library through ctypes)."""
+    from specexport.plugins.cpu import PATHS, TYPES
+
+    for qtype, paths in table.items():
+        for m, p in enumerate(paths, start=1):
+            c.sx_set_tier(TYPES[qtype], m, PATHS[p])
+
+
+def describe(table: dict[str, list[str]]) -> str:
+    """'Q4_K: M 1-5 avx512vnni, M 6+ amx; ...', types with the same ranges together."""
+    by_ranges: dict[str, list[str]] = {}
+    for qtype, paths in table.items():
+        parts, start = [], 1
+        for m in range(2, MAX_ROWS + 2):
+            if m > MAX_ROWS or paths[m - 1] != paths[start - 1]:
+                end = "+" if m > MAX_ROWS else f"-{m - 1}" if m - 1 > start else ""
+                parts.append(f"M {start}{end} {paths[start - 1]}")
+                start = m
+        by_ranges.setdefault(", ".join(parts), []).append(qtype)
+    return "; ".join(f"{'/'.join(types)}: {ranges}" for ranges, types in by_ranges.items())
