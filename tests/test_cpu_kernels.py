@@ -107,7 +107,7 @@ def test_every_path_equals_the_reference_bit_for_bit(kernels, qtype):
 @pytest.fixture(scope="module")
 def emulated_vnni():
     try:
-        k = cpu.Kernels(cpu.build(with_ort=False, emulate_vnni=True))
+        k = cpu.Kernels(cpu.build(with_ort=False, emulate_vnni=True, emulate_amx=True))
     except cpu.KernelsUnavailable as err:
         kernels_missing(f"the CPU kernels do not build here: {err}")
     if "avx2" not in (cpu.expected_paths() or set()):
@@ -116,12 +116,14 @@ def emulated_vnni():
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED)
-def test_the_vnni_paths_tiles_and_lanes_equal_the_reference_with_vnni_emulated(emulated_vnni, qtype):
-    """The VNNI paths on a CPU without VNNI: their kernels as built, the two VNNI instructions computed by
-    AVX2 exactly. On a CPU with VNNI the test above runs the instructions themselves (and so does the
-    library's own self-check, on every machine, before a path runs)."""
-    assert {"avxvnni", "avx512vnni"} <= set(emulated_vnni.paths()), f"refused by the self-check: {emulated_vnni.refused()}"
-    _paths_equal_the_reference(emulated_vnni, qtype, ["avxvnni", "avx512vnni"])
+def test_the_vnni_and_amx_paths_equal_the_reference_emulated(emulated_vnni, qtype):
+    """The VNNI and AMX paths on a CPU without them: the VNNI kernels as built with the two VNNI instructions
+    computed by AVX2 exactly; the AMX tier's layouts (the A tiles, the activations' packing, the scale split)
+    with the tile instructions computed in C. On a CPU with them the test above runs the instructions
+    themselves (and so does the library's own self-check, on every machine, before a path runs)."""
+    assert {"avxvnni", "avx512vnni", "amx"} <= set(emulated_vnni.paths()), \
+        f"refused by the self-check: {emulated_vnni.refused_why()}"
+    _paths_equal_the_reference(emulated_vnni, qtype, ["avxvnni", "avx512vnni", "amx"])
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
@@ -338,9 +340,9 @@ def test_model_yaml_chooses_the_kernels(monkeypatch):
 
 # -- planted bugs: the checks above must fail on them ------------------------------------------------
 
-def _planted(name: str, emulate_vnni: bool = False):
+def _planted(name: str, emulate_vnni: bool = False, emulate_amx: bool = False):
     try:
-        return cpu.Kernels(cpu.build(with_ort=False, plant=name, emulate_vnni=emulate_vnni))
+        return cpu.Kernels(cpu.build(with_ort=False, plant=name, emulate_vnni=emulate_vnni, emulate_amx=emulate_amx))
     except cpu.KernelsUnavailable as err:
         kernels_missing(f"the CPU kernels do not build here: {err}")
 
@@ -424,6 +426,27 @@ def test_a_planted_vnni_bug_is_refused_by_the_self_check_and_caught_by_the_tests
     out = subprocess.run([sys.executable, "-c", code, str(lib), "avxvnni"], capture_output=True, text=True, env=env,
                          check=True).stdout.splitlines()
     assert out[0].startswith("ref,avx2,avxvnni,avx512vnni") and out[0].endswith("|") and out[-1] == "0", out
+
+
+def test_a_planted_amx_layout_bug_is_refused_and_caught_in_the_emulated_tiles():
+    """The activations packed for the wrong half of a tile (in code the real and the emulated AMX tier share):
+    the self-check refuses the tier, naming the case; with the check off its Q4_K bits differ."""
+    if "avx2" not in (cpu.expected_paths() or set()):
+        pytest.skip("the AMX tier is emulated with AVX2's steps around it, which this CPU lacks")
+    lib = _planted("amx_pack", emulate_amx=True).lib
+    code = ("import sys, numpy as np; from specexport.plugins import cpu; k = cpu.Kernels(cpu.Path(sys.argv[1])); "
+            "print(','.join(k.paths()), ','.join(k.refused()), sep='|'); print(k.refused_why()); "
+            "from specexport.quant.gguf_blocks import random_blocks; r = np.random.default_rng(0); "
+            "w = random_blocks(r, 'Q4_K', 32, 512); x = r.standard_normal((3, 512)).astype(np.float32); "
+            "print(int(np.array_equal(k.matmul('Q4_K', x, w, path=sys.argv[2]), k.matmul('Q4_K', x, w, path='ref'))))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECEXPORT_KERNEL")}
+    out = subprocess.run([sys.executable, "-c", code, str(lib), "avx2"], capture_output=True, text=True, env=env,
+                         check=True).stdout.splitlines()
+    assert out[0].split("|")[1] == "amx" and "amx: Q4_K K=256 M=1: int8 matmul" in out[1], out
+    env["SPECEXPORT_KERNEL_SELFCHECK"] = "off"
+    out = subprocess.run([sys.executable, "-c", code, str(lib), "amx"], capture_output=True, text=True, env=env,
+                         check=True).stdout.splitlines()
+    assert "amx" in out[0].split("|")[0].split(",") and out[-1] == "0", out
 
 
 def test_the_self_check_is_reported_and_so_is_turning_it_off(kernels):

@@ -51,13 +51,13 @@ BLOCK = {t: 256 if t.endswith("_K") else 32 for t in TYPES}   # weights per (sup
 ORT_FLOOR = (1, headers.API_VERSION)                           # the C API the ops' headers ask for
 
 
-def flags(source: str) -> list[str]:
+def flags(source: str, defines: list[str] = ()) -> list[str]:
     """The compiler flags of one source file. -ffp-contract=off: the float steps are the reference's,
     never fused differently by one translation unit (bit-identical paths)."""
     out = ["-O2", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden"]
     if source in ("sx_avx2.cc", "sx_vnni.cc", "sx_amx.cc"):
         out += ["-mavx2", "-mfma", "-mf16c"]
-    if source == "sx_amx.cc":      # runs only where the CPU has them (sx_dispatch.cc's cpu_has)
+    if source == "sx_amx.cc" and "-DSX_EMULATE_AMX" not in defines:   # runs only where the CPU has them
         out += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512vbmi", "-mamx-tile",
                 "-mamx-int8"]
     if source == "sx_neon.cc":
@@ -111,21 +111,24 @@ def cache_key(cxx: list[str], srcs: list[str], include: Path | None, defines: li
     for f in sorted(p for p in HERE.iterdir() if p.suffix in (".cc", ".h")):
         h.update(f.name.encode() + f.read_bytes())
     for s in srcs:
-        h.update(s.encode() + " ".join(flags(s) + defines).encode())
+        h.update(s.encode() + " ".join(flags(s, defines) + defines).encode())
     h.update(headers.digest(include).encode() if include else b"no ORT")
     return h.hexdigest()[:16]
 
 
-def build(with_ort: bool = True, *, plant: str | None = None, emulate_vnni: bool = False) -> Path:
+def build(with_ort: bool = True, *, plant: str | None = None, emulate_vnni: bool = False,
+          emulate_amx: bool = False) -> Path:
     """Compile (once per key) and return the shared library's path. with_ort: the ONNX Runtime ops too
     (needs the headers); without them: the C interface only. plant: a -DSX_PLANT_<name> build with a
     deliberate bug, for the tests that must catch it. emulate_vnni: a test library whose VNNI paths run on
-    any AVX2 CPU, their dot-product instructions computed exactly with AVX2 (sx_vnni.cc's VnniDot). A unit in
+    any AVX2 CPU, their dot-product instructions computed exactly with AVX2 (sx_vnni.cc's VnniDot); emulate_amx:
+    its AMX path too, the tile instructions in C (sx_amx.cc). A unit in
     OPTIONAL that does not compile is left out (left_out() says which and why)."""
     cxx = compiler()
     srcs = sources() + ([ORT_SOURCE] if with_ort else [])
     include = ort_include() if with_ort else None
-    defines = ([f"-DSX_PLANT_{plant.upper()}"] if plant else []) + (["-DSX_EMULATE_VNNI"] if emulate_vnni else [])
+    defines = ([f"-DSX_PLANT_{plant.upper()}"] if plant else []) + (["-DSX_EMULATE_VNNI"] if emulate_vnni else []) + \
+        (["-DSX_EMULATE_AMX"] if emulate_amx else [])
     name = "libspecexport_cpu.so" if with_ort else "libspecexport_kernels.so"
     folder = cache_base() / "kernels" / cache_key(cxx, srcs, include, defines)
     lib = folder / name
@@ -140,7 +143,7 @@ def build(with_ort: bool = True, *, plant: str | None = None, emulate_vnni: bool
             objs, left = [], {}
             for s in srcs:
                 obj = Path(tmp) / (s + ".o")
-                cmd = [*cxx, *flags(s), *defines, "-I", str(HERE), *(["-I", str(include)] if include else []),
+                cmd = [*cxx, *flags(s, defines), *defines, "-I", str(HERE), *(["-I", str(include)] if include else []),
                        "-c", str(HERE / s), "-o", str(obj)]
                 try:
                     _run(cmd, s)

@@ -105,9 +105,13 @@ bool cpu_has(int path) {
       return cpu_has(SX_AVX2) && sx_avx512vnni_gemm && __builtin_cpu_supports("avx512vnni") &&
              __builtin_cpu_supports("avx512vl");
 #endif
+#ifdef SX_EMULATE_AMX  // a test library: the tiles computed in C, the steps around them in scalar C
+    case SX_AMX: return sx_amx_gemm && cpu_has(SX_AVX2);
+#else
     case SX_AMX:  // its steps around the tiles use AVX-512 (BW, VL, VNNI, VBMI)
       return sx_amx_gemm && cpu_has(SX_AVX512VNNI) && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vbmi") && amx_usable();
+#endif
 #endif
 #if defined(__aarch64__) && defined(__linux__)
     case SX_NEON: return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
