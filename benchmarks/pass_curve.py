@@ -1,0 +1,67 @@
+"""The target pass by its rows, c(M), on each kernel path (SPECEXPORT_KERNEL_PATH forced, one process each,
+the paths alternated), beside llama.cpp's `llama-bench -p M -n 0` on the same file.
+
+    python benchmarks/pass_curve.py engines/qwen --paths tiers,avx512vnni,avx2 --rounds 2 \\
+        [--llama-cpp "$(python benchmarks/build_llama_cpp.py)"]
+
+Each process: one 64-token prefill, then M-row forwards (M = 1, 2, 4, 8, 16) interleaved, 9 each, nothing
+committed (report/timing.py's _pass_curve, what `specexport bench` prints); medians over rounds; the CPU named.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROWS = (1, 2, 4, 8, 16)
+
+
+def one(build: str, path: str, threads: int) -> dict:
+    code = ("import json, sys, time; import specexport; from specexport.report.timing import _pass_curve; "
+            f"p = specexport.load({build!r}, precision='gguf', threads={threads}); "
+            "c = _pass_curve(p, time.perf_counter, reps=9); print(json.dumps({m: t * 1e3 for m, t in c.items()}))")
+    env = {**os.environ, "SPECEXPORT_KERNEL_PATH": path}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
+
+
+def llama(bin_dir: Path, gguf: Path, threads: int) -> dict:
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", ",".join(map(str, ROWS)), "-n", "0",
+                          "-t", str(threads), "-r", "9", "-o", "json"], capture_output=True, text=True, check=True)
+    return {r["n_prompt"]: 1e3 * r["n_prompt"] / r["avg_ts"] for r in json.loads(out.stdout)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("build")
+    ap.add_argument("--paths", default="tiers,avx512vnni,avx2")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-cpp", type=Path, default=None, help="the folder with llama-bench")
+    args = ap.parse_args()
+    manifest = json.loads((Path(args.build) / "manifest.json").read_text())
+    gguf = Path(manifest["models"]["target"]["precisions"]["gguf"]["quantization"]["source"])
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.rounds):
+        for p in args.paths.split(","):
+            runs.setdefault(p, []).append(one(args.build, p, args.threads))
+        if args.llama_cpp:
+            runs.setdefault("llama.cpp", []).append(llama(args.llama_cpp, gguf, args.threads))
+    from specexport.plugins.cpu.tiers import cpu_id
+
+    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                  if ln.startswith("model name")), "?")
+    print(f"CPU: {model} ({cpu_id()}), {args.threads} threads, {args.rounds} rounds; c(M) ms and c(M)/c(1)")
+    print("| path | " + " | ".join(f"M={m}" for m in ROWS) + " |")
+    print("|---|" + "---|" * len(ROWS))
+    for p, rs in runs.items():
+        med = {m: statistics.median(r[m] for r in rs) for m in ROWS}
+        print(f"| {p} | " + " | ".join(f"{med[m]:.1f} ({med[m] / med[1]:.2f})" for m in ROWS) + " |")
+
+
+if __name__ == "__main__":
+    main()
