@@ -25,7 +25,9 @@ def one(build: str, path: str, threads: int) -> dict:
             f"p = specexport.load({build!r}, precision='gguf', threads={threads}); "
             "c = _pass_curve(p, time.perf_counter, reps=9); print(json.dumps({m: t * 1e3 for m, t in c.items()}))")
     env = {**os.environ, "SPECEXPORT_KERNEL_PATH": path}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if out.returncode:
+        sys.exit(f"path {path}: {out.stderr.strip()[-600:]}")
     return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
