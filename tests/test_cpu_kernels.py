@@ -486,12 +486,12 @@ def test_cxx_with_arguments_is_a_compiler_and_a_missing_one_is_said(monkeypatch)
 
 
 def test_an_optional_unit_that_does_not_compile_is_left_out_and_said(tmp_path, monkeypatch):
-    """A toolchain that cannot assemble the VNNI unit (binutils < 2.36): the library builds without those
-    paths (AVX2 kept), and says which were left out and the compiler's line."""
+    """A toolchain that cannot assemble the VNNI, AVX-512 and AMX units (binutils < 2.36): the library builds
+    without those paths (AVX2 kept), and says which were left out and the compiler's line."""
     if "avx2" not in (cpu.expected_paths() or set()):
         pytest.skip("the VNNI unit is x86's")
     fake = tmp_path / "old-as"
-    fake.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in *sx_vnni.cc) '
+    fake.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in *sx_vnni.cc|*sx_avx512.cc|*sx_amx.cc) '
                     'echo "Error: no such instruction: {evex} vpdpbusd" >&2; exit 1;; esac; done\n'
                     'exec g++ "$@"\n')
     fake.chmod(0o755)
@@ -499,8 +499,10 @@ def test_an_optional_unit_that_does_not_compile_is_left_out_and_said(tmp_path, m
     monkeypatch.setenv("SPECEXPORT_CACHE", str(tmp_path / "cache"))
     k = cpu.Kernels(cpu.build(with_ort=False))
     assert k.paths() == ["ref", "avx2"] and k.refused() == []
-    assert cpu.left_out(k.lib) == {"sx_vnni.cc": {"paths": ["avxvnni", "avx512vnni"],
-                                                  "why": "Error: no such instruction: {evex} vpdpbusd"}}
+    why = "Error: no such instruction: {evex} vpdpbusd"
+    assert cpu.left_out(k.lib) == {"sx_vnni.cc": {"paths": ["avxvnni", "avx512vnni"], "why": why},
+                                   "sx_avx512.cc": {"paths": ["avx512"], "why": why},
+                                   "sx_amx.cc": {"paths": ["amx"], "why": why}}
 
 
 def test_status_never_raises_it_says_why_the_stock_route_runs(tmp_path, monkeypatch):

@@ -42,6 +42,8 @@ __attribute__((weak)) void sx_avx512vnni_gemm(int, const void*, int64_t, int64_t
                                               float*, int64_t);
 __attribute__((weak)) void sx_amx_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
                                        int64_t);
+__attribute__((weak)) void sx_avx512_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                                          int64_t);
 #endif
 void sx_ref_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 #if defined(__aarch64__)
@@ -55,8 +57,9 @@ void sx_ref_attend(const sx::AttnRow&);
 
 namespace {
 
-constexpr int ALL[] = {SX_REF, SX_AVX2, SX_AVXVNNI, SX_AVX512VNNI, SX_AMX, SX_NEON};
-constexpr int BEST_FIRST[] = {SX_NEON, SX_AMX, SX_AVX512VNNI, SX_AVXVNNI, SX_AVX2};
+constexpr int ALL[] = {SX_REF, SX_AVX2, SX_AVXVNNI, SX_AVX512VNNI, SX_AVX512, SX_AMX, SX_NEON};
+constexpr int BEST_FIRST[] = {SX_NEON, SX_AMX, SX_AVX512, SX_AVX512VNNI, SX_AVXVNNI, SX_AVX2};
+constexpr int NPATHS = 16;  // path ids index the state tables
 
 #if defined(__x86_64__) && defined(__linux__)
 // AMX as the OS and hypervisor grant it (MATRIX-ENGINES.md 6.4): the CPU's AMX-TILE and AMX-INT8 bits, the
@@ -105,6 +108,10 @@ bool cpu_has(int path) {
       return cpu_has(SX_AVX2) && sx_avx512vnni_gemm && __builtin_cpu_supports("avx512vnni") &&
              __builtin_cpu_supports("avx512vl");
 #endif
+    case SX_AVX512:  // zmm registers: the OS must save them (__builtin_cpu_supports checks XCR0 too)
+      return sx_avx512_gemm && cpu_has(SX_AVX2) && __builtin_cpu_supports("avx512f") &&
+             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512vnni");
 #ifdef SX_EMULATE_AMX  // a test library: the tiles computed in C, the steps around them in scalar C
     case SX_AMX: return sx_amx_gemm && cpu_has(SX_AVX2);
 #else
@@ -134,6 +141,7 @@ const char* name(int path) {
     case SX_AVXVNNI: return "avxvnni";
     case SX_AVX512VNNI: return "avx512vnni";
     case SX_AMX: return "amx";
+    case SX_AVX512: return "avx512";
     case SX_TIERS: return "tiers";
     default: return "?";
   }
@@ -158,6 +166,8 @@ SxKernels kernels(int path) {
     case SX_AVX512VNNI:
       return {sx_avx2_quantize_row, sx_avx512vnni_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
     case SX_AMX: return {sx_avx2_quantize_row, sx_amx_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
+    case SX_AVX512:
+      return {sx_avx2_quantize_row, sx_avx512_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
 #endif
 #if defined(__aarch64__)
     case SX_NEON: return {sx_ref_quantize_row, sx_neon_gemm, sx_neon_gemm_exact, sx_neon_attend, neon_attend_group};
@@ -174,8 +184,8 @@ bool checking() {
 // Per path: 1 runs, 0 the CPU (or this library) lacks it, -1 the CPU has it but it disagreed with the
 // reference; and, for a refused path, the first case that differed.
 struct States {
-  int state[8] = {0};
-  std::string why[8];  // indexed by path id (< 8)
+  int state[NPATHS] = {0};
+  std::string why[NPATHS];  // indexed by path id
 };
 
 const States& states() {
@@ -191,7 +201,7 @@ const States& states() {
   return out;
 }
 
-int state(int path) { return path >= 0 && path < 8 ? states().state[path] : 0; }
+int state(int path) { return path >= 0 && path < NPATHS ? states().state[path] : 0; }
 
 bool runnable(int path) { return state(path) == 1; }
 

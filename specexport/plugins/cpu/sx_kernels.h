@@ -14,7 +14,10 @@ extern "C" {
 // the AVX2 path with VNNI's integer dot products (AVX-VNNI's VEX encoding, or AVX512-VNNI's EVEX on ymm).
 // SX_TIERS is no instruction set: each pass runs the path its type and row count were measured fastest on
 // (sx_set_tier; every path gives the same bits, so the choice never changes an output).
-enum { SX_AUTO = -1, SX_REF = 0, SX_AVX2 = 1, SX_NEON = 3, SX_AVXVNNI = 4, SX_AVX512VNNI = 5, SX_AMX = 6, SX_TIERS = 7 };
+enum {
+  SX_AUTO = -1, SX_REF = 0, SX_AVX2 = 1, SX_NEON = 3, SX_AVXVNNI = 4, SX_AVX512VNNI = 5, SX_AMX = 6, SX_TIERS = 7,
+  SX_AVX512 = 8
+};
 
 SX_API int sx_version(void);
 // Path names, "ref,avx2": those this CPU and this build can run. A SIMD path runs only after it computed the
