@@ -1,0 +1,168 @@
+// The AMX tier's machinery shared by its kernels (sx_amx.cc): the tile instructions (real, or emulated in C
+// for a test library), the tile configuration, the software-pipelined driver and the fallback.
+#pragma once
+#include "sx_x86.h"
+
+void sx_avx2_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+__attribute__((weak)) void sx_avx512vnni_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t,
+                                              float*, int64_t);
+
+namespace {
+
+using namespace sx;
+
+#ifdef SX_EMULATE_AMX
+// The tile registers of this thread and the four instructions used here, as the ISA defines them.
+struct Tile {
+  int rows = 0, colsb = 0;
+  alignas(64) uint8_t d[16][64];
+};
+thread_local Tile tmm[8];
+
+void emu_config(const uint8_t* rows, const uint16_t* colsb) {
+  for (int t = 0; t < 8; ++t) tmm[t].rows = rows[t], tmm[t].colsb = colsb[t];
+}
+void emu_zero(int t) { std::memset(tmm[t].d, 0, sizeof tmm[t].d); }
+void emu_load(int t, const void* base, size_t stride) {
+  for (int r = 0; r < tmm[t].rows; ++r) std::memcpy(tmm[t].d[r], (const uint8_t*)base + r * stride, (size_t)tmm[t].colsb);
+}
+void emu_store(int t, void* base, size_t stride) {
+  for (int r = 0; r < tmm[t].rows; ++r) std::memcpy((uint8_t*)base + r * stride, tmm[t].d[r], (size_t)tmm[t].colsb);
+}
+void emu_dpbssd(int c, int a, int b) {  // C[m][n] += sum_k s8 A[m][k] * s8 B[k / 4][4 n + k % 4]
+  Tile &C = tmm[c], &A = tmm[a], &B = tmm[b];
+  for (int m = 0; m < C.rows; ++m)
+    for (int n = 0; n < C.colsb / 4; ++n) {
+      int32_t acc;
+      std::memcpy(&acc, &C.d[m][4 * n], 4);
+      for (int k = 0; k < A.colsb; ++k) acc += (int32_t)(int8_t)A.d[m][k] * (int8_t)B.d[k / 4][4 * n + k % 4];
+      std::memcpy(&C.d[m][4 * n], &acc, 4);
+    }
+}
+#define TILE_DPBSSD(c, a, b) emu_dpbssd(c, a, b)
+#define TILE_ZERO(t) emu_zero(t)
+#define TILE_LOAD(t, base, stride) emu_load(t, base, stride)
+#define TILE_STORE(t, base, stride) emu_store(t, base, stride)
+#define TILE_RELEASE() ((void)0)
+#else
+#define TILE_ZERO(t) _tile_zero(t)
+#define TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
+#define TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
+#define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#define TILE_RELEASE() _tile_release()
+#endif
+
+constexpr int TM = 16;  // weight rows per tile (A's rows, C's rows)
+constexpr int TN = 16;  // activation rows per tile at most (B's and C's columns)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles: 0, 1 A (16 weight rows x KB bytes: one sub-block's or chunk's codes each); 2, 3 B (KB / 4 x 4M: its
+// activations of M rows, four at a time); 4..7 C (16 x M int32: two pairs, one pair in flight while the other
+// is stored). (Tried for Q4_K: a chunk pair in one 16 x 64 A tile against a block-diagonal B, half the
+// products and loads, with its own sums layout: 120 ps a weight against these tiles' 80.)
+void configure(int64_t M, int KB) {
+  TileConfig c;
+  for (int t : {0, 1}) c.rows[t] = 16, c.colsb[t] = (uint16_t)KB;
+  for (int t : {2, 3}) c.rows[t] = (uint8_t)(KB / 4), c.colsb[t] = (uint16_t)(4 * M);
+  for (int t : {4, 5, 6, 7}) c.rows[t] = 16, c.colsb[t] = (uint16_t)(4 * M);
+#ifdef SX_EMULATE_AMX
+  emu_config(c.rows, c.colsb);
+#else
+  _tile_loadconfig(&c);
+#endif
+}
+
+// The accumulators of 16 weight rows x 16 activation rows, as the reference's float chains.
+struct alignas(64) Acc {
+  float v[TM][TN];
+};
+
+inline uint32_t pair16(int a, int b) { return (uint32_t)(uint16_t)a | (uint32_t)(uint16_t)b << 16; }
+
+// Weight rows [n0, n0 + 16 groups), every block; Y rows m < M. Software-pipelined: step s = (group, block)
+// issues its tile products (Kern::pair, one pair of tiles at a time) interleaved with the unpacking of step
+// s + 1 (Kern::unpack calls it back), then takes s's sums (Kern::epilogue) into the rows' accumulators.
+template <class Kern>
+void run_groups(const uint8_t* W, size_t rb, int64_t nb, const typename Kern::Packed& p, int64_t M, int64_t n0,
+                int64_t groups, float* Y, int64_t ldy) {
+  static thread_local typename Kern::Step steps_tls[2];
+  static thread_local Acc acc_tls;
+  alignas(64) static thread_local typename Kern::Sums C_tls;  // columns past M are never read into Y
+  typename Kern::Step* steps = steps_tls;  // thread-local addresses taken once (a call each in a -fPIC library)
+  Acc& acc = acc_tls;
+  typename Kern::Sums& C = C_tls;
+  std::memset(&acc, 0, sizeof acc);
+#ifdef SX_EMULATE_AMX
+  std::memset(C, 0, sizeof C);
+#endif
+  const int64_t total = groups * nb;
+  Kern::unpack(W, rb, n0, 0, steps[0], [](int) {});
+  for (int64_t s = 0; s < total; ++s) {
+    const int64_t g = s / nb, b = s % nb;
+    const bool odd = s & 1;
+    auto tiles = [&](int t) { Kern::pair(steps[odd], p, b, C, t); };
+    if (s + 1 < total)
+      Kern::unpack(W, rb, n0 + TM * ((s + 1) / nb), (s + 1) % nb, steps[!odd], tiles);
+    else
+      for (int t = 0; t < Kern::PAIRS; ++t) tiles(t);
+    tiles(Kern::PAIRS);                // the last pair's sums
+    Kern::epilogue(steps[odd], C, p, b, acc);
+    if (b == nb - 1) {                 // the group's outputs
+      const int64_t n = n0 + TM * g;
+      for (int64_t m = 0; m < M; ++m)
+        for (int i = 0; i < TM; ++i) Y[m * ldy + n + i] = acc.v[i][m];
+      std::memset(&acc, 0, sizeof acc);
+    }
+  }
+}
+
+// A pair t of tile products into C tiles 4, 5 (t even) or 6, 7 (t odd), and the previous pair's C stored
+// while this one multiplies (t = pairs: the last store alone). A0/A1 and B2/B3: the pair's two sub-blocks.
+// Tile numbers are literals (GCC's macros).
+inline void tile_pair(const void* a0, const void* a1, size_t a_stride, const void* b0, const void* b1, int t,
+                      int pairs, int32_t* c_prev0, int32_t* c_prev1) {
+  asm volatile("" ::: "memory");  // the tile loads read A: GCC's _tile_loadd declares no memory input
+  if (t < pairs) {
+    TILE_LOAD(0, a0, a_stride);
+    TILE_LOAD(1, a1, a_stride);
+    TILE_LOAD(2, b0, 64);
+    TILE_LOAD(3, b1, 64);
+  }
+  if (t % 2 == 0) {
+    if (t < pairs) {
+      TILE_ZERO(4);
+      TILE_ZERO(5);
+      TILE_DPBSSD(4, 0, 2);
+      TILE_DPBSSD(5, 1, 3);
+    }
+    if (t > 0) {
+      TILE_STORE(6, c_prev0, 64);
+      TILE_STORE(7, c_prev1, 64);
+    }
+  } else {
+    if (t < pairs) {
+      TILE_ZERO(6);
+      TILE_ZERO(7);
+      TILE_DPBSSD(6, 0, 2);
+      TILE_DPBSSD(7, 1, 3);
+    }
+    TILE_STORE(4, c_prev0, 64);
+    TILE_STORE(5, c_prev1, 64);
+  }
+}
+
+void fallback(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
+              int64_t ldy) {
+  if (n0 >= n1) return;
+#ifndef SX_EMULATE_AMX  // the AMX CPUs have AVX-512 VNNI; an emulating CPU may have AVX2 only
+  if (sx_avx512vnni_gemm) return sx_avx512vnni_gemm(type, act, M, K, W, n0, n1, Y, ldy);
+#endif
+  sx_avx2_gemm(type, act, M, K, W, n0, n1, Y, ldy);
+}
+
+}  // namespace
