@@ -1,6 +1,7 @@
-"""The CPU kernels' NEON path (AArch64 with dotprod: Jetson Orin's Cortex-A78AE), cross-compiled with Debian's
-aarch64 toolchain and run under qemu-user: it equals the reference bit for bit, and the AArch64 reference
-equals this machine's (portable C++, no fused multiply-adds but the explicit ones)."""
+"""The CPU kernels' ARM paths, cross-compiled with Debian's aarch64 toolchain and run under qemu-user (whose
+default CPU has dotprod and i8mm): neon (dotprod: Jetson Orin's Cortex-A78AE) and i8mm (smmla: Graviton 3/4,
+AmpereOne, Apple M2+) equal the reference bit for bit, the library's self-check passes them, and the AArch64
+reference equals this machine's (portable C++, no fused multiply-adds but the explicit ones)."""
 from __future__ import annotations
 
 import shutil
@@ -46,20 +47,21 @@ def _matmul(driver, tmp, qtype, path, exact, x, w) -> np.ndarray:
     return np.frombuffer((tmp / "out").read_bytes(), np.float32).reshape(M, w.shape[0])
 
 
-def test_the_emulated_cpu_runs_the_neon_path(driver):
+def test_the_emulated_cpu_runs_the_neon_and_i8mm_paths(driver):
     out = subprocess.run([QEMU, str(driver), "paths"], capture_output=True, text=True, check=True).stdout.split()
-    assert out == ["ref,neon"]
+    assert out == ["ref,neon,i8mm"]
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED)
-def test_neon_equals_the_reference_and_the_reference_is_portable(driver, tmp_path, qtype):
+def test_neon_and_i8mm_equal_the_reference_and_the_reference_is_portable(driver, tmp_path, qtype):
     rng = np.random.default_rng(11)
     k = QK[qtype] * 2
     w, x = blocks(rng, qtype, 13, k), rng.standard_normal((7, k)).astype(np.float32)
     here = cpu.Kernels()
     for exact in (False, True):
         ref = _matmul(driver, tmp_path, qtype, "ref", exact, x, w)
-        assert np.array_equal(_matmul(driver, tmp_path, qtype, "neon", exact, x, w), ref), (qtype, exact)
+        for path in ("neon", "i8mm"):
+            assert np.array_equal(_matmul(driver, tmp_path, qtype, path, exact, x, w), ref), (qtype, path, exact)
         assert np.array_equal(here.matmul(qtype, x, w, path="ref", exact=exact), ref), (qtype, exact)
 
 

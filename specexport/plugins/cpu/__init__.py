@@ -12,7 +12,7 @@ and `status()` says why. An optional unit the toolchain cannot compile (the VNNI
 than binutils 2.36) is left out, and said, instead of failing the library. ONNX Runtime's headers: headers.py.
 
 Environment: SPECEXPORT_KERNELS=off hides the library (the stock route runs); SPECEXPORT_KERNEL_PATH
-(ref, avx2, avxvnni, avx512vnni, avx512, amx, neon, tiers) forces a kernel path; SPECEXPORT_KERNEL_SELFCHECK=off lets a SIMD
+(ref, avx2, avxvnni, avx512vnni, avx512, amx, neon, i8mm, tiers) forces a kernel path; SPECEXPORT_KERNEL_SELFCHECK=off lets a SIMD
 path run without first checking its bits against the reference's (planted-bug tests; `inspect` says so);
 CXX names the compiler (arguments allowed: "ccache g++").
 """
@@ -43,9 +43,10 @@ __all__ = ["KernelsUnavailable", "Kernels", "Status", "status", "build", "regist
 DOMAIN = "specexport.cpu"
 HERE = Path(__file__).parent
 KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_selfcheck.cc", "sx_avx2.cc", "sx_vnni.cc", "sx_avx512.cc",
-                  "sx_amx.cc", "sx_neon.cc")
+                  "sx_amx.cc", "sx_neon.cc", "sx_i8mm.cc")
 # unit -> the paths it holds: left out (and said) where the toolchain cannot compile it
-OPTIONAL = {"sx_vnni.cc": ("avxvnni", "avx512vnni"), "sx_avx512.cc": ("avx512",), "sx_amx.cc": ("amx",)}
+OPTIONAL = {"sx_vnni.cc": ("avxvnni", "avx512vnni"), "sx_avx512.cc": ("avx512",), "sx_amx.cc": ("amx",),
+            "sx_i8mm.cc": ("i8mm",)}
 ORT_SOURCE = "sx_ort.cc"
 BLOCK = {t: 256 if t.endswith("_K") else 32 for t in TYPES}   # weights per (super-)block along K
 ORT_FLOOR = (1, headers.API_VERSION)                           # the C API the ops' headers ask for
@@ -64,6 +65,8 @@ def flags(source: str, defines: list[str] = ()) -> list[str]:
                 "-mamx-int8"]
     if source == "sx_neon.cc":
         out += ["-march=armv8.2-a+dotprod"]
+    if source == "sx_i8mm.cc":     # runs only where the CPU has it (sx_dispatch.cc's cpu_has)
+        out += ["-march=armv8.2-a+dotprod+i8mm"]
     return out
 
 
@@ -71,7 +74,8 @@ def sources(arch: str | None = None) -> list[str]:
     """The kernel sources this architecture compiles (the x86 files on x86-64, the NEON one on AArch64)."""
     arch = arch or platform.machine()
     x86, arm = ("x86_64", "AMD64"), ("aarch64", "arm64")
-    only = {"sx_avx2.cc": x86, "sx_vnni.cc": x86, "sx_avx512.cc": x86, "sx_amx.cc": x86, "sx_neon.cc": arm}
+    only = {"sx_avx2.cc": x86, "sx_vnni.cc": x86, "sx_avx512.cc": x86, "sx_amx.cc": x86, "sx_neon.cc": arm,
+            "sx_i8mm.cc": arm}
     return [s for s in KERNEL_SOURCES if arch in only.get(s, (arch,))]
 
 
@@ -202,6 +206,8 @@ def expected_paths() -> set[str] | None:
                 out.add("amx")
     if "asimddp" in words and platform.machine() in ("aarch64", "arm64"):
         out.add("neon")
+        if "i8mm" in words:
+            out.add("i8mm")
     return out
 
 

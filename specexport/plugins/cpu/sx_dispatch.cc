@@ -16,6 +16,9 @@
 #ifndef HWCAP_ASIMDDP
 #define HWCAP_ASIMDDP (1 << 20)
 #endif
+#ifndef HWCAP2_I8MM
+#define HWCAP2_I8MM (1 << 13)
+#endif
 #endif
 #include <cstring>
 #include <string>
@@ -47,6 +50,8 @@ __attribute__((weak)) void sx_avx512_gemm(int, const void*, int64_t, int64_t, co
 #endif
 void sx_ref_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 #if defined(__aarch64__)
+__attribute__((weak)) void sx_i8mm_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                                        int64_t);
 void sx_neon_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 void sx_neon_attend(const sx::AttnRow&);
 void sx_neon_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
@@ -57,8 +62,8 @@ void sx_ref_attend(const sx::AttnRow&);
 
 namespace {
 
-constexpr int ALL[] = {SX_REF, SX_AVX2, SX_AVXVNNI, SX_AVX512VNNI, SX_AVX512, SX_AMX, SX_NEON};
-constexpr int BEST_FIRST[] = {SX_NEON, SX_AMX, SX_AVX512, SX_AVX512VNNI, SX_AVXVNNI, SX_AVX2};
+constexpr int ALL[] = {SX_REF, SX_AVX2, SX_AVXVNNI, SX_AVX512VNNI, SX_AVX512, SX_AMX, SX_NEON, SX_I8MM};
+constexpr int BEST_FIRST[] = {SX_NEON, SX_I8MM, SX_AMX, SX_AVX512, SX_AVX512VNNI, SX_AVXVNNI, SX_AVX2};
 constexpr int NPATHS = 16;  // path ids index the state tables
 
 #if defined(__x86_64__) && defined(__linux__)
@@ -92,6 +97,14 @@ void neon_attend_group(const sx::AttnRow* rows, int64_t n) {
 }
 #endif
 
+#if defined(__aarch64__) && defined(__APPLE__)
+bool apple_has(const char* feature) {  // every Apple M-series core has dotprod, M2 on i8mm: asked as the OS names them
+  int v = 0;
+  size_t n = sizeof(v);
+  return sysctlbyname(feature, &v, &n, nullptr, 0) == 0 && v;
+}
+#endif
+
 // Whether the CPU (and the OS: AVX-512's registers) has the path's instructions, and this library its code.
 bool cpu_has(int path) {
   switch (path) {
@@ -122,12 +135,10 @@ bool cpu_has(int path) {
 #endif
 #if defined(__aarch64__) && defined(__linux__)
     case SX_NEON: return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+    case SX_I8MM: return sx_i8mm_gemm && cpu_has(SX_NEON) && (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
 #elif defined(__aarch64__) && defined(__APPLE__)
-    case SX_NEON: {  // every Apple M-series core has it; asked anyway, as the OS names it
-      int v = 0;
-      size_t n = sizeof(v);
-      return sysctlbyname("hw.optional.arm.FEAT_DotProd", &v, &n, nullptr, 0) == 0 && v;
-    }
+    case SX_NEON: return apple_has("hw.optional.arm.FEAT_DotProd");
+    case SX_I8MM: return sx_i8mm_gemm && apple_has("hw.optional.arm.FEAT_I8MM");
 #endif
     default: return false;
   }
@@ -142,6 +153,7 @@ const char* name(int path) {
     case SX_AVX512VNNI: return "avx512vnni";
     case SX_AMX: return "amx";
     case SX_AVX512: return "avx512";
+    case SX_I8MM: return "i8mm";
     case SX_TIERS: return "tiers";
     default: return "?";
   }
@@ -171,6 +183,7 @@ SxKernels kernels(int path) {
 #endif
 #if defined(__aarch64__)
     case SX_NEON: return {sx_ref_quantize_row, sx_neon_gemm, sx_neon_gemm_exact, sx_neon_attend, neon_attend_group};
+    case SX_I8MM: return {sx_ref_quantize_row, sx_i8mm_gemm, sx_neon_gemm_exact, sx_neon_attend, neon_attend_group};
 #endif
     default: return {sx_ref_quantize_row, sx_ref_gemm, sx_ref_gemm_exact, sx_ref_attend, ref_attend_group};
   }

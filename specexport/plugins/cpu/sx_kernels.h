@@ -16,7 +16,7 @@ extern "C" {
 // (sx_set_tier; every path gives the same bits, so the choice never changes an output).
 enum {
   SX_AUTO = -1, SX_REF = 0, SX_AVX2 = 1, SX_NEON = 3, SX_AVXVNNI = 4, SX_AVX512VNNI = 5, SX_AMX = 6, SX_TIERS = 7,
-  SX_AVX512 = 8
+  SX_AVX512 = 8, SX_I8MM = 9
 };
 
 SX_API int sx_version(void);

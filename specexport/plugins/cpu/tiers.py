@@ -25,7 +25,7 @@ MAX_ROWS = 17                                # the table's last row: more than 1
 SHAPE = (512, 4096)                           # N, K: L2-sized (1.7 MB of Q6_K); K as a layer's (16 blocks)
 REPS = 5
 MARGIN = 0.85                                 # another path is taken when it needs at most 85% of the time
-ORDER = ("avx512vnni", "avxvnni", "avx2", "neon", "avx512", "amx")   # the proven vector path first
+ORDER = ("avx512vnni", "avxvnni", "avx2", "neon", "avx512", "amx", "i8mm")   # the proven vector path first
 
 
 def cpu_id() -> str:
