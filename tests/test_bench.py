@@ -550,3 +550,14 @@ def test_the_builds_measured_settings_are_the_defaults(bench_report, tmp_path):
     with specexport.load(out) as pipe:
         auto = read_manifest(out)["gamma_auto"]["fp32/fp32"]["gamma"]
         assert pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=8, method="draft").stats.gamma == (auto or 4)
+
+
+def test_a_peer_that_cannot_open_its_model_is_a_skip_with_its_reason(tmp_path):
+    """A peer child that fails before it is ready (a checkpoint folder without weights: a lean gguf build's
+    config) raises its reason, and is reaped: the bench skips that peer instead of crashing."""
+    from specexport.report.peers import PeerProcess, PeerSpec
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(RuntimeError) as err:
+        PeerProcess(PeerSpec("transformers", "fp32 (PyTorch)", (("target", str(tmp_path)),)), start_timeout_s=120)
+    assert "AttributeError" not in str(err.value) and str(err.value)

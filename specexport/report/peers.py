@@ -74,7 +74,11 @@ class PeerProcess:
             raise RuntimeError(f"did not start within {start_timeout_s:.0f} s")
         kind, payload = self._recv()
         if kind != "ready":
-            self._proc.join(5)
+            try:                                   # the child reported why and is exiting
+                self._proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+            self._conn.close()
             raise RuntimeError(payload)
         self.names: list[str] = payload
         self.peak_rss_bytes: int | None = None
