@@ -10,10 +10,11 @@
 
 extern "C" {
 
-// Kernel paths. SX_AUTO picks the best the CPU has; every path equals SX_REF bit for bit. The VNNI paths are
-// the AVX2 path with VNNI's integer dot products (AVX-VNNI's VEX encoding, or AVX512-VNNI's EVEX on ymm).
-// SX_TIERS is no instruction set: each pass runs the path its type and row count were measured fastest on
-// (sx_set_tier; every path gives the same bits, so the choice never changes an output).
+// Kernel paths; every path equals SX_REF bit for bit. The VNNI paths are the AVX2 path with VNNI's integer dot
+// products (AVX-VNNI's VEX encoding, or AVX512-VNNI's EVEX on ymm); SX_AVX512 the K types on zmm; SX_AMX the
+// matrix tiles (Q4_K, Q6_K); SX_NEON and SX_I8MM AArch64's sdot and smmla. SX_TIERS is no instruction set: each
+// pass runs the path its type and row count were measured fastest on (sx_set_tier; every path gives the same
+// bits, so the choice never changes an output). SX_AUTO: what sx_resolve picks.
 enum {
   SX_AUTO = -1, SX_REF = 0, SX_AVX2 = 1, SX_NEON = 3, SX_AVXVNNI = 4, SX_AVX512VNNI = 5, SX_AMX = 6, SX_TIERS = 7,
   SX_AVX512 = 8, SX_I8MM = 9
@@ -21,12 +22,12 @@ enum {
 
 SX_API int sx_version(void);
 // Path names, "ref,avx2": those this CPU and this build can run. A SIMD path runs only after it computed the
-// reference's bits on a small problem of every type here (a self-check at first use: a CPU or compiler that
-// gets an instruction wrong is never used); SPECEXPORT_KERNEL_SELFCHECK=off skips it (tests of planted bugs).
+// reference's bits on every op, type and row count (sx_selfcheck.cc, at first use: a CPU, compiler or change
+// that gets an instruction wrong is never used); SPECEXPORT_KERNEL_SELFCHECK=off skips it (planted-bug tests).
 SX_API const char* sx_paths(void);
 // Paths this CPU has whose self-check disagreed with the reference ("" when none): they do not run.
 SX_API const char* sx_refused(void);
-// For each refused path, the first case that differed ("avx2: type 12 K=768 M=5: int8 matmul; ...").
+// For each refused path, the first case that differed ("avx2: Q4_K K=768 M=5: int8 matmul; ...").
 SX_API const char* sx_refused_why(void);
 // What the self-check covered here, or that it was turned off.
 SX_API const char* sx_selfcheck(void);
