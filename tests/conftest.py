@@ -12,6 +12,10 @@ from pathlib import Path
 # The tree-attention kernel runs in Triton's interpreter here (no GPU), which must be chosen before
 # anything imports triton (torch may, during export).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The compiled CPU kernels in one folder for the session, whichever SPECEXPORT_CACHE a test sets for its GGUF
+# conversions: each such test would otherwise compile the library again (~20 s).
+os.environ.setdefault("SPECEXPORT_KERNELS_CACHE", str(Path(os.environ.get("SPECEXPORT_CACHE")
+                                                           or Path.home() / ".cache" / "specexport") / "kernels"))
 
 import pytest
 import yaml

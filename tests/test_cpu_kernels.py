@@ -496,7 +496,7 @@ def test_an_optional_unit_that_does_not_compile_is_left_out_and_said(tmp_path, m
                     'exec g++ "$@"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("CXX", str(fake))
-    monkeypatch.setenv("SPECEXPORT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECEXPORT_KERNELS_CACHE", str(tmp_path / "kernels"))
     k = cpu.Kernels(cpu.build(with_ort=False))
     assert k.paths() == ["ref", "avx2"] and k.refused() == []
     why = "Error: no such instruction: {evex} vpdpbusd"
@@ -514,7 +514,7 @@ def test_status_never_raises_it_says_why_the_stock_route_runs(tmp_path, monkeypa
     blocker.write_text("")
     if cpu.status().available:                       # the headers from where they are: no fetch in this test
         monkeypatch.setenv("SPECEXPORT_ORT_INCLUDE", str(cpu.ort_include(fetch=False)))
-    monkeypatch.setenv("SPECEXPORT_CACHE", str(blocker / "cache"))
+    monkeypatch.setenv("SPECEXPORT_KERNELS_CACHE", str(blocker / "kernels"))
     cpu.status.cache_clear()
     try:
         st = cpu.status()

@@ -3,7 +3,8 @@
     Y[M, N] = X[M, K] . W^T   with W the file's blocks verbatim: ONNX Runtime custom ops in the domain
     "specexport.cpu" (GgufMatMul, GgufGather; sx_ort.cc) and a C interface for tests and benchmarks.
 
-Compiled by the system's C++ compiler into $SPECEXPORT_CACHE/kernels/<key>/ (default ~/.cache/specexport),
+Compiled by the system's C++ compiler into $SPECEXPORT_CACHE/kernels/<key>/ (default ~/.cache/specexport;
+$SPECEXPORT_KERNELS_CACHE names the kernels' folder alone),
 the key a digest of every source and header here, ONNX Runtime's headers, the compiler's version and the
 flags, so an edit or another compiler builds anew and concurrent first uses build once (a file lock, an
 atomic rename). Why not a build backend at install: pip's wheel of ONNX Runtime has no C headers, and a
@@ -54,8 +55,11 @@ ORT_FLOOR = (1, headers.API_VERSION)                           # the C API the o
 
 def flags(source: str, defines: list[str] = ()) -> list[str]:
     """The compiler flags of one source file. -ffp-contract=off: the float steps are the reference's,
-    never fused differently by one translation unit (bit-identical paths)."""
-    out = ["-O2", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden"]
+    never fused differently by one translation unit (bit-identical paths). Test libraries (a planted bug, an
+    emulated instruction set) compile at -O1: their bits are the same (no fast-math), they build in half the
+    time, and they are never timed."""
+    test = any(d.startswith(("-DSX_PLANT_", "-DSX_EMULATE_")) for d in defines)
+    out = ["-O1" if test else "-O2", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden"]
     if source in ("sx_avx2.cc", "sx_vnni.cc", "sx_avx512.cc", "sx_amx.cc"):
         out += ["-mavx2", "-mfma", "-mf16c"]
     if source == "sx_avx512.cc":   # runs only where the CPU has them (sx_dispatch.cc's cpu_has)
@@ -105,6 +109,13 @@ def ort_include(fetch: bool = True) -> Path:
     return headers.include(fetch, os.environ.get("SPECEXPORT_ORT_INCLUDE"))
 
 
+def kernels_dir() -> Path:
+    """Where compiled libraries (and the fetched ORT headers) live: $SPECEXPORT_KERNELS_CACHE, else
+    $SPECEXPORT_CACHE/kernels (default ~/.cache/specexport/kernels)."""
+    env = os.environ.get("SPECEXPORT_KERNELS_CACHE")
+    return Path(env) if env else cache_base() / "kernels"
+
+
 def _mkdir(p: Path) -> Path:
     p.mkdir(parents=True, exist_ok=True)
     return p
@@ -136,7 +147,7 @@ def build(with_ort: bool = True, *, plant: str | None = None, emulate_vnni: bool
     defines = ([f"-DSX_PLANT_{plant.upper()}"] if plant else []) + (["-DSX_EMULATE_VNNI"] if emulate_vnni else []) + \
         (["-DSX_EMULATE_AMX"] if emulate_amx else [])
     name = "libspecexport_cpu.so" if with_ort else "libspecexport_kernels.so"
-    folder = cache_base() / "kernels" / cache_key(cxx, srcs, include, defines)
+    folder = kernels_dir() / cache_key(cxx, srcs, include, defines)
     lib = folder / name
     if lib.is_file():
         return lib

@@ -19,7 +19,6 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from specexport.config import cache_base
 from specexport.errors import KernelsUnavailable
 
 VERSION = "1.21.0"
@@ -51,7 +50,9 @@ def include(fetch: bool = True, env: str | None = None) -> Path:
 
 
 def cache_folder() -> Path:
-    return cache_base() / "kernels" / f"ort-{VERSION}"
+    from specexport.plugins.cpu import kernels_dir
+
+    return kernels_dir() / f"ort-{VERSION}"
 
 
 def digest(folder: Path) -> str:
