@@ -4,8 +4,8 @@
 // (VNNI layout: four K values of a row side by side), packed once a call; each chunk's or sub-block's exact
 // int32 sums are scaled by its integer scale into the block's integer, then the reference's float steps in
 // the reference's order (sx_ref.cc), so every output's bits equal ref's. Tile kernels: Q4_K and Q6_K (a
-// Q4_K_M file's weights); every other type, and column tails of fewer than 16, run the VNNI or AVX2 kernels
-// (the same bits). sx_amx.h: the tiles, their configuration, the pipelined driver.
+// Q4_K_M file's weights) and Q8_0; every other type, and column tails of fewer than 16, run the VNNI or AVX2
+// kernels (the same bits). sx_amx.h: the tiles, their configuration, the pipelined driver.
 // SX_EMULATE_AMX (a test library, compiled with AVX2 flags only): the tile instructions computed in C with
 // their exact integer semantics and the steps around them in scalar C on the same layouts, so a CPU without
 // AMX checks the tiles' layouts, the activations' packing and the scale handling against the reference.
@@ -16,7 +16,7 @@ namespace {
 // ---- Q4_K: a tile a 32-weight chunk, eight products a block ---------------------------------------------
 
 struct Q4K_AMX {
-  static constexpr int PAIRS = 4, KB = 32;
+  static constexpr int PAIRS = 4, KB = 32, STEP_K = 256;
   // A Q4_K block's eight 32-weight chunks in pairs: pair t holds chunks CHUNK[t][0] and [1] side by side (a load
   // of 64 code bytes gives the low nibbles of chunks 2t, 2t + 2 and the high ones of 2t + 1, 2t + 3).
   static constexpr int CHUNK[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
@@ -175,7 +175,7 @@ struct Q4K_AMX {
 // a sub-block's sum (up to 16 x 32 x 127) is no int16; so each sub-block's sums are scaled by vpmulld.
 
 struct Q6K_AMX {
-  static constexpr int PAIRS = 8, KB = 16;
+  static constexpr int PAIRS = 8, KB = 16, STEP_K = 256;
 
   // B per sub-block (4 rows x 64 bytes: row i holds activations 4i..4i+3 of its 16, for each token), the
   // tokens' scales per block.
@@ -264,11 +264,81 @@ struct Q6K_AMX {
   }
 };
 
+// ---- Q8_0: the file's int8 values are A tiles as they lie (a tile load at the row stride): nothing unpacked
+
+struct Q8_0_AMX {
+  static constexpr int PAIRS = 1, KB = 32, STEP_K = 64;  // a step: two 32-weight blocks
+
+  struct Packed {
+    std::vector<int8_t> B;      // [blocks][8][64]
+    std::vector<float> da;      // [blocks][16]
+  };
+
+  static void pack(const ActRow* rows, int64_t M, int64_t K, int qk, Packed& p) {
+    const int64_t nb = K / qk;
+    p.B.assign((size_t)(nb * 512), 0);
+    p.da.assign((size_t)(nb * TN), 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int i = 0; i < 8; ++i)
+          std::memcpy(&p.B[(size_t)((b * 8 + i) * 64 + 4 * m)], rows[m].q + b * 32 + 4 * i, 4);
+        p.da[(size_t)(b * TN + m)] = rows[m].d[b];
+      }
+  }
+
+  struct Step {
+    const uint8_t* base;                  // row n's step: its first block
+    size_t rb;
+    alignas(64) float dd[TM][2];
+  };
+
+  using Sums = int32_t[2][TM][TN];
+
+  template <class Tiles>
+  static void unpack(const uint8_t* W, size_t rb, int64_t n, int64_t s, Step& st, Tiles&& tiles) {
+    tiles(0);
+    st.base = W + (size_t)n * rb + (size_t)s * 68;
+    st.rb = rb;
+    for (int i = 0; i < TM; ++i) {
+      const uint8_t* blk = st.base + (size_t)i * rb;
+      _mm_prefetch((const char*)(blk + TM * rb), _MM_HINT_T0);   // the next group's row, as in Q4_K's
+      _mm_prefetch((const char*)(blk + TM * rb + 64), _MM_HINT_T0);
+      st.dd[i][0] = half(blk);
+      st.dd[i][1] = half(blk + 34);
+    }
+  }
+
+#ifdef SX_EMULATE_AMX
+  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t s, Acc& acc) {
+    for (int j = 0; j < 2; ++j) {
+      const float* da = pk.da.data() + (2 * s + j) * TN;
+      for (int i = 0; i < TM; ++i)
+        for (int m = 0; m < TN; ++m) acc.v[i][m] = std::fmaf((float)C[j][i][m], st.dd[i][j] * da[m], acc.v[i][m]);
+    }
+  }
+#else
+  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t s, Acc& acc) {
+    const __m512 da0 = _mm512_loadu_ps(pk.da.data() + 2 * s * TN), da1 = _mm512_loadu_ps(pk.da.data() + (2 * s + 1) * TN);
+    for (int i = 0; i < TM; ++i) {
+      __m512 v = _mm512_load_ps(acc.v[i]);
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(C[0][i])), _mm512_mul_ps(_mm512_set1_ps(st.dd[i][0]), da0), v);
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(C[1][i])), _mm512_mul_ps(_mm512_set1_ps(st.dd[i][1]), da1), v);
+      _mm512_store_ps(acc.v[i], v);
+    }
+  }
+#endif
+
+  static void pair(const Step& st, const Packed& pk, int64_t s, Sums& C, int t) {
+    const int8_t* B = pk.B.data() + (size_t)s * 2 * 512;
+    tile_pair(st.base + 2, st.base + 36, st.rb, B, B + 512, t, PAIRS, C[0][0], C[1][0]);
+  }
+};
+
 template <class Kern>
 void run(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
          int64_t ldy) {
-  const int64_t nb = K / ti.qk;
-  const size_t rb = (size_t)nb * ti.bytes;
+  const int64_t nb = K / Kern::STEP_K;
+  const size_t rb = (size_t)(K / ti.qk) * ti.bytes;
   std::vector<ActRow> rows((size_t)M);
   for (int64_t m = 0; m < M; ++m) rows[(size_t)m] = act_row(act, m, K, ti.qk);
   typename Kern::Packed p;
@@ -289,6 +359,8 @@ void sx_amx_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t*
   switch (type) {
     case Q4_K: return run<Q4K_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
     case Q6_K: return run<Q6K_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q8_0:  // steps of two blocks
+      return K % 64 ? fallback(type, act, M, K, W, n0, n1, Y, ldy) : run<Q8_0_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
     default: return fallback(type, act, M, K, W, n0, n1, Y, ldy);
   }
 }

@@ -89,7 +89,7 @@ inline uint32_t pair16(int a, int b) { return (uint32_t)(uint16_t)a | (uint32_t)
 // s + 1 (Kern::unpack calls it back), then takes s's sums (Kern::epilogue) into the rows' accumulators.
 template <class Kern>
 void run_groups(const uint8_t* W, size_t rb, int64_t nb, const typename Kern::Packed& p, int64_t M, int64_t n0,
-                int64_t groups, float* Y, int64_t ldy) {
+                int64_t groups, float* Y, int64_t ldy) {  // nb: steps a group (Kern::STEP_K weights each)
   static thread_local typename Kern::Step steps_tls[2];
   static thread_local Acc acc_tls;
   alignas(64) static thread_local typename Kern::Sums C_tls;  // columns past M are never read into Y
