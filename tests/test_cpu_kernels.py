@@ -403,50 +403,48 @@ def test_this_cpu_runs_every_path_its_flags_promise_with_nothing_refused(kernels
         assert status.path == runs or os.environ.get("SPECEXPORT_KERNEL_PATH"), status.line()
 
 
+def _planted_in_a_fresh_process(lib, qtype: str, path: str, *, check: bool) -> tuple[str, str, str, bool]:
+    """A planted library loaded in a fresh process (its self-check runs once per process): (paths, refused,
+    refused_why, whether `path`'s bits equal ref's on a small `qtype` matmul)."""
+    code = ("import sys, numpy as np; from specexport.plugins import cpu; "
+            "from specexport.quant.gguf_blocks import random_blocks; k = cpu.Kernels(cpu.Path(sys.argv[1])); "
+            "print(','.join(k.paths()), ','.join(k.refused()), sep='|'); print(k.refused_why()); "
+            "r = np.random.default_rng(0); q = sys.argv[2]; K = 512 if q.endswith('_K') else 64; "
+            "w = random_blocks(r, q, 32, K); x = r.standard_normal((3, K)).astype(np.float32); "
+            "print(int(np.array_equal(k.matmul(q, x, w, path=sys.argv[3]), k.matmul(q, x, w, path='ref'))))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECEXPORT_KERNEL")}
+    if not check:
+        env["SPECEXPORT_KERNEL_SELFCHECK"] = "off"
+    out = subprocess.run([sys.executable, "-c", code, str(lib), qtype, path], capture_output=True, text=True,
+                         env=env, check=True).stdout.splitlines()
+    paths, refused = out[0].split("|")
+    return paths, refused, out[1], out[-1] == "1"
+
+
 def test_a_planted_vnni_bug_is_refused_by_the_self_check_and_caught_by_the_tests():
     """A bug in the VNNI-only code (the activations' signs lost in vpdpbusd's step), in the emulated library:
     the self-check refuses both VNNI paths, naming the first case; with the check off it computes wrong bits."""
     if "avx2" not in (cpu.expected_paths() or set()):
         pytest.skip("the VNNI paths are emulated with AVX2, which this CPU lacks")
     lib = _planted("vnni_quads", emulate_vnni=True).lib
-    code = ("import sys, numpy as np; from specexport.plugins import cpu; k = cpu.Kernels(cpu.Path(sys.argv[1])); "
-            "print(','.join(k.paths()), ','.join(k.refused()), sep='|'); print(k.refused_why()); "
-            "r = np.random.default_rng(0); x = r.standard_normal((2, 32)).astype(np.float32); "
-            "w = np.frombuffer(bytes(r.integers(0, 256, 34 * 3, dtype=np.uint8)), np.uint8).reshape(3, 34).copy(); "
-            "w[:, 1] = 0x1c; print(int(np.array_equal(k.matmul('Q8_0', x, w, path=sys.argv[2]), "
-            "k.matmul('Q8_0', x, w, path='ref'))))")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECEXPORT_KERNEL")}
-    out = subprocess.run([sys.executable, "-c", code, str(lib), "avx2"], capture_output=True, text=True, env=env,
-                         check=True).stdout.splitlines()
-    paths, refused = out[0].split("|")
+    paths, refused, why, _ = _planted_in_a_fresh_process(lib, "Q8_0", "avx2", check=True)
     # the AMX tier (where the CPU has it) runs the VNNI kernels for what it has no tiles for: refused too
-    assert paths == "ref,avx2" and {"avxvnni", "avx512vnni"} <= set(refused.split(",")), out
-    assert "avxvnni: Q4_0 K=32 M=1: int8 matmul" in out[1], out
-    env["SPECEXPORT_KERNEL_SELFCHECK"] = "off"
-    out = subprocess.run([sys.executable, "-c", code, str(lib), "avxvnni"], capture_output=True, text=True, env=env,
-                         check=True).stdout.splitlines()
-    assert out[0].startswith("ref,avx2,avxvnni,avx512vnni") and out[0].endswith("|") and out[-1] == "0", out
+    assert paths == "ref,avx2" and {"avxvnni", "avx512vnni"} <= set(refused.split(",")), (paths, refused)
+    assert "avxvnni: Q4_0 K=32 M=1: int8 matmul" in why, why
+    paths, refused, _, equal = _planted_in_a_fresh_process(lib, "Q8_0", "avxvnni", check=False)
+    assert paths.startswith("ref,avx2,avxvnni,avx512vnni") and not refused and not equal
 
 
 def test_a_planted_amx_layout_bug_is_refused_and_caught_in_the_emulated_tiles():
-    """The activations packed for the wrong half of a tile (in code the real and the emulated AMX tier share):
+    """The activations packed for the wrong chunk of a tile (in code the real and the emulated AMX tier share):
     the self-check refuses the tier, naming the case; with the check off its Q4_K bits differ."""
     if "avx2" not in (cpu.expected_paths() or set()):
         pytest.skip("the AMX tier is emulated with AVX2's steps around it, which this CPU lacks")
     lib = _planted("amx_pack", emulate_amx=True).lib
-    code = ("import sys, numpy as np; from specexport.plugins import cpu; k = cpu.Kernels(cpu.Path(sys.argv[1])); "
-            "print(','.join(k.paths()), ','.join(k.refused()), sep='|'); print(k.refused_why()); "
-            "from specexport.quant.gguf_blocks import random_blocks; r = np.random.default_rng(0); "
-            "w = random_blocks(r, 'Q4_K', 32, 512); x = r.standard_normal((3, 512)).astype(np.float32); "
-            "print(int(np.array_equal(k.matmul('Q4_K', x, w, path=sys.argv[2]), k.matmul('Q4_K', x, w, path='ref'))))")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECEXPORT_KERNEL")}
-    out = subprocess.run([sys.executable, "-c", code, str(lib), "avx2"], capture_output=True, text=True, env=env,
-                         check=True).stdout.splitlines()
-    assert out[0].split("|")[1] == "amx" and "amx: Q4_K K=256 M=1: int8 matmul" in out[1], out
-    env["SPECEXPORT_KERNEL_SELFCHECK"] = "off"
-    out = subprocess.run([sys.executable, "-c", code, str(lib), "amx"], capture_output=True, text=True, env=env,
-                         check=True).stdout.splitlines()
-    assert "amx" in out[0].split("|")[0].split(",") and out[-1] == "0", out
+    _, refused, why, _ = _planted_in_a_fresh_process(lib, "Q4_K", "avx2", check=True)
+    assert refused == "amx" and "amx: Q4_K K=256 M=1: int8 matmul" in why, (refused, why)
+    paths, _, _, equal = _planted_in_a_fresh_process(lib, "Q4_K", "amx", check=False)
+    assert "amx" in paths.split(",") and not equal
 
 
 def test_the_self_check_is_reported_and_so_is_turning_it_off(kernels):

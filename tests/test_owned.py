@@ -57,12 +57,17 @@ def test_create_never_takes_over_an_existing_folder(tmp_path):
     assert not (tmp_path / "x" / owned.MARKER).exists()
 
 
+def _sealed(parent, files: dict):
+    """A sealed output of the command "cmd" holding `files`, as a build writes one before placing it."""
+    partial = owned.fresh(parent, ".out.partial-", by="cmd")
+    _write(partial, files)
+    owned.seal(partial)
+    return partial
+
+
 def test_place_replaces_only_the_commands_files(tmp_path):
     def written(files):
-        partial = owned.fresh(tmp_path, ".out.partial-", by="cmd")
-        _write(partial, files)
-        owned.seal(partial)
-        return partial
+        return _sealed(tmp_path, files)
 
     out = tmp_path / "out"
     owned.place(written({"config.json": "1", "weights": "1", "old.bin": "1"}), out, by="cmd")
@@ -149,10 +154,7 @@ def test_place_sees_links_and_empty_folders_as_foreign_and_never_writes_through_
     the output is updated in place around it (not swapped and moved aside), and a link that would lead a
     write outside the output is refused, nothing written through it."""
     def written(files):
-        partial = owned.fresh(tmp_path, ".out.partial-", by="cmd")
-        _write(partial, files)
-        owned.seal(partial)
-        return partial
+        return _sealed(tmp_path, files)
 
     outside = tmp_path / "elsewhere"
     _write(outside, {"keep.txt": "mine"})

@@ -19,7 +19,6 @@ Cache layout (a folder is complete once it exists: it is written as a hidden par
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -31,6 +30,7 @@ from specexport._console import Steps, progress
 from specexport._optional import require
 from specexport.config import GGUF_MAGIC as MAGIC, gguf_cache_root, is_gguf  # noqa: F401  (is_gguf: this module's API too)
 from specexport.errors import MissingDependency, SpecexportError
+from specexport.pinned import file_sha256
 
 RECORD = "gguf_source.json"
 BY = "specexport gguf conversion"
@@ -58,7 +58,7 @@ def hf_folder_from_gguf(gguf_path, *, cache_dir=None, console=None, weights: boo
     dest, made = converted_folder(path, cache_dir=cache_dir, weights=weights)
     if made:
         return dest
-    root, sha = dest.parent, _sha256(path)
+    root, sha = dest.parent, file_sha256(path)
     root.mkdir(parents=True, exist_ok=True)
     with require("filelock").FileLock(str(root / f".{dest.name}.lock")):
         if (dest / RECORD).is_file():                  # another process converted it while we waited
@@ -97,7 +97,7 @@ def converted_folder(gguf_path, *, cache_dir=None, weights: bool = True) -> tupl
     path = Path(gguf_path).expanduser().resolve()
     if not is_gguf(path):
         raise SpecexportError(f"{path}: not a GGUF file (it must exist and start with the bytes {MAGIC!r})")
-    dest = _cache_root(cache_dir) / f"{path.stem}-{_sha256(path)[:16]}{'' if weights else '-config'}"
+    dest = _cache_root(cache_dir) / f"{path.stem}-{file_sha256(path)[:16]}{'' if weights else '-config'}"
     return dest, (dest / RECORD).is_file()
 
 
@@ -115,14 +115,6 @@ def pending_conversions(cfg) -> list[tuple[str, Path, Path]]:
 
 def _cache_root(cache_dir) -> Path:
     return gguf_cache_root(cache_dir)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _require(name: str, path: Path):

@@ -76,10 +76,7 @@ struct Q4K_AMX {
   // The steps around the tiles in scalar C, on the same layouts (sx_blocks.h's unpack gives the codes).
   template <class Tiles>
   static void unpack(const uint8_t* W, size_t rb, int64_t n, int64_t b, Step& st, Tiles&& tiles) {
-    Unpacked u;
-    for (int i = 0; i < TM; ++i) {
-      if (i % (TM / PAIRS) == 0) tiles(i / (TM / PAIRS));
-      sx::unpack(Q4_K, W + (size_t)(n + i) * rb + (size_t)b * 144, u);
+    emu_rows<PAIRS>(Q4_K, W, rb, n, b, tiles, [&](int i, const Unpacked& u) {
       for (int t = 0; t < 4; ++t)
         for (int k = 0; k < 64; ++k) st.A[t][i][k] = (int8_t)(u.v[32 * CHUNK[t][k / 32] + k % 32] - 8);
       for (int p = 0; p < 4; ++p) {  // u.s, u.mn: per 16 weights; chunk j is 2j, 2j + 1
@@ -89,7 +86,7 @@ struct Q4K_AMX {
       }
       st.dd[i] = u.d;
       st.mm[i] = -u.m;
-    }
+    });
   }
 
   static int32_t dot_pairs(uint32_t a, uint32_t b) {  // vpdpwssd's step on one lane
@@ -209,15 +206,12 @@ struct Q6K_AMX {
 #ifdef SX_EMULATE_AMX
   template <class Tiles>
   static void unpack(const uint8_t* W, size_t rb, int64_t n, int64_t b, Step& st, Tiles&& tiles) {
-    Unpacked u;
-    for (int i = 0; i < TM; ++i) {
-      if (i % (TM / PAIRS) == 0) tiles(i / (TM / PAIRS));
-      sx::unpack(Q6_K, W + (size_t)(n + i) * rb + (size_t)b * 210, u);
+    emu_rows<PAIRS>(Q6_K, W, rb, n, b, tiles, [&](int i, const Unpacked& u) {
       for (int t = 0; t < 8; ++t)
         for (int k = 0; k < 32; ++k) st.A[t][i][k] = u.v[32 * t + k];
       for (int g = 0; g < 16; ++g) st.s[i][g] = u.s[g];
       st.dd[i] = u.d;
-    }
+    });
   }
 
   static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t blk_i, Acc& acc) {

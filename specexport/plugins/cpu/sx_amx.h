@@ -84,6 +84,21 @@ struct alignas(64) Acc {
 
 inline uint32_t pair16(int a, int b) { return (uint32_t)(uint16_t)a | (uint32_t)(uint16_t)b << 16; }
 
+#ifdef SX_EMULATE_AMX
+// A step's 16 rows unpacked by the shared scalar code (sx_blocks.h) and handed to `fill`, the step before's
+// tile pairs in between (as the real tier interleaves them).
+template <int PAIRS, class Tiles, class Fill>
+void emu_rows(int type, const uint8_t* W, size_t rb, int64_t n, int64_t b, Tiles&& tiles, Fill&& fill) {
+  const TypeInfo ti = type_info(type);
+  Unpacked u;
+  for (int i = 0; i < TM; ++i) {
+    if (i % (TM / PAIRS) == 0) tiles(i / (TM / PAIRS));
+    sx::unpack(type, W + (size_t)(n + i) * rb + (size_t)b * ti.bytes, u);
+    fill(i, u);
+  }
+}
+#endif
+
 // Weight rows [n0, n0 + 16 groups), every block; Y rows m < M. Software-pipelined: step s = (group, block)
 // issues its tile products (Kern::pair, one pair of tiles at a time) interleaved with the unpacking of step
 // s + 1 (Kern::unpack calls it back), then takes s's sums (Kern::epilogue) into the rows' accumulators.

@@ -70,10 +70,7 @@ inline void kcolumn512(const TypeInfo& ti, const uint8_t* col, int64_t nb, const
 }
 
 template <class L>
-using KColumn512 = void (*)(const TypeInfo&, const uint8_t*, int64_t, const ActRow*, const float*, float*);
-
-template <class L>
-KColumn512<L> kcolumn512_for(int64_t rows) {
+KColumnFn kcolumn512_for(int64_t rows) {
   switch (rows) {
     case 1: return kcolumn512<L, 1>;
     case 2: return kcolumn512<L, 2>;
@@ -86,40 +83,15 @@ KColumn512<L> kcolumn512_for(int64_t rows) {
   }
 }
 
-// gemm (sx_x86.h) for the K types with kcolumn512: eight rows a tile, columns in ~96 KB chunks past eight rows.
-template <class L>
-void gemm512(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
-             float* Y, int64_t ldy) {
-  const int64_t nb = K / 256;
-  const size_t rb = (size_t)nb * ti.bytes;
-  std::vector<ActRow> rows(M);
-  for (int64_t m = 0; m < M; ++m) rows[m] = act_row(act, m, K, 256);
-  std::vector<std::vector<float>> da8((size_t)((M + R - 1) / R)), unused(da8.size());
-  for (int64_t r = 0; r < M; r += R) row_tables(rows.data() + r, std::min<int64_t>(R, M - r), nb, 256, da8[r / R], unused[r / R]);
-  const int64_t chunk = M <= R ? n1 - n0 : std::max<int64_t>(4, (int64_t)((96 << 10) / rb));
-  alignas(32) float out[8];
-  for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
-    const int64_t c1 = std::min(n1, c0 + chunk);
-    for (int64_t r = 0; r < M; r += R) {
-      const int64_t nr = std::min<int64_t>(R, M - r);
-      const KColumn512<L> run = kcolumn512_for<L>(nr);
-      for (int64_t n = c0; n < c1; ++n) {
-        run(ti, W + n * rb, nb, rows.data() + r, da8[r / R].data(), out);
-        for (int64_t m = 0; m < nr; ++m) Y[(r + m) * ldy + n] = out[m];
-      }
-    }
-  }
-}
-
 }  // namespace
 
 void sx_avx512_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
                     float* Y, int64_t ldy) {
   const TypeInfo ti = type_info(type);
   switch (type) {
-    case Q4_K: return gemm512<Q4K>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q5_K: return gemm512<Q5K>(ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q6_K: return gemm512<Q6K>(ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_K: return gemm<Q4K, Avx2Dot>(ti, act, M, K, W, n0, n1, Y, ldy, kcolumn512_for<Q4K>);
+    case Q5_K: return gemm<Q5K, Avx2Dot>(ti, act, M, K, W, n0, n1, Y, ldy, kcolumn512_for<Q5K>);
+    case Q6_K: return gemm<Q6K, Avx2Dot>(ti, act, M, K, W, n0, n1, Y, ldy, kcolumn512_for<Q6K>);
     default:  // avx512vnni's unit may have been left out (an old assembler): AVX2's, the same bits
       return sx_avx512vnni_gemm ? sx_avx512vnni_gemm(type, act, M, K, W, n0, n1, Y, ldy)
                                 : sx_avx2_gemm(type, act, M, K, W, n0, n1, Y, ldy);

@@ -385,8 +385,10 @@ Rows32<L, D> rows32_for(int64_t rows) {
   }
 }
 
+// One column's K blocks against up to eight rows (kcolumn, or another tier's: sx_avx512.cc's).
+using KColumnFn = void (*)(const TypeInfo&, const uint8_t*, int64_t, const ActRow*, const float*, float*);
 template <class L, class D>
-using KColumn = void (*)(const TypeInfo&, const uint8_t*, int64_t, const ActRow*, const float*, float*);
+using KColumn = KColumnFn;
 
 template <class L, class D>
 KColumn<L, D> kcolumn_for(int64_t rows) {
@@ -402,9 +404,10 @@ KColumn<L, D> kcolumn_for(int64_t rows) {
   }
 }
 
+// columns: the K types' column kernel for nr rows (null: kcolumn, and four columns a step at one row).
 template <class L, class D>
 void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
-          int64_t ldy) {
+          int64_t ldy, KColumnFn (*columns)(int64_t) = nullptr) {
   const int64_t nb = K / L::qk;
   const size_t rb = (size_t)nb * ti.bytes;
   std::vector<ActRow> rows(M);
@@ -429,9 +432,9 @@ void gemm(const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8
       const int64_t nr = std::min<int64_t>(RT, rows_done - r);
       const float* da = da8[r / RT].data();
       if constexpr (L::qk == 256) {
-        const KColumn<L, D> run = kcolumn_for<L, D>(nr);
+        const KColumnFn run = columns ? columns(nr) : kcolumn_for<L, D>(nr);
         int64_t n = c0;
-        if (nr == 1)                         // four columns a step (kcolumns1)
+        if (nr == 1 && !columns)             // four columns a step (kcolumns1)
           for (; n + 4 <= c1; n += 4) {
             kcolumns1<L, D, 4>(ti, W + n * rb, rb, nb, rows.data() + r, da, out);
             for (int c = 0; c < 4; ++c) Y[r * ldy + n + c] = out[c];
