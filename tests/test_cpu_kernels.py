@@ -557,12 +557,14 @@ def test_the_ort_headers_are_taken_only_with_their_pinned_digests(tmp_path, monk
         headers._fetch(tmp_path / "ort")
     assert not (tmp_path / "ort").exists()
     one = tmp_path / "sources.list"
-    one.write_text("# deb http://example.invalid/debian bookworm main\ndeb [arch=amd64] http://mirror.test/debian bookworm main\n")
+    # local mirrors (file: URIs): what the parser takes is the machine's own configuration, whatever it names
+    one.write_text("# deb file:///srv/commented/debian bookworm main\n"
+                   "deb [arch=amd64] file:///srv/mirror/debian bookworm main\n")
     deb822 = tmp_path / "debian.sources"
-    deb822.write_text("Types: deb\nURIs: http://security.test/debian-security\nSuites: bookworm-security\n\n"
-                      "Types: deb\nURIs: http://other.test/debian\nSuites: bookworm\n")
-    assert headers._debian_mirror([one]) == "http://mirror.test/debian"
-    assert headers._debian_mirror([tmp_path / "absent", deb822]) == "http://other.test/debian"
+    deb822.write_text("Types: deb\nURIs: file:///srv/security/debian-security\nSuites: bookworm-security\n\n"
+                      "Types: deb\nURIs: file:///srv/other/debian\nSuites: bookworm\n")
+    assert headers._debian_mirror([one]) == "file:///srv/mirror/debian"
+    assert headers._debian_mirror([tmp_path / "absent", deb822]) == "file:///srv/other/debian"
     assert headers._debian_mirror([tmp_path / "absent"]) is None
 
 

@@ -62,11 +62,11 @@ def flags(source: str, defines: list[str] = ()) -> list[str]:
     out = ["-O1" if test else "-O2", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden"]
     if source in ("sx_avx2.cc", "sx_vnni.cc", "sx_avx512.cc", "sx_amx.cc"):
         out += ["-mavx2", "-mfma", "-mf16c"]
+    avx512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
     if source == "sx_avx512.cc":   # runs only where the CPU has them (sx_dispatch.cc's cpu_has)
-        out += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
+        out += avx512
     if source == "sx_amx.cc" and "-DSX_EMULATE_AMX" not in defines:   # runs only where the CPU has them
-        out += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512vbmi", "-mamx-tile",
-                "-mamx-int8"]
+        out += [*avx512, "-mavx512vbmi", "-mamx-tile", "-mamx-int8"]
     if source == "sx_neon.cc":
         out += ["-march=armv8.2-a+dotprod"]
     if source == "sx_i8mm.cc":     # runs only where the CPU has it (sx_dispatch.cc's cpu_has)

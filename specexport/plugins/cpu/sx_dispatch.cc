@@ -63,7 +63,8 @@ void sx_ref_attend(const sx::AttnRow&);
 namespace {
 
 constexpr int ALL[] = {SX_REF, SX_AVX2, SX_AVXVNNI, SX_AVX512VNNI, SX_AVX512, SX_AMX, SX_NEON, SX_I8MM};
-constexpr int BEST_FIRST[] = {SX_NEON, SX_I8MM, SX_AMX, SX_AVX512, SX_AVX512VNNI, SX_AVXVNNI, SX_AVX2};
+// The default for every M until the tier table is measured (tiers.py's ORDER: the proven vector paths first).
+constexpr int BEST_FIRST[] = {SX_NEON, SX_I8MM, SX_AMX, SX_AVX512VNNI, SX_AVXVNNI, SX_AVX512, SX_AVX2};
 constexpr int NPATHS = 16;  // path ids index the state tables
 
 #if defined(__x86_64__) && defined(__linux__)

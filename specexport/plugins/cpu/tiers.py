@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from specexport.manifest import write_json_atomic
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)     # measured; M between two of them takes the lower one's tier
 MAX_ROWS = 17                                # the table's last row: more than 16
@@ -60,9 +60,7 @@ def load_or_measure(kernels, lib: Path) -> dict[str, list[str]]:
         pass
     table = measure(kernels)
     try:
-        tmp = Path(tempfile.mkstemp(prefix=".tiers-", dir=f.parent)[1])
-        tmp.write_text(json.dumps(table))
-        os.replace(tmp, f)
+        write_json_atomic(f, table)
     except OSError:                  # an unwritable cache: measured again next time, nothing else lost
         pass
     return table
