@@ -38,6 +38,9 @@ SCHEMES = {
     # auto = specexport's CPU kernels where they build here, else ONNX Runtime's ops; ours = fail without
     # them; stock = ONNX Runtime's ops (a graph for machines that cannot compile ours)
     "gguf": (("gguf",), {"accuracy_level": (4, (0, 4)), "kernels": ("auto", ("auto", "ours", "stock"))}),
+    # a checkpoint quantized into ggml blocks as llama-quantize does (int8 Q8_0, int4 Q4_K_M), written as a
+    # GGUF file beside a graph on those blocks (build/stages/blocks.py); kernels as for gguf
+    "blocks": (("int8", "int4"), {"kernels": ("auto", ("auto", "ours", "stock"))}),
 }
 DEFAULT_SCHEMES = {"int8": "matmulnbits", "int4": "matmulnbits", "fp16": "cast", "fp8": "modelopt",
                    "int8_sq": "smoothquant", "gguf": "gguf"}

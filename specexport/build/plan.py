@@ -67,6 +67,7 @@ class Plan:
         `vocab: N`, after the target's graph) its measured vocabulary before its own graphs, then each
         quantized precision; the heads; the tokenizer copy."""
         from specexport.build.outdir import tokenizer_digest
+        from specexport.build.stages.blocks import BlocksStage
         from specexport.build.stages.eagle import EagleStage
         from specexport.build.stages.export import ExportStage
         from specexport.build.stages.gguf import GgufStage
@@ -86,6 +87,8 @@ class Plan:
                 if precision == "fp32":
                     stages.append(ExportStage(name, self.stage_fingerprint(mp, precision),
                                               needs=(f"{mp.role}/vocab",) if measured else ()))
+                elif mp.config.quantization.get(precision, {}).get("scheme") == "blocks":
+                    stages.append(BlocksStage(name, self.stage_fingerprint(mp, precision), needs=(f"{mp.role}/fp32",)))
                 elif precision == "gguf":
                     stages.append(GgufStage(name, self.stage_fingerprint(mp, precision),
                                             needs=() if mp.config.lean else (f"{mp.role}/fp32",)))
@@ -383,7 +386,7 @@ GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gq
                  "export/registry.py", "export/adapters/*.py", "export/lean.py", "export/gguf_weights.py",
                  "export/gguf_reference.py")
 ENGINE_SOURCES = ("trt/*.py", "plugins/*.py", "build/stages/engines.py")
-QUANTIZER_SOURCES = ("quant/*.py", "build/stages/quantize.py")
+QUANTIZER_SOURCES = ("quant/*.py", "build/stages/quantize.py", "build/stages/blocks.py", "quant/gguf_write.py")
 HEADS_SOURCES = ("io_spec.py", "heads/medusa.py", "heads/medusa_tree.py", "build/stages/medusa.py",
                  "export/to_onnx.py")
 EAGLE_SOURCES = ("io_spec.py", "heads/eagle.py", "heads/eagle_graph.py", "build/stages/eagle.py", "export/gqa.py",

@@ -114,8 +114,9 @@ def _rewritten_graph(ctx, mp, graph, level, kernels: bool):
     return report, source
 
 
-def _lean_graph(ctx, mp, graph, level, kernels: bool):
-    """A weightless export filled from the file by name; the parity source is the file itself."""
+def _lean_graph(ctx, mp, graph, level, kernels: bool, gguf: Path | None = None):
+    """A weightless export filled from the file (`gguf`, else the model's own) by name; the parity source
+    is the file itself."""
     import transformers
 
     from specexport.export.gguf_weights import GgufWeights
@@ -127,8 +128,9 @@ def _lean_graph(ctx, mp, graph, level, kernels: bool):
     skeleton = graph.with_name("skeleton.onnx")
     with ctx.reporter.stage(f"export {mp.role} ({mp.arch.model_type}) to ONNX without weights"):
         sources = export_skeleton(mp, hf_config, skeleton)
-    weights = GgufWeights(mp.config.gguf, hf_config)
-    with ctx.reporter.stage(f"{mp.role} gguf: fill the graph from {mp.config.gguf.name}'s own blocks"):
+    gguf = gguf or mp.config.gguf
+    weights = GgufWeights(gguf, hf_config)
+    with ctx.reporter.stage(f"{mp.role}: fill the graph from {gguf.name}'s own blocks"):
         report = fill(skeleton, sources, weights, graph, accuracy_level=level, kernels=kernels)
     skeleton.unlink()
     check_graph_io(graph, mp.io)

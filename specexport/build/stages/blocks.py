@@ -1,0 +1,96 @@
+"""BlocksStage: int8 / int4 of a Hugging Face checkpoint as ggml blocks on our CPU kernels (scheme `blocks`).
+
+The checkpoint is written as a GGUF file quantized as llama-quantize quantizes (quant/gguf_write.py:
+int8 Q8_0, int4 the Q4_K_M mix; the file's tensors are llama-quantize's bytes), then built as a lean GGUF
+graph is (build/stages/gguf.py): a weightless export filled from that file's blocks, GgufMatMul(N) on our
+kernels where they run here (else ONNX Runtime's block ops, said in one line). The file stays beside the
+graph (model.gguf), so llama.cpp runs the same bytes.
+
+Gates: parity of the graph computed in fp32 (its exact twin) with transformers run from the file's
+dequantized tensors; quality (top-1, KL) of the written graph against the fp32 graph, gated by
+quality_gates.<precision>; row independence as every quantized target.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from specexport import owned
+from specexport.build.context import eval_sequences, files_entry
+from specexport.build.stage import ModelStage
+from specexport.build.stages.gguf import _kernels, _lean_graph, _parity, _twin
+from specexport.build.stages.quantize import gate_quality, measure_against
+from specexport.errors import ParityError
+
+LEVEL = 4                     # int8 activations per block, as llama.cpp multiplies
+
+
+@dataclass(frozen=True)
+class BlocksStage(ModelStage):
+    def run(self, ctx) -> dict:
+        from specexport.quant.gguf_write import write_gguf
+        from specexport.manifest import describe_files
+        from specexport.quant.quality import runtime_session, tree_rows_for
+
+        mp, cfg, precision = ctx.model(self.role), ctx.config, self.precision
+        settings = mp.config.quantization[precision]
+        kernels = _kernels(settings["kernels"], mp.io.head_dim, f"{self.role} {precision}")
+        ctx.reporter.note(f"  {self.role} {precision}: {kernels.line()}")
+        partial, final = ctx.folders.new(self.role, precision)
+        start = time.perf_counter()
+        try:
+            gguf = partial / "model.gguf"
+            with ctx.reporter.stage(f"write {self.role} as a GGUF file of {precision} blocks") as steps:
+                written = write_gguf(mp.config.path, gguf, precision, steps=steps)
+            graph = partial / "model.onnx"
+            report, weights = _lean_graph(ctx, mp, graph, LEVEL, kernels.available, gguf=gguf)
+            if report.kept_fp32:
+                raise ParityError(f"{self.role} {precision}: {len(report.kept_fp32)} weight(s) of the graph "
+                                  f"({', '.join(report.kept_fp32[:3])}) are read where no block kernel serves them")
+            twin = _twin(graph, LEVEL)
+            with ctx.reporter.stage(f"check {self.role} {precision} against its blocks dequantized (transformers)"):
+                parity, _ = _parity(ctx, mp, weights, twin)
+            if not parity.max_rel_error <= cfg.parity_tolerance:
+                raise ParityError(f"{self.role} {precision}: parity with the GGUF's dequantized weights failed: "
+                                  f"{parity.describe()} > tolerance {cfg.parity_tolerance:.1e}")
+            del weights
+            twin.unlink()
+            source = ctx.stage_dir(f"{mp.role}/fp32") / "model.onnx"
+            reference, deployed = runtime_session(source), runtime_session(graph)
+            sequences, text = eval_sequences(ctx, mp, reference)
+            with ctx.reporter.stage(f"check {self.role} {precision} (blocks) against fp32 on {text['label']}"):
+                checks = measure_against(ctx, mp, reference, deployed, sequences, source, graph)
+            del reference, deployed
+            min_tokens = gate_quality(ctx, mp, precision, settings, checks, text)
+            ctx.folders.publish(partial, final)
+        finally:
+            owned.remove(partial)          # ours: marked when made
+        quality, rows, measured = checks
+        types = written["types"]
+        return {**files_entry(ctx.out, final, ["model.onnx", "model.onnx.data"]),
+                "gguf_file": {"path": str((final / "model.gguf").relative_to(ctx.out)),
+                              **describe_files(ctx.out, [final / "model.gguf"]), "pre_tokenizer": written["pre"],
+                              "file_type": written["file_type"]},
+                "quantization": {"precision": precision, "scheme": "blocks", "accuracy_level": LEVEL,
+                                 "block_types": {t: sum(1 for v in types.values() if v == t) for t in sorted(set(types.values()))},
+                                 "tensor_types": types,
+                                 "quantizer": "quant/gguf_write.py (llama-quantize's " +
+                                              ("Q8_0" if precision == "int8" else "Q4_K_M") + " types and bytes)",
+                                 "route": "the checkpoint written as GGUF blocks, a weightless graph filled from them",
+                                 "tool": "quant/gguf_graph.py (" + ("specexport.cpu GgufMatMul(N), GgufGather"
+                                                                    if kernels.available else
+                                                                    "MatMulNBits, GatherBlockQuantized") + ")",
+                                 "kernels": {"ops": "specexport.cpu", "path": kernels.path, "cpu_runs": kernels.paths}
+                                 if kernels.available else {"ops": "onnxruntime", "why": kernels.reason}},
+                "row_dependence": rows, "min_tokens": min_tokens if mp.role == "target" else 1,
+                "trees": tree_rows_for(rows, "blocks") if mp.role == "target" else "exact",
+                "top1_agreement": quality.top1_agreement, "top1_ties": quality.ties, "mean_kl": quality.mean_kl,
+                "quality_reference": "fp32",
+                "quality_gate": dict(cfg.quality_gates[precision]),
+                "quality_text": {**{k: v for k, v in text.items() if k != "label"}, "sequences": quality.sequences,
+                                 "positions": quality.positions},
+                "parity_reference": "transformers, layer by layer from the GGUF's dequantized tensors, accuracy_level 0",
+                "parity_max_rel_error": parity.max_rel_error, "parity_per_phase": parity.per_phase,
+                "parity_tolerance": cfg.parity_tolerance,
+                "deployed_max_rel_error": measured.max_rel_error,
+                "build_seconds": round(time.perf_counter() - start, 2)}
