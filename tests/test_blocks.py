@@ -50,14 +50,14 @@ def test_llama_quantize_type_choice():
     from specexport.quant.gguf_write import tensor_type, use_more_bits
 
     assert [i for i in range(30) if use_more_bits(i, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
-    assert tensor_type("blk.0.attn_v.weight", (64, 512), "int4", 30, False) == "Q6_K"
-    assert tensor_type("blk.3.attn_v.weight", (64, 512), "int4", 30, False) == "Q4_K"
-    assert tensor_type("blk.3.attn_q.weight", (576, 576), "int4", 30, True) == "Q5_0"     # 576: not 256s
-    assert tensor_type("token_embd.weight", (49152, 576), "int4", 30, True) == "Q8_0"     # tied: as output
-    assert tensor_type("token_embd.weight", (49152, 512), "int4", 30, False) == "Q4_K"
-    assert tensor_type("output.weight", (49152, 512), "int4", 30, False) == "Q6_K"
-    assert tensor_type("blk.0.attn_norm.weight", (512,), "int4", 30, False) == "F32"
-    assert tensor_type("blk.0.ffn_up.weight", (512, 512), "int8", 30, False) == "Q8_0"
+    assert tensor_type("blk.0.attn_v.weight", (64, 512), "q4_k_m", 30, False) == "Q6_K"
+    assert tensor_type("blk.3.attn_v.weight", (64, 512), "q4_k_m", 30, False) == "Q4_K"
+    assert tensor_type("blk.3.attn_q.weight", (576, 576), "q4_k_m", 30, True) == "Q5_0"     # 576: not 256s
+    assert tensor_type("token_embd.weight", (49152, 576), "q4_k_m", 30, True) == "Q8_0"     # tied: as output
+    assert tensor_type("token_embd.weight", (49152, 512), "q4_k_m", 30, False) == "Q4_K"
+    assert tensor_type("output.weight", (49152, 512), "q4_k_m", 30, False) == "Q6_K"
+    assert tensor_type("blk.0.attn_norm.weight", (512,), "q4_k_m", 30, False) == "F32"
+    assert tensor_type("blk.0.ffn_up.weight", (512, 512), "q8_0", 30, False) == "Q8_0"
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
@@ -74,7 +74,7 @@ def test_written_gguf_reads_back_as_the_checkpoint(model_type, tmp_path, tokeniz
     ckpt = make_tiny_checkpoint(tmp_path / model_type, model_type, tokenizer=tokenizer, hidden_size=256)
     state = load_file(str(ckpt / "model.safetensors"))
     config = transformers.AutoConfig.from_pretrained(ckpt)
-    for scheme in ("f32", "int4"):
+    for scheme in ("f32", "q4_k_m"):
         record = write_gguf(ckpt, tmp_path / f"{scheme}.gguf", scheme)
         assert record["pre"] == "gpt-2"                   # the tiny tokenizer splits as GPT-2 does
         weights = GgufWeights(tmp_path / f"{scheme}.gguf", config)
@@ -85,9 +85,9 @@ def test_written_gguf_reads_back_as_the_checkpoint(model_type, tmp_path, tokeniz
                 assert np.array_equal(got, want), hf
             else:
                 assert np.abs(got - want).max() <= 0.1 * np.abs(want).max(), hf
-        if scheme == "int4":
+        if scheme == "q4_k_m":
             assert {"Q4_K", "Q6_K", "F32"} <= set(record["types"].values())
-    reader = gguf.GGUFReader(str(tmp_path / "int4.gguf"))
+    reader = gguf.GGUFReader(str(tmp_path / "q4_k_m.gguf"))
     assert reader.fields["tokenizer.ggml.model"].contents() == "gpt2"
     assert len(reader.fields["tokenizer.ggml.tokens"].contents()) == config.vocab_size
     assert reader.fields["tokenizer.ggml.merges"].contents()

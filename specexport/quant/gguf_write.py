@@ -6,12 +6,14 @@ bench compares both on identical bytes. The gguf package writes the file (GGUFWr
 map, SpecialVocab for merges and special tokens); what it lacks is written here: the K-quant
 quantizers (quant/kquant.py) and llama-quantize's choice of block type per tensor:
 
-    scheme  base   llama-quantize  per tensor (llama.cpp's llama_tensor_get_type, for these architectures)
-    int8    Q8_0   Q8_0            every matrix Q8_0
-    int4    Q4_K   Q4_K_M          output (or a tied embedding) Q6_K; attn_v and ffn_down Q6_K in the
-                                   layers use_more_bits picks (the first and last eighth, every third
-                                   between), Q4_K elsewhere; rows not a multiple of 256 weights take
-                                   Q5_0 for Q4_K and Q8_0 for Q6_K; vectors (norms, biases) F32
+    mix     precision  per tensor (llama-quantize's type of that name: llama_tensor_get_type)
+    q8_0    int8       every matrix Q8_0
+    q4_k_m  int4       output (or a tied embedding) Q6_K; attn_v and ffn_down Q6_K in the layers
+                       use_more_bits picks (the first and last eighth, every third between), Q4_K
+                       elsewhere; rows not a multiple of 256 weights take Q5_0 for Q4_K, Q8_0 for Q6_K
+    q4_0, q4_1 int4    output (or a tied embedding) Q6_K (Q8_0 where rows are not 256s), the rest Q4_0 / Q4_1
+                       (what fits bandwidth-bound CPUs where rows are not 256s: Q4_K_M is mostly Q5_0 then)
+    every mix: vectors (norms, biases) F32
 
 Tensors are read, quantized and written one at a time (the file's tensor table is planned first from
 the shapes), so memory holds one fp32 tensor, not the model.
@@ -28,9 +30,12 @@ from specexport._optional import require
 from specexport.errors import SpecexportError
 
 ARCHES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}   # what transformers reads back (not mistral)
-SCHEMES = {"int8": ("Q8_0", "MOSTLY_Q8_0"), "int4": ("Q4_K", "MOSTLY_Q4_K_M"), "f32": ("F32", "ALL_F32")}
+# mix -> (base block type, llama.cpp's file type); each is llama-quantize's type of that name
+MIXES = {"q8_0": ("Q8_0", "MOSTLY_Q8_0"), "q4_k_m": ("Q4_K", "MOSTLY_Q4_K_M"), "q4_0": ("Q4_0", "MOSTLY_Q4_0"),
+         "q4_1": ("Q4_1", "MOSTLY_Q4_1"), "f32": ("F32", "ALL_F32")}
+PRECISION_MIXES = {"int8": ("q8_0",), "int4": ("q4_k_m", "q4_1", "q4_0")}     # the first: the default
 FALLBACK = {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}
-BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q5_0": 32, "Q8_0": 32, "F32": 1}
+BLOCK = {"Q4_K": 256, "Q6_K": 256, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q8_0": 32, "F32": 1}
 # Qwen2's pre-tokenizer in llama.cpp (llama-vocab.cpp), beside the splits export/gguf.py checks files with
 QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
          r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -41,29 +46,28 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
-def tensor_type(name: str, shape: tuple, scheme: str, n_layers: int, tied: bool) -> str:
-    """The block type of GGUF tensor `name` ([rows, K]) in `scheme`'s file."""
-    base = SCHEMES[scheme][0]
+def tensor_type(name: str, shape: tuple, mix: str, n_layers: int, tied: bool) -> str:
+    """The block type of GGUF tensor `name` ([rows, K]) in a file of `mix` (MIXES)."""
+    base = MIXES[mix][0]
     if len(shape) < 2 or base == "F32":
         return "F32"
     qtype = base
-    if scheme == "int4":
-        layer = int(name.split(".")[1]) if name.startswith("blk.") else -1
-        if name == "output.weight" or (tied and name == "token_embd.weight"):
-            qtype = "Q6_K" if shape[-1] % 256 == 0 else "Q8_0"
-        elif name.endswith((".attn_v.weight", ".ffn_down.weight")) and use_more_bits(layer, n_layers):
+    if (name == "output.weight" or (tied and name == "token_embd.weight")) and base != "Q8_0":
+        qtype = "Q6_K" if shape[-1] % 256 == 0 else "Q8_0"
+    elif mix == "q4_k_m" and name.endswith((".attn_v.weight", ".ffn_down.weight")):
+        if use_more_bits(int(name.split(".")[1]), n_layers):
             qtype = "Q6_K"
     if shape[-1] % BLOCK[qtype]:
         qtype = FALLBACK.get(qtype, qtype)
     if shape[-1] % BLOCK[qtype]:
         raise SpecexportError(f"{name}: rows of {shape[-1]} weights are not a multiple of {BLOCK[qtype]}, "
-                              f"which {qtype} (and every block type of the {scheme} scheme) needs")
+                              f"which {qtype} (and every block type of the {mix} mix) needs")
     return qtype
 
 
-def write_gguf(hf_dir, dest, scheme: str, *, steps=None) -> dict:
-    """Write checkpoint folder `hf_dir` to GGUF file `dest` with `scheme` (int8, int4; f32: unquantized, what
-    llama-quantize takes). Returns {"types": {gguf name: block type}, "pre": ..., "tensors": n}.
+def write_gguf(hf_dir, dest, mix: str, *, steps=None) -> dict:
+    """Write checkpoint folder `hf_dir` to GGUF file `dest` quantized as `mix` (MIXES; f32: unquantized,
+    what llama-quantize takes). Returns {"types": {gguf name: block type}, "pre": ..., "tensors": n}.
     steps: _console.Steps, advanced per tensor."""
     gguf, transformers = require("gguf"), require("transformers")
     from specexport.quant import kquant
@@ -85,9 +89,9 @@ def write_gguf(hf_dir, dest, scheme: str, *, steps=None) -> dict:
         if name is None:
             raise SpecexportError(f"{hf_dir}: tensor {hf} has no GGUF name for {ARCHES[config.model_type].lower()} "
                                   f"(the gguf package's tensor name map)")
-        plan[name] = (hf, shape, tensor_type(name, shape, scheme, config.num_hidden_layers, tied))
+        plan[name] = (hf, shape, tensor_type(name, shape, mix, config.num_hidden_layers, tied))
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
-    _hparams(writer, config, gguf, scheme)
+    _hparams(writer, config, gguf, mix)
     pre = _tokenizer(writer, hf_dir, gguf)
     extra = _rope_freqs(config)
     if extra is not None:
@@ -114,7 +118,7 @@ def write_gguf(hf_dir, dest, scheme: str, *, steps=None) -> dict:
             steps.advance()
     writer.close()
     return {"types": {n: t for n, (_, _, t) in plan.items()}, "pre": pre, "tensors": len(plan),
-            "file_type": SCHEMES[scheme][1]}
+            "file_type": MIXES[mix][1]}
 
 
 def _checkpoint_tensors(hf_dir: Path) -> dict:
@@ -155,7 +159,7 @@ def _rope_parameters(config) -> dict:
     return rope
 
 
-def _hparams(writer, config, gguf, scheme: str) -> None:
+def _hparams(writer, config, gguf, mix: str) -> None:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_name(Path(getattr(config, "_name_or_path", "") or "model").name or "model")
@@ -171,7 +175,7 @@ def _hparams(writer, config, gguf, scheme: str) -> None:
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_file_type(getattr(gguf.LlamaFileType, SCHEMES[scheme][1]))
+    writer.add_file_type(getattr(gguf.LlamaFileType, MIXES[mix][1]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 

@@ -121,26 +121,43 @@ def _peak_rss(pid: int) -> int | None:
     return None
 
 
-def open_llama_cpp(manifest: dict, bin_dir: Path | None, *, threads: int | None, n_max: int = 5):
-    """(peers, skipped records) for llama.cpp on the build's GGUF files."""
+def open_llama_cpp(manifest: dict, bin_dir: Path | None, *, threads: int | None, n_max: int = 5,
+                   out: Path | None = None, precisions=()):
+    """(peers, skipped records) for llama.cpp on the build's GGUF files: the model's own file, else the file
+    a `blocks` precision wrote (the first of `precisions` that has one, in folder `out`): the same bytes."""
     server = find_server(bin_dir)
     if server is None:
         where = f"in {bin_dir}" if bin_dir is not None else "on PATH"
         return [], [{"peer": "llama.cpp", "skipped": f"no {SERVER} {where} (python benchmarks/build_llama_cpp.py "
                                                      f"builds one; pass --llama-cpp DIR)"}]
     models = manifest["models"]
-    target = models["target"].get("gguf")
+    precision, target, draft = _gguf_files(models, out, precisions)
     if target is None:
-        return [], [{"peer": "llama.cpp", "skipped": "the target is not a GGUF file (llama.cpp runs GGUF files)"}]
+        return [], [{"peer": "llama.cpp", "skipped": "the target is not a GGUF file and no precision wrote one "
+                                                     "(llama.cpp runs GGUF files; quantization scheme blocks writes one)"}]
     peers, skipped = [], []
     rows = [("llama.cpp", None)]
-    draft = models.get("draft", {}).get("gguf")
     if draft is not None:
         rows.append((f"llama.cpp speculative (draft, n-max {n_max})", draft))
     for name, d in rows:
         try:
-            peers.append(LlamaServerPeer(server, Path(target), name=name, draft=Path(d) if d else None, n_max=n_max,
-                                         threads=threads))
+            peer = LlamaServerPeer(server, Path(target), name=name, draft=Path(d) if d else None, n_max=n_max,
+                                   threads=threads)
+            peer.reference_precision = precision
+            peers.append(peer)
         except (RuntimeError, OSError) as err:
             skipped.append({"peer": name, "skipped": str(err)})
     return peers, skipped
+
+
+def _gguf_files(models: dict, out: Path | None, precisions) -> tuple[str, str | None, str | None]:
+    """(our precision whose weights the files hold, the target's GGUF file, the draft's)."""
+    if models["target"].get("gguf") is not None:
+        draft = models.get("draft", {}).get("gguf")
+        return "gguf", models["target"]["gguf"], draft
+    for p in precisions:
+        written = {role: m["precisions"].get(p, {}).get("gguf_file") for role, m in models.items()}
+        if written.get("target") and out is not None:
+            draft = written.get("draft")
+            return p, str(Path(out) / written["target"]["path"]), str(Path(out) / draft["path"]) if draft else None
+    return "gguf", None, None

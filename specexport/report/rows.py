@@ -96,7 +96,8 @@ def _open_peers(manifest, precisions, cfg, log):
     if "llama.cpp" in wanted:
         from specexport.report.llama_cpp import open_llama_cpp
 
-        more, more_skipped = open_llama_cpp(manifest, cfg.llama_cpp, threads=cfg.threads, n_max=cfg.llama_cpp_n_max)
+        more, more_skipped = open_llama_cpp(manifest, cfg.llama_cpp, threads=cfg.threads, n_max=cfg.llama_cpp_n_max,
+                                            out=cfg.output_dir, precisions=precisions)
         peers, skipped = peers + more, skipped + more_skipped
     log(f"peers: {', '.join(n for p in peers for n in p.names) or 'none'} (each in its own process)")
     return peers, skipped

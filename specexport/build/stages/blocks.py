@@ -20,7 +20,7 @@ from specexport.build.context import eval_sequences, files_entry
 from specexport.build.stage import ModelStage
 from specexport.build.stages.gguf import _kernels, _lean_graph, _parity, _twin
 from specexport.build.stages.quantize import gate_quality, measure_against
-from specexport.errors import ParityError
+from specexport.errors import ParityError, SpecexportError
 
 LEVEL = 4                     # int8 activations per block, as llama.cpp multiplies
 
@@ -34,6 +34,7 @@ class BlocksStage(ModelStage):
 
         mp, cfg, precision = ctx.model(self.role), ctx.config, self.precision
         settings = mp.config.quantization[precision]
+        mix = _mix(settings, precision, self.role)
         kernels = _kernels(settings["kernels"], mp.io.head_dim, f"{self.role} {precision}")
         ctx.reporter.note(f"  {self.role} {precision}: {kernels.line()}")
         partial, final = ctx.folders.new(self.role, precision)
@@ -41,7 +42,7 @@ class BlocksStage(ModelStage):
         try:
             gguf = partial / "model.gguf"
             with ctx.reporter.stage(f"write {self.role} as a GGUF file of {precision} blocks") as steps:
-                written = write_gguf(mp.config.path, gguf, precision, steps=steps)
+                written = write_gguf(mp.config.path, gguf, mix, steps=steps)
             graph = partial / "model.onnx"
             report, weights = _lean_graph(ctx, mp, graph, LEVEL, kernels.available, gguf=gguf)
             if report.kept_fp32:
@@ -71,11 +72,10 @@ class BlocksStage(ModelStage):
                 "gguf_file": {"path": str((final / "model.gguf").relative_to(ctx.out)),
                               **describe_files(ctx.out, [final / "model.gguf"]), "pre_tokenizer": written["pre"],
                               "file_type": written["file_type"]},
-                "quantization": {"precision": precision, "scheme": "blocks", "accuracy_level": LEVEL,
+                "quantization": {"precision": precision, "scheme": "blocks", "mix": mix, "accuracy_level": LEVEL,
                                  "block_types": {t: sum(1 for v in types.values() if v == t) for t in sorted(set(types.values()))},
                                  "tensor_types": types,
-                                 "quantizer": "quant/gguf_write.py (llama-quantize's " +
-                                              ("Q8_0" if precision == "int8" else "Q4_K_M") + " types and bytes)",
+                                 "quantizer": f"quant/gguf_write.py (llama-quantize's {mix.upper()} types and bytes)",
                                  "route": "the checkpoint written as GGUF blocks, a weightless graph filled from them",
                                  "tool": "quant/gguf_graph.py (" + ("specexport.cpu GgufMatMul(N), GgufGather"
                                                                     if kernels.available else
@@ -94,3 +94,14 @@ class BlocksStage(ModelStage):
                 "parity_tolerance": cfg.parity_tolerance,
                 "deployed_max_rel_error": measured.max_rel_error,
                 "build_seconds": round(time.perf_counter() - start, 2)}
+
+
+def _mix(settings: dict, precision: str, role: str) -> str:
+    from specexport.quant.gguf_write import PRECISION_MIXES
+
+    mixes = PRECISION_MIXES[precision]
+    mix = mixes[0] if settings["mix"] == "auto" else settings["mix"]
+    if mix not in mixes:
+        raise SpecexportError(f"{role}.quantization.{precision}.mix: {mix!r} makes another precision; "
+                              f"{precision} takes {', '.join(mixes)}")
+    return mix
