@@ -44,12 +44,14 @@ SCHEMES = {
     "blocks": (("int8", "int4"), {"kernels": ("auto", ("auto", "ours", "stock")),
                                   "mix": ("auto", ("auto", "q8_0", "q4_k_m", "q4_1", "q4_0"))}),
 }
-DEFAULT_SCHEMES = {"int8": "matmulnbits", "int4": "matmulnbits", "fp16": "cast", "fp8": "modelopt",
+DEFAULT_SCHEMES = {"int8": "blocks", "int4": "blocks",      # matmulnbits where blocks cannot be made (plan.py)
+                    "fp16": "cast", "fp8": "modelopt",
                    "int8_sq": "smoothquant", "gguf": "gguf"}
 
 
-def default_scheme(precision: str) -> dict:
-    name = DEFAULT_SCHEMES[precision]
+def default_scheme(precision: str, name: str | None = None) -> dict:
+    """Scheme `name` (default: the precision's) with its default options."""
+    name = name or DEFAULT_SCHEMES[precision]
     return {"scheme": name, **{k: d for k, (d, _) in SCHEMES[name][1].items()}}
 
 

@@ -106,13 +106,13 @@ def test_blocks_build_runs_on_the_kernels_and_speculates_exactly(tmp_path, token
     ckpt = make_tiny_checkpoint(tmp_path / "llama", "llama", tokenizer=tokenizer, hidden_size=256, num_layers=2)
     out = tmp_path / "out"
     yaml = write_yaml(tmp_path / "m.yaml", name="b", target={"path": ckpt}, max_seq_len=96,
-                      precisions=["fp32", "int8", "int4"],
-                      quantization={"int8": {"scheme": "blocks"}, "int4": {"scheme": "blocks"}},
+                      precisions=["fp32", "int8", "int4"],          # blocks: the default scheme of both
                       quality_gates={"int4": {"min_top1": 0.2, "max_kl": 2.0}}, output=out)   # random weights
     assert run_build(yaml, "--no-bench") == 0
     manifest = read_manifest(out)
     for precision in ("int8", "int4"):
         entry = manifest["models"]["target"]["precisions"][precision]
+        assert entry["quantization"]["scheme"] == "blocks"
         assert entry["quantization"]["kernels"]["ops"] == "specexport.cpu"
         assert entry["min_tokens"] == 1 and entry["trees"] == "exact"
         assert entry["row_dependence"]["two_tokens"] == 0.0
@@ -125,3 +125,20 @@ def test_blocks_build_runs_on_the_kernels_and_speculates_exactly(tmp_path, token
                     assert pipe.generate(prompt_ids=prompt, max_new_tokens=24, method=method).token_ids == plain
     types = manifest["models"]["target"]["precisions"]["int4"]["quantization"]["block_types"]
     assert {"Q4_K", "Q6_K"} <= set(types)
+
+
+def test_a_checkpoint_blocks_cannot_hold_takes_matmulnbits_and_says_why(tiny_checkpoints, tmp_path, write_yaml,
+                                                                     capsys):
+    """mistral (transformers reads no mistral GGUF back): the plan names MatMulNBits and why, in one line."""
+    from specexport.build.plan import plan_build
+    from specexport.cli import main
+    from specexport.config import load_config
+
+    yaml = write_yaml(tmp_path / "m.yaml", name="m", target={"path": tiny_checkpoints["mistral"]}, max_seq_len=96,
+                      precisions=["fp32", "int4"], output=tmp_path / "out")
+    plan = plan_build(load_config(yaml))
+    assert plan.target.config.quantization["int4"]["scheme"] == "matmulnbits"
+    assert plan.target.instead_of_blocks == (("int4", "model_type mistral (blocks are written for llama, qwen2, qwen3)"),)
+    assert main(["build", str(yaml), "--dry-run"]) == 0
+    said = " ".join(capsys.readouterr().err.split())          # the console wraps long lines
+    assert "target int4: MatMulNBits (ONNX Runtime), not blocks on specexport's kernels: model_type mistral" in said

@@ -28,13 +28,15 @@ from specexport.manifest import file_problems, listed_files, read_manifest, sha2
 
 GATES = {"int8": {"min_top1": 0.8, "max_kl": 0.01}, "int4": {"min_top1": 0.4, "max_kl": 0.1}}
 PROMPTS = ["def fib(n):", "import os\nclass A:"]
+STOCK = {"int8": {"scheme": "matmulnbits"}, "int4": {"scheme": "matmulnbits"}}
 
 
 @pytest.fixture(scope="module")
 def quant_fields(tiny_checkpoints, tmp_path_factory) -> dict:
     return dict(name="tiny-quant", target={"path": tiny_checkpoints["llama"]},
                 draft={"path": tiny_checkpoints["llama-draft"]}, max_seq_len=128, precisions=["int8", "int4"],
-                quality_gates=GATES, output=tmp_path_factory.mktemp("quant") / "out")
+                quality_gates=GATES, output=tmp_path_factory.mktemp("quant") / "out",
+                quantization=STOCK)   # the MatMulNBits schemes (blocks, the default: tests/test_blocks.py)
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +191,7 @@ def test_quantization_schemes_build_are_recorded_and_decode_losslessly(rebuild, 
     target's must not), a MatMulNBits option for int4."""
     draft = {**quant_fields["draft"], "quantization": {"int8": {"scheme": "dynamic"}}}
     static = {"scheme": "static_qdq", "smooth_alpha": 0.5, "calibrate": "percentile", "lm_head": "fp32"}
-    code, out = rebuild(quantization={"int8": static, "int4": {"block_size": 128}}, draft=draft,
+    code, out = rebuild(quantization={"int8": static, "int4": {"scheme": "matmulnbits", "block_size": 128}}, draft=draft,
                         quality_gates={**GATES, "int8": {"min_top1": 0.6, "max_kl": 0.05}})
     assert code == 0
     models = read_manifest(out)["models"]
@@ -223,7 +225,7 @@ def test_quantization_schemes_build_are_recorded_and_decode_losslessly(rebuild, 
 
 def test_a_target_whose_rows_depend_on_each_other_is_refused(rebuild, capsys):
     capsys.readouterr()
-    code, out = rebuild(precisions=["int8"], quantization={"int8": {"scheme": "dynamic"}})
+    code, out = rebuild(precisions=["int8"], quantization={**STOCK, "int8": {"scheme": "dynamic"}})
     assert code == 2
     line = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error:"))
     assert "target int8 (dynamic): a token's logits depend on the other tokens of the same pass" in line
@@ -272,7 +274,7 @@ def test_per_model_precisions_and_clear_runtime_errors(rebuild, quant_fields, ca
     (lambda f: f.update(eval_text=5), r"eval_text: expected a text file path", "eval_text"),
     (lambda f: f.update(quantization={"int4": {"scheme": "dynamic"}}),
      r"quantization\.int4\.scheme: 'dynamic' cannot make int4; supported: matmulnbits", "quantization.int4.scheme"),
-    (lambda f: f.update(quantization={"int8": {"block_size": 100}}),
+    (lambda f: f.update(quantization={"int8": {"scheme": "matmulnbits", "block_size": 100}}),
      r"quantization\.int8\.block_size: expected one of 16, 32, 64, 128, 256, got 100", "quantization.int8.block_size"),
     (lambda f: f["target"].update(quantization={"int8": {"scheme": "static_qdq", "accuracy_level": 4}}),
      r"target\.quantization\.int8\.accuracy_level: unknown key for scheme static_qdq", "target.quantization.int8"),

@@ -19,6 +19,7 @@ from specexport.errors import SpecexportError
 from specexport.export.arch import ArchSpec, arch_spec_from_hf, check_supported
 from specexport.export.registry import get_adapter
 from specexport.io_spec import HeadsIO, ModelIO
+from specexport.quant.gguf_write import blocks_or_matmulnbits
 
 TOKENIZER_EXTRA = ("tokenizer_config.json", "special_tokens_map.json", "merges.txt", "added_tokens.json",
                    "generation_config.json", "chat_template.jinja")
@@ -34,6 +35,7 @@ class ModelPlan:
     fingerprint: str                    # hash of everything the export + parity stage depends on
     vocab_ids: tuple[int, ...] | None = None   # a reduced-vocabulary draft's target ids (None: all; or
                                                # not known yet: draft.vocab = N is measured by the build)
+    instead_of_blocks: tuple[tuple[str, str], ...] = ()   # (precision, why): scheme blocks could not be made
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,7 @@ def _plan_model(mc: ModelConfig, cfg: BuildConfig) -> ModelPlan:
         raise SpecexportError(f"{mc.role}.path: {mc.path}/config.json could not be read by transformers: {first}") from err
     arch = arch_spec_from_hf(hf_config)
     check_supported(arch, max_seq_len=cfg.max_seq_len, where=f"{mc.role} ({mc.path.name})")
+    mc, instead = blocks_or_matmulnbits(mc, hf_config)
     aux = _aux_layers(mc, arch)
     vocab_ids, out_vocab = _draft_vocab(mc, arch.vocab_size)
     io = ModelIO(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
@@ -304,7 +307,7 @@ def _plan_model(mc: ModelConfig, cfg: BuildConfig) -> ModelPlan:
         "engines": dict(cfg.tensorrt, code=source_hash(ENGINE_SOURCES)) if "tensorrt" in cfg.backends else None,
     })
     return ModelPlan(role=mc.role, config=mc, arch=arch, io=io, eos_token_ids=eos, fingerprint=fingerprint,
-                     vocab_ids=vocab_ids)
+                     vocab_ids=vocab_ids, instead_of_blocks=instead)
 
 
 def _draft_vocab(mc: ModelConfig, full: int) -> tuple[tuple[int, ...] | None, int]:
@@ -386,7 +389,7 @@ GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gq
                  "export/registry.py", "export/adapters/*.py", "export/lean.py", "export/gguf_weights.py",
                  "export/gguf_reference.py")
 ENGINE_SOURCES = ("trt/*.py", "plugins/*.py", "build/stages/engines.py")
-QUANTIZER_SOURCES = ("quant/*.py", "build/stages/quantize.py", "build/stages/blocks.py", "quant/gguf_write.py")
+QUANTIZER_SOURCES = ("quant/*.py", "build/stages/quantize.py", "build/stages/blocks.py")
 HEADS_SOURCES = ("io_spec.py", "heads/medusa.py", "heads/medusa_tree.py", "build/stages/medusa.py",
                  "export/to_onnx.py")
 EAGLE_SOURCES = ("io_spec.py", "heads/eagle.py", "heads/eagle_graph.py", "build/stages/eagle.py", "export/gqa.py",

@@ -104,6 +104,8 @@ def _print_plan(plan) -> None:
             aux += f", proposes {m.io.vocab_size} of them ({m.config.vocab if isinstance(m.config.vocab, int) else m.config.vocab.name})"
         console.print(f"  {m.role}: {m.config.path} ({a.model_type}, {a.num_layers} layers x {a.hidden_size}, "
                       f"{a.num_heads}/{a.num_kv_heads} heads, vocab {a.vocab_size}{aux})")
+        for precision, why in m.instead_of_blocks:
+            console.print(f"  {m.role} {precision}: MatMulNBits (ONNX Runtime), not blocks on specexport's kernels: {why}")
     console.print(f"  stages: {', '.join(s.name for s in plan.stages())}")
 
 

@@ -20,6 +20,7 @@ the shapes), so memory holds one fp32 tensor, not the model.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -63,6 +64,34 @@ def tensor_type(name: str, shape: tuple, mix: str, n_layers: int, tied: bool) ->
         raise SpecexportError(f"{name}: rows of {shape[-1]} weights are not a multiple of {BLOCK[qtype]}, "
                               f"which {qtype} (and every block type of the {mix} mix) needs")
     return qtype
+
+
+def unwritable(config) -> str | None:
+    """Why checkpoint config (transformers') cannot be written as blocks, or None: the architecture, RoPE,
+    or a matrix whose rows are not a multiple of 32 weights (every block type's least)."""
+    if config.model_type not in ARCHES:
+        return f"model_type {config.model_type} (blocks are written for {', '.join(ARCHES)})"
+    kind = _rope_parameters(config).get("rope_type", "default")
+    if kind not in ("default", "llama3"):
+        return f"RoPE {kind} (blocks are written for default and llama3 RoPE)"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rows = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
+            "heads x head_dim": config.num_attention_heads * head_dim}
+    odd = [f"{k} {v}" for k, v in rows.items() if v % 32]
+    return f"rows of {', '.join(odd)} weights (not a multiple of 32)" if odd else None
+
+
+def blocks_or_matmulnbits(mc, hf_config) -> tuple:
+    """The model's quantization with MatMulNBits where its int8/int4 ask for blocks (the default) and the
+    checkpoint cannot be written as blocks; ((precision, why), ...) for the plan's lines and the manifest."""
+    from specexport.schemes import default_scheme
+
+    asked = [p for p in mc.precisions if mc.quantization.get(p, {}).get("scheme") == "blocks"]
+    why = unwritable(hf_config) if asked else None
+    if why is None:
+        return mc, ()
+    quantization = {**mc.quantization, **{p: default_scheme(p, "matmulnbits") for p in asked}}
+    return dataclasses.replace(mc, quantization=quantization), tuple((p, why) for p in asked)
 
 
 def write_gguf(hf_dir, dest, mix: str, *, steps=None) -> dict:

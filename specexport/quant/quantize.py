@@ -67,7 +67,7 @@ def quantize_graph(source: Path, dest: Path, precision: str, scheme: dict | None
     """Write the `precision` version of the fp32 graph `source` to `dest` (+ `dest`.data); returns the files.
     static_qdq calibrates on `calibration` (token sequences, fed through `io`), modelopt and
     smoothquant on `feeds` (calibrate.feeds.runtime_feeds: the runtime's shapes with real past KV)."""
-    scheme = scheme or default_scheme(precision)
+    scheme = scheme or _graph_default(precision)
     kind = scheme["scheme"]
     onnx = require("onnx")
     q = require("onnxruntime.quantization")
@@ -156,7 +156,7 @@ def _Reader(q, feeds):
 def describe(precision: str, scheme: dict | None = None, *, calibration_sequences: int = 0,
              calibration: dict | None = None) -> dict:
     """The manifest's `quantization` record of a precision (`calibration`: what calibrated it)."""
-    scheme = scheme or default_scheme(precision)
+    scheme = scheme or _graph_default(precision)
     tool, op = TOOLS[scheme["scheme"]]
     out = {"tool": tool, "op": op, "bits": BITS[precision], **scheme, "source_precision": "fp32",
            "row_independent": ROW_INDEPENDENT[scheme["scheme"]]}
@@ -182,3 +182,10 @@ def _quiet_quantizer():
         yield
     finally:
         logging.disable(previous)
+
+
+def _graph_default(precision: str) -> dict:
+    """The precision's default scheme among those made here from the fp32 graph (blocks, int8/int4's
+    default, is made from the checkpoint by build/stages/blocks.py): MatMulNBits for int8/int4."""
+    scheme = default_scheme(precision)
+    return default_scheme(precision, "matmulnbits") if scheme["scheme"] == "blocks" else scheme

@@ -66,6 +66,8 @@ class QuantizeStage(ModelStage):
                                          calibration=calibrated_on),
                 "ort_optimization": optimization,      # the session's graph optimisation level (runtime: OrtBackend)
                 **({"cpu_graph": on_cpu} if on_cpu != "model.onnx" else {}),   # what ORT CPU runs (gate, runtime)
+                **({"instead_of_blocks": dict(mp.instead_of_blocks)[precision]}
+                   if precision in dict(mp.instead_of_blocks) else {}),
                 **extras,
                 "row_dependence": rows,
                 "min_tokens": min_tokens if mp.role == "target" else 1,   # the runtime pads smaller target calls
