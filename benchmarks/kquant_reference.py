@@ -3,9 +3,10 @@
     python benchmarks/build_llama_cpp.py          # once: llama.cpp's sources and ggml-base, built
     python benchmarks/kquant_reference.py         # writes tests/data/kquant_reference.npz (~60 KB)
 
-A 15-line C program linked with the llama.cpp build's libggml-base.a calls ggml_quantize_chunk (what
-llama-quantize calls per tensor, no importance matrix) on seeded rows with the edge cases a quantizer
-meets (all zero, constant, one outlier, one sign, heavy tails, tiny values, zeros interleaved).
+A 20-line C program linked with the llama.cpp build's libggml-base.a calls ggml_quantize_chunk (what
+llama-quantize calls per tensor) on seeded rows with the edge cases a quantizer meets (all zero,
+constant, one outlier, one sign, heavy tails, tiny values, zeros interleaved), without and (the types
+that take one) with a seeded importance matrix.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from build_llama_cpp import cache_dir  # noqa: E402
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}   # ggml_type ids
+WEIGHED = ("Q5_0", "Q4_K", "Q6_K")      # also with an importance matrix (quant/kquant.py's _impl ports)
 OUT = Path(__file__).parent.parent / "tests" / "data" / "kquant_reference.npz"
 HARNESS = r"""
 #include <stdio.h>
@@ -27,10 +29,16 @@ HARNESS = r"""
 #include "ggml.h"
 int main(int argc, char ** argv) {
     int type = atoi(argv[1]); long n = atol(argv[2]), k = atol(argv[3]);
-    float * x = malloc(n * k * sizeof(float));
+    float * x = malloc(n * k * sizeof(float)), * im = NULL;
     if (fread(x, sizeof(float), n * k, stdin) != (size_t)(n * k)) return 2;
+    if (argc > 4) {                      /* an importance matrix: k floats */
+        FILE * f = fopen(argv[4], "rb");
+        im = malloc(k * sizeof(float));
+        if (!f || fread(im, sizeof(float), k, f) != (size_t)k) return 3;
+        fclose(f);
+    }
     void * y = malloc(ggml_row_size(type, k) * n);
-    size_t got = ggml_quantize_chunk(type, x, y, 0, n, k, NULL);
+    size_t got = ggml_quantize_chunk(type, x, y, 0, n, k, im);
     fwrite(y, 1, got, stdout);
     return 0;
 }
@@ -64,13 +72,18 @@ def main() -> None:
         src.write_text(HARNESS)
         subprocess.run(["gcc", "-O2", "-c", str(src), "-o", str(obj), f"-I{root / 'src' / 'ggml' / 'include'}"], check=True)
         subprocess.run(["g++", str(obj), str(lib), "-lm", "-fopenmp", "-lpthread", "-o", str(exe)], check=True)
-        out = {"x": x}
-        for name, t in TYPES.items():
-            raw = subprocess.run([str(exe), str(t), *map(str, x.shape)], input=x.tobytes(), capture_output=True,
-                                 check=True).stdout
-            out[name] = np.frombuffer(raw, np.uint8).reshape(x.shape[0], -1)
+        importance = (np.random.default_rng(1).gamma(0.5, 1.0, x.shape[1]) + 1e-3).astype(np.float32)
+        importance.tofile(Path(tmp) / "imatrix.f32")
+        out = {"x": x, "importance": importance}
+        runs = [(name, name, []) for name in TYPES] + [(f"{n}_imatrix", n, [str(Path(tmp) / "imatrix.f32")])
+                                                       for n in WEIGHED]
+        for key, name, extra in runs:
+            raw = subprocess.run([str(exe), str(TYPES[name]), *map(str, x.shape), *extra], input=x.tobytes(),
+                                 capture_output=True, check=True).stdout
+            out[key] = np.frombuffer(raw, np.uint8).reshape(x.shape[0], -1)
     np.savez_compressed(OUT, **out, llama_cpp=np.array(root.name))
-    print(f"{OUT}: {', '.join(TYPES)} of {x.shape[0]} rows x {x.shape[1]} ({OUT.stat().st_size // 1024} KB)")
+    print(f"{OUT}: {', '.join(TYPES)} (and {', '.join(WEIGHED)} with an imatrix) of {x.shape[0]} rows x "
+          f"{x.shape[1]} ({OUT.stat().st_size // 1024} KB)")
 
 
 if __name__ == "__main__":

@@ -40,9 +40,11 @@ SCHEMES = {
     "gguf": (("gguf",), {"accuracy_level": (4, (0, 4)), "kernels": ("auto", ("auto", "ours", "stock"))}),
     # a checkpoint quantized into ggml blocks as llama-quantize does (int8 Q8_0, int4 Q4_K_M), written as a
     # GGUF file beside a graph on those blocks (build/stages/blocks.py); kernels as for gguf
-    # (mix: llama-quantize's type: q8_0 for int8; q4_k_m, q4_1 or q4_0 for int4; auto: q8_0 / q4_k_m)
+    # (mix: llama-quantize's type: q8_0 for int8; q4_k_m, q4_1 or q4_0 for int4; auto: q8_0 / q4_k_m;
+    # importance: imatrix = errors weighed by calibration activations, as llama-quantize --imatrix)
     "blocks": (("int8", "int4"), {"kernels": ("auto", ("auto", "ours", "stock")),
-                                  "mix": ("auto", ("auto", "q8_0", "q4_k_m", "q4_1", "q4_0"))}),
+                                  "mix": ("auto", ("auto", "q8_0", "q4_k_m", "q4_1", "q4_0")),
+                                  "importance": ("none", ("none", "imatrix"))}),
 }
 DEFAULT_SCHEMES = {"int8": "blocks", "int4": "blocks",      # matmulnbits where blocks cannot be made (plan.py)
                     "fp16": "cast", "fp8": "modelopt",

@@ -26,6 +26,18 @@ def test_blocks_equal_ggml_reference_quantizers(qtype):
     assert np.abs(back - ref["x"])[0].max() <= 0.2 * np.abs(ref["x"][0]).max()     # and they decode near x
 
 
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K"])
+def test_weighed_blocks_equal_ggml_imatrix_quantizers(qtype):
+    """With an importance matrix: ggml's quantize_row_<type>_impl (llama-quantize --imatrix), byte for byte."""
+    from specexport.quant.kquant import quantize
+
+    ref = np.load(REFERENCE)
+    got = quantize(ref["x"], qtype, ref["importance"])
+    differ = np.nonzero((got != ref[f"{qtype}_imatrix"]).any(axis=1))[0]
+    assert not len(differ), f"{qtype} with an imatrix: rows {differ.tolist()} differ from ggml's bytes"
+    assert (got != ref[qtype]).any()                   # the weights changed the choice somewhere
+
+
 def test_a_broken_quantizer_fails_the_reference():
     """The reference test has teeth: Q4_K without its min search (the first guess only) differs."""
     from specexport.quant import kquant
@@ -107,6 +119,7 @@ def test_blocks_build_runs_on_the_kernels_and_speculates_exactly(tmp_path, token
     out = tmp_path / "out"
     yaml = write_yaml(tmp_path / "m.yaml", name="b", target={"path": ckpt}, max_seq_len=96,
                       precisions=["fp32", "int8", "int4"],          # blocks: the default scheme of both
+                      quantization={"int4": {"importance": "imatrix"}},
                       quality_gates={"int4": {"min_top1": 0.2, "max_kl": 2.0}}, output=out)   # random weights
     assert run_build(yaml, "--no-bench") == 0
     manifest = read_manifest(out)
@@ -123,8 +136,10 @@ def test_blocks_build_runs_on_the_kernels_and_speculates_exactly(tmp_path, token
                 plain = pipe.generate(prompt_ids=prompt, max_new_tokens=24, method="vanilla").token_ids
                 for method in ("lookup", "suffix"):
                     assert pipe.generate(prompt_ids=prompt, max_new_tokens=24, method=method).token_ids == plain
-    types = manifest["models"]["target"]["precisions"]["int4"]["quantization"]["block_types"]
-    assert {"Q4_K", "Q6_K"} <= set(types)
+    int4 = manifest["models"]["target"]["precisions"]["int4"]["quantization"]
+    assert {"Q4_K", "Q6_K"} <= set(int4["block_types"])
+    assert int4["importance"]["method"].startswith("imatrix") and int4["importance"]["tokens"] > 0
+    assert manifest["models"]["target"]["precisions"]["int8"]["quantization"]["importance"] == "none"
 
 
 def test_a_checkpoint_blocks_cannot_hold_takes_matmulnbits_and_says_why(tiny_checkpoints, tmp_path, write_yaml,

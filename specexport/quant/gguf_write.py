@@ -94,10 +94,11 @@ def blocks_or_matmulnbits(mc, hf_config) -> tuple:
     return dataclasses.replace(mc, quantization=quantization), tuple((p, why) for p in asked)
 
 
-def write_gguf(hf_dir, dest, mix: str, *, steps=None) -> dict:
+def write_gguf(hf_dir, dest, mix: str, *, importance: dict | None = None, steps=None) -> dict:
     """Write checkpoint folder `hf_dir` to GGUF file `dest` quantized as `mix` (MIXES; f32: unquantized,
-    what llama-quantize takes). Returns {"types": {gguf name: block type}, "pre": ..., "tensors": n}.
-    steps: _console.Steps, advanced per tensor."""
+    what llama-quantize takes). importance: {HF weight name: [K]} (quant/imatrix.py), which the types that
+    take one weigh their errors by (llama-quantize --imatrix). Returns {"types": {gguf name: block type},
+    "pre": ..., "tensors": n}. steps: _console.Steps, advanced per tensor."""
     gguf, transformers = require("gguf"), require("transformers")
     from specexport.quant import kquant
 
@@ -140,9 +141,11 @@ def write_gguf(hf_dir, dest, mix: str, *, steps=None) -> dict:
         writer.write_tensor_data(extra)
     if steps is not None:
         steps.total(len(plan))
+    importance = importance or {}
     for name, (hf, shape, qtype) in plan.items():
         w = _gguf_order(tensors[hf][1](), name, config)
-        writer.write_tensor_data(w if qtype == "F32" else kquant.quantize(w.reshape(-1, shape[-1]), qtype))
+        seen = importance.get("lm_head.weight" if tied and name == "token_embd.weight" else hf)   # the output's
+        writer.write_tensor_data(w if qtype == "F32" else kquant.quantize(w.reshape(-1, shape[-1]), qtype, seen))
         if steps is not None:
             steps.advance()
     writer.close()

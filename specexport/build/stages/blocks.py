@@ -41,8 +41,10 @@ class BlocksStage(ModelStage):
         start = time.perf_counter()
         try:
             gguf = partial / "model.gguf"
+            importance, seen = _importance(ctx, mp, settings)
             with ctx.reporter.stage(f"write {self.role} as a GGUF file of {precision} blocks") as steps:
-                written = write_gguf(mp.config.path, gguf, mix, steps=steps)
+                written = write_gguf(mp.config.path, gguf, mix, importance=importance, steps=steps)
+            del importance
             graph = partial / "model.onnx"
             report, weights = _lean_graph(ctx, mp, graph, LEVEL, kernels.available, gguf=gguf)
             if report.kept_fp32:
@@ -73,6 +75,7 @@ class BlocksStage(ModelStage):
                               **describe_files(ctx.out, [final / "model.gguf"]), "pre_tokenizer": written["pre"],
                               "file_type": written["file_type"]},
                 "quantization": {"precision": precision, "scheme": "blocks", "mix": mix, "accuracy_level": LEVEL,
+                                 "importance": seen,
                                  "block_types": {t: sum(1 for v in types.values() if v == t) for t in sorted(set(types.values()))},
                                  "tensor_types": types,
                                  "quantizer": f"quant/gguf_write.py (llama-quantize's {mix.upper()} types and bytes)",
@@ -105,3 +108,19 @@ def _mix(settings: dict, precision: str, role: str) -> str:
         raise SpecexportError(f"{role}.quantization.{precision}.mix: {mix!r} makes another precision; "
                               f"{precision} takes {', '.join(mixes)}")
     return mix
+
+
+def _importance(ctx, mp, settings: dict) -> tuple[dict | None, dict | str]:
+    """The imatrix `importance: imatrix` asks for (quant/imatrix.py, on the calibration sequences a static
+    scheme would take) and what it was collected on; (None, "none") otherwise."""
+    if settings["importance"] != "imatrix":
+        return None, "none"
+    from specexport.build.stages.quantize import calibration_sequences
+    from specexport.quant.imatrix import collect
+    from specexport.quant.quality import runtime_session
+
+    sequences, on = calibration_sequences(ctx, mp, runtime_session(ctx.stage_dir(f"{mp.role}/fp32") / "model.onnx"))
+    with ctx.reporter.stage(f"collect {mp.role}'s importance matrix (PyTorch, {len(sequences)} sequences)") as steps:
+        importance = collect(mp.config.path, sequences, steps=steps)
+    return importance, {"method": "imatrix (mean squared activation per input column)", "sequences": len(sequences),
+                        "tokens": int(sum(len(s) for s in sequences)), **on}
