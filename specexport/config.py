@@ -87,6 +87,10 @@ class ModelConfig:
         """Built without an fp32 graph: a GGUF model whose precisions are gguf alone (build/stages/gguf.py)."""
         return "fp32" not in self.precisions
 
+    @property
+    def on_kernels(self) -> bool:  # a precision on our CPU kernels (gguf, blocks): its heads follow them
+        return any(p == "gguf" or self.quantization.get(p, {}).get("scheme") == "blocks" for p in self.precisions)
+
 
 @dataclass(frozen=True)
 class HeadsConfig:
@@ -305,10 +309,9 @@ def _model_options(raw: dict, role: str, path: Path, precisions, schemes, base: 
         if not isinstance(aux, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in aux):
             raise SpecexportError(f"{role}.aux_hidden_layers: expected a list of layer indices or 'eagle3', got {aux!r}")
         aux = tuple(sorted(set(aux)))
-    if raw.get("precisions") is not None:
-        precisions = _precisions(raw["precisions"], f"{role}.precisions", gguf=gguf is not None)
-    else:
-        precisions = _precisions(precisions, "precisions", gguf=gguf is not None)
+    own = raw.get("precisions") is not None           # the model's own list, else the top-level one
+    precisions = _precisions(raw["precisions"] if own else precisions, f"{role}.precisions" if own else "precisions",
+                             gguf=gguf is not None)
     if "gguf" in precisions and gguf is None:
         raise SpecexportError(f"{role}.precisions: gguf is made from a GGUF file's own blocks, and {role}.path is not a "
                               f".gguf file; give {role} a precisions: list without gguf")

@@ -133,15 +133,21 @@ def test_a_cancelled_or_failing_request_leaves_the_others_intact(pipe, monkeypat
 
 
 def test_eagle_head_rows_are_checked_exact_before_they_share_passes(pipe, monkeypatch):
-    """The head (our attention, fp32 matmuls) gives a call the same bits alone and beside a longer slot's
+    """The head (our attention, Q8_0 blocks) gives a call the same bits alone and beside a longer slot's
     call; a pass that writes over a longer slot's rows (planted) is caught, and a batch then gives each
     EAGLE request a head of its own: its answers are still its lone answers."""
     from specexport.runtime import batch as batch_module
     from specexport.runtime.backends import head_slots
 
-    # the target is gguf on our kernels: its head runs on our attention, checked by the build too
+    # the target is gguf on our kernels: its head runs on our attention, checked by the build too, and
+    # the runtime opens its Q8_0 blocks (build/stages/head_blocks.py), as it does the Medusa heads'
     stage = pipe.manifest["heads"]["eagle"]["precisions"]["fp32"]
     assert "tree, our attention" in stage["parity_per_phase"]
+    for kind, head in (("eagle", pipe.eagle), ("medusa", pipe.medusa)):
+        blocks = pipe.manifest["heads"][kind]["precisions"]["q8_0"]
+        assert blocks["parity_max_rel_error"] <= blocks["parity_tolerance"] and blocks["top1_agreement"] >= 0.9
+        assert blocks["quantization"]["kept_fp32"] == [] and blocks["quantization"]["block_types"]["Q8_0"] >= 2
+        assert head.session._model_path == str(pipe.dir / blocks["dir"] / "model.onnx")
     assert head_slots.rows_exact(pipe.eagle)
     base = head_slots.EagleSlots._base
     # planted: a pass written at the shortest slot's length (over the longer one's committed rows)

@@ -62,6 +62,18 @@ def write_eagle3(folder, *, draft_vocab=40, aux=None, seed=1):
     return t, ids
 
 
+def export_eagle3(root):
+    """write_eagle3's head exported (random embedding, no lm_head): (weights, embed, io, the graph's path)."""
+    from specexport.heads.eagle_graph import export_head, io_for
+
+    write_eagle3(root / "head")
+    w = load_eagle(root / "head", hidden_size=H, vocab_size=V, num_layers=12)
+    io = io_for(w, target_hidden=H, top_k=5)
+    embed = np.random.default_rng(0).normal(size=(V, H)).astype(np.float32)
+    export_head(w, embed, None, io, root / "model.onnx")
+    return w, embed, io, root / "model.onnx"
+
+
 def test_versions_come_from_the_keys_and_d2t_maps_to_target_ids(tmp_path):
     write_eagle1(tmp_path / "e1")
     w1 = load_eagle(tmp_path / "e1", hidden_size=H, vocab_size=V, num_layers=12)

@@ -87,17 +87,9 @@ def write_eagle3(folder, target, *, layers=None, draft_vocab=200, noise=0.02, se
 @pytest.fixture(scope="module")
 def random_eagle3(tmp_path_factory):
     """An exported EAGLE-3 head with random weights everywhere (attention matters), on random features."""
-    from specexport.heads.eagle import load_eagle
-    from specexport.heads.eagle_graph import export_head, io_for
-    from test_eagle import H, V, write_eagle3 as write_random
+    from test_eagle import export_eagle3
 
-    root = tmp_path_factory.mktemp("eagle-graph")
-    write_random(root / "head")
-    w = load_eagle(root / "head", hidden_size=H, vocab_size=V, num_layers=12)
-    io = io_for(w, target_hidden=H, top_k=5)
-    embed = np.random.default_rng(0).normal(size=(V, H)).astype(np.float32)
-    export_head(w, embed, None, io, root / "model.onnx")
-    return w, embed, io, root / "model.onnx"
+    return export_eagle3(tmp_path_factory.mktemp("eagle-graph"))
 
 
 def test_head_graph_matches_the_published_head_and_the_check_has_teeth(random_eagle3, monkeypatch):

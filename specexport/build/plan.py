@@ -214,6 +214,7 @@ def _plan_medusa(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
     io = HeadsIO(hidden_size=target.arch.hidden_size, num_heads=weights.num_heads, top_k=hc.top_k)
     stat = weights.file.stat()
     options = {"target": target.fingerprint, "top_k": hc.top_k, "graph_code": source_hash(HEADS_SOURCES),
+               "blocks": target.config.on_kernels,
                "file": f"{weights.file.name}:{stat.st_size}:{stat.st_mtime_ns}"}
     fingerprint = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
     return HeadsPlan(config=hc, weights=weights, io=io, fingerprint=fingerprint)
@@ -232,6 +233,7 @@ def _plan_eagle(hc: HeadsConfig, target: ModelPlan) -> HeadsPlan:
     files = [hc.path / n for n in ("config.json", *WEIGHT_FILES) if (hc.path / n).is_file()]
     prompt_ids = _prompt_ids(hc.prompts, target.config.path) if hc.prompts else ()
     options = {"target": target.fingerprint, "top_k": hc.top_k, "graph_code": source_hash(EAGLE_SOURCES),
+               "blocks": target.config.on_kernels,
                "files": [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files],
                "prompts": hashlib.sha256(json.dumps(prompt_ids).encode()).hexdigest()}
     fingerprint = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:16]
@@ -391,9 +393,9 @@ GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gq
 ENGINE_SOURCES = ("trt/*.py", "plugins/*.py", "build/stages/engines.py")
 QUANTIZER_SOURCES = ("quant/*.py", "build/stages/quantize.py", "build/stages/blocks.py")
 HEADS_SOURCES = ("io_spec.py", "heads/medusa.py", "heads/medusa_tree.py", "build/stages/medusa.py",
-                 "export/to_onnx.py")
+                 "export/to_onnx.py", "build/stages/head_blocks.py", "quant/graph_blocks.py", "quant/kquant.py")
 EAGLE_SOURCES = ("io_spec.py", "heads/eagle.py", "heads/eagle_graph.py", "build/stages/eagle.py", "export/gqa.py",
-                 "export/to_onnx.py")
+                 "export/to_onnx.py", "build/stages/head_blocks.py", "quant/graph_blocks.py", "quant/kquant.py")
 
 
 def source_hash(patterns) -> str:

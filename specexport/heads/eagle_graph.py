@@ -79,7 +79,7 @@ def graph_module(w: EagleWeights, embed: np.ndarray, lm_head: np.ndarray | None,
 
         def forward(self, input_ids, position_ids, attention_mask, logits_rows, features, draft_hidden,
                     cache_k, cache_v):
-            emb = self.embed[input_ids]                                        # [B, T, H]
+            emb = F.embedding(input_ids, self.embed)                           # [B, T, H] (a Gather)
             if self.version == 1:
                 hidden = F.linear(torch.cat([emb, features + draft_hidden], -1), self.p("fc.weight"),
                                   self.p("fc.bias"))

@@ -175,31 +175,32 @@ def reference_module(weights: MedusaWeights, lm_head: np.ndarray | None):
 
 
 def graph_module(weights: MedusaWeights, lm_head: np.ndarray | None, top_k: int):
-    """All heads in one module: hidden [B, T, H] -> (ids [B, T, N, K], log-probs [B, T, N, K])."""
+    """All heads in one module: hidden [B, T, H] -> (ids [B, T, N, K], log-probs [B, T, N, K]). Each
+    head's Linear is a MatMul of its own 2-D weight (not one batched [N, H, H] product), so the graph's
+    weights are matrices quant/graph_blocks.py can put on our kernels."""
     torch = require("torch")
-    nn = torch.nn
+    nn, F = torch.nn, torch.nn.functional
+
+    def frozen(a):
+        return nn.Parameter(torch.from_numpy(np.ascontiguousarray(a, np.float32)), requires_grad=False)
 
     class MedusaGraph(nn.Module):
         def __init__(self):
             super().__init__()
-            L = weights.num_layers
-            # [L, N, H, H] so that x [.., N, 1, H] @ W[l] is each head's Linear (weights are [out, in])
-            self.w = nn.Parameter(torch.from_numpy(np.stack([[blocks[j][0].T for blocks in weights.blocks]
-                                                              for j in range(L)]).copy()), requires_grad=False)
-            self.b = nn.Parameter(torch.from_numpy(np.stack([[blocks[j][1] for blocks in weights.blocks]
-                                                              for j in range(L)])[:, :, None, :].copy()),
-                                  requires_grad=False)                                       # [L, N, 1, H]
+            self.w = nn.ParameterList([frozen(w) for blocks in weights.blocks for w, _ in blocks])     # [H, H] each
+            self.b = nn.ParameterList([frozen(b) for blocks in weights.blocks for _, b in blocks])
             shared = weights.projections[0] is None
-            proj = lm_head.T[None] if shared else np.stack([p.T for p in weights.projections])   # [1|N, H, V]
-            self.proj = nn.Parameter(torch.from_numpy(np.ascontiguousarray(proj)), requires_grad=False)
+            self.proj = nn.ParameterList([frozen(lm_head)] if shared else [frozen(p) for p in weights.projections])
 
         def forward(self, hidden):
-            B, T, H = hidden.shape
-            x = hidden.reshape(B, T, 1, 1, H).expand(B, T, weights.num_heads, 1, H)     # [B, T, N, 1, H]
-            for j in range(weights.num_layers):
-                x = x + torch.nn.functional.silu(x @ self.w[j] + self.b[j])
-            logits = (x @ self.proj).squeeze(-2)                                       # [B, T, N, V]
-            values, ids = torch.topk(torch.log_softmax(logits, dim=-1), top_k, dim=-1)
+            L, outs = weights.num_layers, []
+            for h in range(weights.num_heads):
+                x = hidden
+                for j in range(L):
+                    x = x + F.silu(F.linear(x, self.w[h * L + j], self.b[h * L + j]))
+                outs.append(x if len(self.proj) == 1 else F.linear(x, self.proj[h]))
+            logits = F.linear(torch.stack(outs, 2), self.proj[0]) if len(self.proj) == 1 else torch.stack(outs, 2)
+            values, ids = torch.topk(torch.log_softmax(logits, dim=-1), top_k, dim=-1)          # [B, T, N, K]
             return ids, values
 
     return MedusaGraph().eval()
@@ -222,7 +223,7 @@ def export_heads(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO
 
 
 def heads_parity(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO, onnx_path: Path,
-                 hidden: np.ndarray) -> dict:
+                 hidden: np.ndarray, *, session=None) -> dict:
     """The graph in ONNX Runtime against the reference on hidden states [S, H]: the graph's log-probs
     must equal the reference's at the ids the graph chose, and the reference's own top-K values (so
     the ids are a true top-K up to ties). Returns {max_rel_error, max_abs_error, rows}."""
@@ -231,7 +232,7 @@ def heads_parity(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO
     with torch.no_grad():
         ref = torch.log_softmax(torch.stack([head(torch.from_numpy(hidden)) for head in
                                              reference_module(weights, lm_head)], dim=1), -1).numpy()   # [S, N, V]
-    session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    session = session or ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     ids, values = session.run(None, {HIDDEN_STATES: hidden[None].astype(np.float32)})
     ids, values = ids[0], values[0]                                            # [S, N, K]
     at_ids = np.take_along_axis(ref, ids, axis=-1)

@@ -189,7 +189,8 @@ class Pipeline:
     def medusa(self):
         """The Medusa heads (a callable hidden [H] -> top-k ids [N, K]), opened on first use."""
         if self._medusa is None:
-            self._medusa = open_medusa(self.dir, self.manifest, kind=self.backend_kind)
+            self._medusa = open_medusa(self.dir, self.manifest, kind=self.backend_kind,
+                                       target_precision=self.precision)
         return self._medusa
 
     @property

@@ -12,6 +12,7 @@ quality_gates.<precision>; row independence as every quantized target.
 """
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ class BlocksStage(ModelStage):
         from specexport.quant.gguf_write import write_gguf
         from specexport.manifest import describe_files
         from specexport.quant.quality import runtime_session, tree_rows_for
+        from specexport.runtime.backends.ort import release_freed_heap
 
         mp, cfg, precision = ctx.model(self.role), ctx.config, self.precision
         settings = mp.config.quantization[precision]
@@ -56,7 +58,10 @@ class BlocksStage(ModelStage):
             if not parity.max_rel_error <= cfg.parity_tolerance:
                 raise ParityError(f"{self.role} {precision}: parity with the GGUF's dequantized weights failed: "
                                   f"{parity.describe()} > tolerance {cfg.parity_tolerance:.1e}")
+            weights.release()              # the file's pages read so far leave the RSS (export/gguf_weights.py)
             del weights
+            gc.collect()
+            release_freed_heap()
             twin.unlink()
             source = ctx.stage_dir(f"{mp.role}/fp32") / "model.onnx"
             reference, deployed = runtime_session(source), runtime_session(graph)

@@ -21,6 +21,7 @@ import numpy as np
 
 from specexport import owned
 from specexport.build.context import eval_sequences, files_entry
+from specexport.build.stages.head_blocks import PRECISION, SEQUENCES, eagle_checks, kernel_head
 from specexport.build.stages.medusa import HeadsStage
 from specexport.errors import ParityError
 from specexport.io_spec import AUX_HIDDEN_STATES
@@ -41,8 +42,10 @@ class EagleStage(HeadsStage):
         partial, final = ctx.folders.new(hp.role, "fp32")
         start = time.perf_counter()
         try:
-            names, report, session = _export_and_check(ctx, hp, target_dir, partial)
+            embed, lm_head = target_embeddings(ctx.model("target"), hp.weights.version)
+            names, report, session, case = _export_and_check(ctx, hp, target_dir, partial, embed, lm_head)
             prefixes, source = _auto_prefixes(ctx, hp, session)
+            case["sequences"] = _held_out_features(ctx, hp, session)
             del session
             with ctx.reporter.stage("tree: auto from greedy decoding of held-out prompts (and its check against "
                                     "vanilla)") as steps:
@@ -53,6 +56,7 @@ class EagleStage(HeadsStage):
             ctx.folders.publish(partial, final)
         finally:
             owned.remove(partial)          # ours: marked when made
+        blocks = kernel_head(ctx, hp, final, **eagle_checks(hp, embed, lm_head, case))
         stage = {**files_entry(ctx.out, final, names), "parity_reference": "pytorch",
                  "parity_max_rel_error": report["max_rel_error"], "parity_per_phase": report["per_phase"],
                  "parity_rows": report["rows"], "parity_tolerance": cfg.parity_tolerance,
@@ -61,12 +65,12 @@ class EagleStage(HeadsStage):
                 "draft_vocab": w.draft_vocab, "target_ids": None if w.version != 3 else w.target_ids().tolist(),
                 "top_k": hp.io.top_k, "fingerprint": hp.fingerprint, "io": hp.io.to_dict(),
                 "scratch_rows": SCRATCH_ROWS, "auto_tree": {**auto, "text": f"greedy continuations of {source}"},
-                "precisions": {"fp32": stage}}
+                "precisions": {"fp32": stage, **({PRECISION: blocks} if blocks else {})}}
 
 
-def _export_and_check(ctx, hp, target_dir, partial):
+def _export_and_check(ctx, hp, target_dir, partial, embed, lm_head):
     """Export the head graph into `partial` and check it against the published head in PyTorch on the
-    target graph's features: (file names, parity report, the open target session)."""
+    target graph's features: (file names, parity report, the open target session, {seq, features})."""
     from specexport.export.validate import parity_case
     from specexport.heads.eagle_graph import export_head, head_parity
     from specexport.plugins.cpu.graph import with_our_attention
@@ -74,7 +78,6 @@ def _export_and_check(ctx, hp, target_dir, partial):
     from specexport.runtime.backends.ort import open_session
 
     cfg, target, w = ctx.config, ctx.model("target"), hp.weights
-    embed, lm_head = target_embeddings(target, w.version)
     label = (f"EAGLE-{w.version}" + (f", layers {list(w.aux_layers)}, draft vocabulary {w.draft_vocab}"
                                      if w.version == 3 else ""))
     with ctx.reporter.stage(f"export the {label} head to ONNX"):
@@ -87,7 +90,7 @@ def _export_and_check(ctx, hp, target_dir, partial):
         report = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", seq, feats[:-1])
         # a target in `gguf` (our kernels) runs the head on our attention too: checked here; no other build
         # compiles the kernels for its head
-        gguf = "gguf" in target.config.precisions
+        gguf = target.config.on_kernels
         ours = with_our_attention(partial / "model.onnx", hp.io.head_dim) if gguf else None
         if ours is not None:
             mine = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", seq, feats[:-1],
@@ -98,7 +101,15 @@ def _export_and_check(ctx, hp, target_dir, partial):
         raise ParityError(f"{hp.role} head: parity check failed: relative error {report['max_rel_error']:.3e} "
                           f"({', '.join(f'{k} {v:.2e}' for k, v in report['per_phase'].items())}) > tolerance "
                           f"{cfg.parity_tolerance:.1e}")
-    return names, report, session
+    return names, report, session, {"seq": seq, "features": feats[:-1]}
+
+
+def _held_out_features(ctx, hp, session) -> list:
+    """(tokens, the target's features [S - 1, F]) of up to SEQUENCES held-out sequences: where the
+    quantized head's proposals are compared with the fp32 head's."""
+    sequences, _ = eval_sequences(ctx, ctx.model("target"), session)
+    return [(seq, target_features(session, ctx.model("target").io, seq, hp.weights)[:-1])
+            for seq in sequences[:SEQUENCES] if len(seq) > 2]
 
 
 def _auto_prefixes(ctx, hp, session):

@@ -3,12 +3,16 @@ target fp32 graph's own hidden states (the parity gate), and `tree: auto` (heads
 manifest's heads.medusa record."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from specexport import owned
 from specexport.build.context import eval_sequences, files_entry
+from specexport.build.stages.head_blocks import PRECISION, SEQUENCES, dequantized, kernel_head
 from specexport.build.stage import Stage
 from specexport.errors import ParityError
 from specexport.manifest import files_intact
@@ -23,9 +27,9 @@ class HeadsStage(Stage):
         return ctx.previous.get("heads", {}).get(self.name)
 
     def reusable(self, ctx, entry: dict) -> bool:
-        stage = entry.get("precisions", {}).get("fp32")
-        return entry.get("fingerprint") == self.fingerprint and stage is not None and \
-            files_intact(ctx.out, stage["files"])
+        stages = entry.get("precisions", {})
+        return entry.get("fingerprint") == self.fingerprint and "fp32" in stages and \
+            all(files_intact(ctx.out, stage["files"]) for stage in stages.values())
 
     def describe(self, entry: dict) -> str:
         return entry["precisions"]["fp32"]["dir"]
@@ -56,8 +60,11 @@ class MedusaStage(HeadsStage):
             with reporter.stage(f"check {hp.role} heads against PyTorch on the target's hidden states"):
                 case = parity_case(target.io, max_seq_len=plan.config.max_seq_len,
                                    max_verify_tokens=plan.config.max_verify_tokens)
-                hidden, = target_states(runtime_session(target_dir / "model.onnx"), target.io, case.seq)
+                session = runtime_session(target_dir / "model.onnx")
+                hidden, = target_states(session, target.io, case.seq)
                 report = heads_parity(w, lm_head, hp.io, partial / "model.onnx", hidden)
+                held_out = _held_out_states(ctx, target, session)
+                del session
             tolerance = plan.config.parity_tolerance
             if not report["max_rel_error"] <= tolerance:
                 raise ParityError(f"{hp.role} heads: parity check failed: max|Δlog-prob| / max|log-prob| = "
@@ -66,13 +73,44 @@ class MedusaStage(HeadsStage):
             ctx.folders.publish(partial, final)
         finally:
             owned.remove(partial)          # ours: marked when made
+        blocks = kernel_head(ctx, hp, final, **medusa_checks(hp, lm_head, hidden, held_out))
         stage = {**files_entry(out, final, names), "parity_reference": "pytorch",
                  "parity_max_rel_error": report["max_rel_error"], "parity_rows": report["rows"],
                  "parity_tolerance": tolerance, "build_seconds": round(time.perf_counter() - start, 2)}
         return {"source": str(hp.config.path), "file": w.file.name, "format": w.format, "num_heads": w.num_heads,
                 "num_layers": w.num_layers, "lm_head": w.lm_head, "top_k": hp.io.top_k,
                 "config_num_heads": w.config_num_heads, "fingerprint": hp.fingerprint, "io": hp.io.to_dict(),
-                "auto_tree": auto, "precisions": {"fp32": stage}}
+                "auto_tree": auto, "precisions": {"fp32": stage, **({PRECISION: blocks} if blocks else {})}}
+
+
+def _held_out_states(ctx, target, session) -> list:
+    """The target's hidden states [S, H] of up to SEQUENCES held-out sequences: where the heads' blocks
+    are compared with their fp32 weights."""
+    from specexport.heads.medusa import target_states
+
+    sequences, _ = eval_sequences(ctx, target, session)
+    return [target_states(session, target.io, seq)[0] for seq in sequences[:SEQUENCES]]
+
+
+def medusa_checks(hp, lm_head, hidden, held_out) -> dict:
+    """kernel_head's parity and proposals for Medusa heads: heads_parity on the dequantized weights;
+    each head's top-1 at every held-out position."""
+    from specexport.heads.medusa import heads_parity
+    from specexport.io_spec import HIDDEN_STATES
+
+    w = hp.weights
+    deq = dataclasses.replace(w, blocks=tuple(tuple((dequantized(a), b) for a, b in blocks) for blocks in w.blocks),
+                              projections=tuple(None if p is None else dequantized(p) for p in w.projections))
+    lm = None if lm_head is None else dequantized(lm_head)
+
+    def parity(twin, session):
+        return heads_parity(deq, lm, hp.io, twin, hidden, session=session)
+
+    def proposals(session):
+        return np.concatenate([session.run(None, {HIDDEN_STATES: h[None].astype(np.float32)})[0][0, ..., 0].ravel()
+                               for h in held_out]) if held_out else np.zeros(0, np.int64)
+
+    return {"parity": parity, "proposals": proposals}
 
 
 def auto_tree(ctx, hp, target_dir: Path, heads_dir: Path) -> dict:

@@ -129,28 +129,42 @@ def _stage_options(stage: dict, *, role: str, precision: str, kind: str, options
     return options
 
 
-def open_medusa(out_dir, manifest: dict, *, kind: str):
-    """The build's Medusa heads (fp32), on backend `kind`; an error when the build made none."""
+def open_medusa(out_dir, manifest: dict, *, kind: str, target_precision: str):
+    """The build's Medusa heads, on backend `kind` (their q8_0 blocks where the target's `target_precision`
+    runs on our kernels, else fp32); an error when the build made none."""
     entry = manifest.get("heads", {}).get("medusa")
     if entry is None:
         raise SpecexportError("method: 'medusa' was not built (no medusa: heads in the model.yaml)")
-    stage = entry["precisions"]["fp32"]
+    stage = _heads_stage(entry, manifest, kind, target_precision)
     check_files(Path(out_dir), stage["files"])
     return open_heads(kind, Path(out_dir) / stage["dir"], io=HeadsIO.from_dict(entry["io"]))
 
 
 def open_eagle(out_dir, manifest: dict, *, kind: str, capacity: int, max_tokens: int, target_precision: str):
-    """The build's EAGLE head (fp32), on backend `kind`: its cache holds capacity + the build's scratch
+    """The build's EAGLE head, on backend `kind` (its q8_0 blocks where the target runs on our kernels, else
+    fp32): its cache holds capacity + the build's scratch
     rows (a draft tree's levels), its calls take max_tokens rows or its top-K, whichever is more; an
     error when the build made none. Its attention is ours (batched heads share passes on it) only where the
     target's `target_precision` graph runs on our kernels: no other build compiles or fetches anything."""
     entry = manifest.get("heads", {}).get("eagle")
     if entry is None:
         raise SpecexportError("method: 'eagle' was not built (no eagle: head in the model.yaml)")
-    stage = entry["precisions"]["fp32"]
-    check_files(Path(out_dir), stage["files"])
     io = EagleIO.from_dict(entry["io"])
-    target = manifest["models"]["target"]["precisions"].get(target_precision) or {}
-    ours = ((target.get("quantization") or {}).get("kernels") or {}).get("ops") == DOMAIN
+    stage = _heads_stage(entry, manifest, kind, target_precision)
+    check_files(Path(out_dir), stage["files"])
+    ours = _on_kernels(manifest, target_precision) and stage is entry["precisions"]["fp32"]  # q8_0's is ours
     return open_eagle_head(kind, Path(out_dir) / stage["dir"], io=io, capacity=capacity + entry["scratch_rows"],
                            max_tokens=max(max_tokens, io.top_k), our_attention=ours)
+
+
+def _on_kernels(manifest: dict, target_precision: str) -> bool:
+    target = manifest["models"]["target"]["precisions"].get(target_precision) or {}
+    return ((target.get("quantization") or {}).get("kernels") or {}).get("ops") == DOMAIN
+
+
+def _heads_stage(entry: dict, manifest: dict, kind: str, target_precision: str) -> dict:
+    """Heads' q8_0 stage (build/stages/head_blocks.py) beside a target on our kernels, else their fp32 one."""
+    blocks = entry["precisions"].get("q8_0")
+    if blocks is not None and kind == "onnxruntime" and _on_kernels(manifest, target_precision):
+        return blocks
+    return entry["precisions"]["fp32"]
