@@ -43,7 +43,7 @@ def eagle3(tmp_path_factory, kernels):
     made = to_blocks(root / "model.onnx", root / "q8.onnx")
     to_blocks(root / "model.onnx", root / "twin.onnx", exact=True)
     rng = np.random.default_rng(1)
-    case = {"seq": rng.integers(0, V, 20), "features": rng.normal(size=(19, io.feature_width)).astype(np.float32)}
+    case = {"seq": rng.integers(0, V, 20), "target_states": rng.normal(size=(19, io.feature_width)).astype(np.float32)}
     case["sequences"] = [(rng.integers(0, V, 65), rng.normal(size=(64, io.feature_width)).astype(np.float32))
                          for _ in range(3)]
     return {"w": w, "io": io, "embed": embed, "root": root, "made": made, "case": case}
@@ -70,7 +70,7 @@ def test_eagle_twin_equals_the_head_on_its_dequantized_weights(eagle3):
     twin = root / "twin.onnx"
     good = checks["parity"](twin, runtime_session(twin))
     assert good["max_rel_error"] < 1e-4 and set(good["per_phase"]) == {"prefill", "catch_up", "tree"}
-    fp32 = head_parity(e["w"], e["embed"], None, e["io"], twin, e["case"]["seq"], e["case"]["features"],
+    fp32 = head_parity(e["w"], e["embed"], None, e["io"], twin, e["case"]["seq"], e["case"]["target_states"],
                        session=runtime_session(twin))
     assert fp32["max_rel_error"] > 1e-3                  # the blocks are not the fp32 weights
     want = checks["proposals"](runtime_session(root / "model.onnx"))

@@ -101,7 +101,7 @@ def _export_and_check(ctx, hp, target_dir, partial, embed, lm_head):
         raise ParityError(f"{hp.role} head: parity check failed: relative error {report['max_rel_error']:.3e} "
                           f"({', '.join(f'{k} {v:.2e}' for k, v in report['per_phase'].items())}) > tolerance "
                           f"{cfg.parity_tolerance:.1e}")
-    return names, report, session, {"seq": seq, "features": feats[:-1]}
+    return names, report, session, {"seq": seq, "target_states": feats[:-1]}
 
 
 def _held_out_features(ctx, hp, session) -> list:
