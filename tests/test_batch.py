@@ -172,6 +172,65 @@ def test_batch_options_are_checked_in_the_callers_thread(pipe):
         pipe.batch(0)
 
 
+# -- the method seam: options -> resolve -> the table's factory, on the resources the caller gives -------
+TABLE = {"vanilla": ({}, "NoneType", []), "draft": ({"gamma": 3}, "DraftChain", [("draft", "gguf")]),
+         "lookup": ({"gamma": 3}, "PromptLookup", []), "suffix": ({}, "SuffixProposer", [("suffix",)]),
+         "medusa": ({"tree": "small"}, "MedusaTree", [("heads", "medusa")]),
+         "eagle": ({"tree": "dynamic:2/3/6"}, "EagleTree", [("heads", "eagle")])}
+
+
+@pytest.mark.parametrize("method", sorted(TABLE))
+def test_each_table_entry_makes_its_proposer_from_the_resources_it_is_given(pipe, method):
+    """One factory a method, fed only the resources its caller supplies, asking for just the models it uses."""
+    import dataclasses
+
+    from specexport.runtime.methods import METHODS, MethodOptions, resolve
+    from specexport.runtime.proposer_table import PROPOSERS, make_proposer
+
+    assert set(PROPOSERS) == set(METHODS) == set(TABLE)
+    knobs, kind, wants = TABLE[method]
+    asked = []
+    res = dataclasses.replace(pipe.resources(), draft=lambda p: asked.append(("draft", p)) or pipe.draft_of(p),
+                              heads=lambda k: asked.append(("heads", k)) or pipe.heads_of(k),
+                              suffix_cache=lambda: asked.append(("suffix",)) or pipe.suffix_cache)
+    options, note = resolve(MethodOptions(method, **knobs), pipe)
+    assert options.method == method and note == ""
+    assert type(make_proposer(options, res)).__name__ == kind and asked == wants
+
+
+def test_a_batched_auto_request_leaves_the_shared_pipeline_unchanged(built, tmp_path):
+    """method="auto" choosing the draft in another precision (gguf, under a pipeline whose draft is fp32):
+    each request drafts on that precision's graphs (what a pipeline loaded with it drafts), the note and the
+    method come back in the output, and the shared pipeline's draft precision stays fp32, alone and in a
+    batch; a draft whose rows depend on the pass is refused in a batch, in the caller's thread."""
+    import shutil
+
+    import specexport
+    from specexport.gamma import store_gamma_choices
+    from specexport.manifest import read_manifest
+
+    out = tmp_path / "b"
+    shutil.copytree(built, out)
+    store_gamma_choices(out, {("gguf", "fp32"): {"method": "draft", "gamma": 2, "tree": None, "draft_stop": 0.0,
+                                                 "draft_precision": "gguf", "speedup": 1.5, "best_measured": "x",
+                                                 "measured_tokens": 1}},
+                        build_id=read_manifest(out)["build_id"], command="t", section="method_auto")
+    request = dict(prompt_ids=PROMPTS[1], max_new_tokens=16)
+    with specexport.load(out, precision="gguf", threads=2) as gguf_draft:
+        want = gguf_draft.generate(**request, method="draft", gamma=2)
+    with specexport.load(out, precision="gguf", draft_precision="fp32", threads=2) as shared:
+        alone = shared.generate(**request, method="auto")
+        with shared.batch(2) as batch:
+            got = [h.result() for h in [batch.submit(**request, method="auto") for _ in range(2)]]
+            with pytest.raises(SpecexportError, match="draft's fp32 graph runs on ONNX Runtime's own kernels"):
+                batch.submit(**request, method="draft", gamma=2)
+        assert shared.draft_precision == "fp32"
+    assert (alone.stats.proposed, alone.stats.accepted) == (want.stats.proposed, want.stats.accepted)
+    for o in (alone, *got):
+        assert o.token_ids == want.token_ids and o.method == "draft" and "draft γ 2" in o.note
+        assert o.stats.gamma == 2 and o.stats.proposed
+
+
 def test_a_graph_with_pass_dependent_rows_batches_one_request_at_a_time(built_llama):
     """fp32 on ONNX Runtime's own kernels: not row-exact, so a batch holds one slot (outputs still equal)."""
     import specexport
@@ -244,7 +303,7 @@ def test_sixteen_concurrent_openai_clients_against_a_batched_server(pipe):
             for t in texts for m in methods}
     s = LiveServer(create_app(pipe, method="vanilla", limits=Limits(max_batch=4)))
     try:
-        assert s.worker.slots == 4 and s.worker.batch.exact
+        assert s.worker.max_batch == 4 and s.worker.batch.exact
 
         def client(k: int) -> list[bool]:
             c = s.openai(timeout=120)

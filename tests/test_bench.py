@@ -339,7 +339,7 @@ def test_gamma_auto_uses_the_stored_choice_and_falls_back_to_vanilla(bench_repor
     store(0, 0.6)
     pipe = specexport.load(out)
     out_ = pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=10, gamma="auto")
-    assert out_.stats.proposed == 0 and "decoding vanilla" in pipe.auto_note
+    assert out_.stats.proposed == 0 and "decoding vanilla" in out_.note and out_.method == "vanilla"
     store(3, 1.7)
     pipe = specexport.load(out)
     out_ = pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=10, gamma="auto")
@@ -446,20 +446,20 @@ def test_method_auto_uses_the_stored_choice_on_these_graphs_only(bench_report, t
     pipe = specexport.load(out)
     got = pipe.generate(prompt_ids=[1, 5, 6, 5, 6, 5, 6], max_new_tokens=20, method="auto")
     assert got.stats.forwards and not any(role == "draft" for role, _ in got.stats.forwards)
-    assert "lookup γ 3" in pipe.auto_note
+    assert "lookup γ 3" in got.note and got.method == "lookup"
     store({"method": "draft", "gamma": 2, "draft_precision": "fp32"})
     pipe = specexport.load(out)
     assert pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=20, method="auto").stats.gamma == 2
     store({"method": "vanilla", "gamma": 0, "speedup": 0.8})
     pipe = specexport.load(out)
-    assert pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=10, method="auto").stats.proposed == 0
-    assert "vanilla: every speculative configuration measured was slower (the best, x, measured 0.80x)" in \
-        pipe.auto_note
+    got = pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=10, method="auto")
+    assert got.stats.proposed == 0 and got.method == "vanilla"
+    assert "vanilla: every speculative configuration measured was slower (the best, x, measured 0.80x)" in got.note
     store({"method": "vanilla", "gamma": 0, "speedup": None, "best_measured": None})     # only vanilla measured
     pipe = specexport.load(out)
-    pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=4, method="auto")
-    assert "measured no speculative configuration" in pipe.auto_note and "None" not in pipe.auto_note
-    assert f"specexport bench {out} --methods vanilla,lookup,suffix" in pipe.auto_note
+    note = pipe.generate(prompt_ids=[1, 5, 6], max_new_tokens=4, method="auto").note
+    assert "measured no speculative configuration" in note and "None" not in note
+    assert f"specexport bench {out} --methods vanilla,lookup,suffix" in note
     m = read_manifest(out)                       # a choice measured on other graphs is not used
     m["method_auto"]["fp32/fp32"]["stages"]["target"] = "target/fp32-00000000"
     (out / "manifest.json").write_text(json.dumps(m))

@@ -297,7 +297,7 @@ def test_the_cli_serves(chat_build):
 
 
 def test_auto_without_a_measured_choice_serves_vanilla(built_llama):
-    from specexport.serve.worker import resolve_default_method
+    from specexport.runtime.methods import resolve_default_method
 
     with specexport.load(built_llama) as pipe:
         pipe.manifest = {k: v for k, v in pipe.manifest.items() if k != "method_auto"}

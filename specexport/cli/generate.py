@@ -48,7 +48,7 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
              precision, draft_precision, threads, draft_threads, device, stop, chat, compare, verbose):
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
-    from specexport.runtime.methods import resolve_default_method, stored_choice
+    from specexport.runtime.methods import resolve_default_method
     from specexport.runtime.pipeline import AS_TARGET, MEASURED
 
     pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision,
@@ -82,8 +82,8 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
     out = pipe.last_output
     s = out.stats
     click.echo("")                      # the text's last line ends before any note
-    if pipe.auto_note:
-        notes.append(f"--{'method' if method == 'auto' else 'gamma'} auto: {pipe.auto_note}")
+    if out.note:
+        notes.append(f"--{'method' if method == 'auto' else 'gamma'} auto: {out.note}")
     if pipe.kernel_note:
         notes.append(pipe.kernel_note)
     for note in notes:
@@ -92,9 +92,8 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
     line = (f"[{label}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.tokens_per_second:.1f} tok/s, "
             f"TTFT {s.ttft_s * 1e3:.1f} ms, TPOT {s.tpot_s * 1e3:.2f} ms")
     if s.proposed:
-        ran = (stored_choice(pipe) or {}).get("method", method) if method == "auto" else method
-        shape = (f"tree depth {s.gamma}" if ran in ("medusa", "eagle") or tree is not None else
-                 f"trees up to {s.gamma} nodes" if ran == "suffix" else f"γ={s.gamma}")
+        shape = (f"tree depth {s.gamma}" if out.method in ("medusa", "eagle") or tree is not None else
+                 f"trees up to {s.gamma} nodes" if out.method == "suffix" else f"γ={s.gamma}")
         line += (f", {shape}, acceptance {s.acceptance_rate:.2f}, "
                  f"{s.mean_accepted_tokens:.2f} tokens per target pass")
     click.secho(line, fg="cyan", err=True)

@@ -28,17 +28,18 @@ class ByteSize(click.ParamType):
 
 
 class BatchSize(click.ParamType):
-    """auto (None: measured at start) or an integer >= 1."""
+    """auto (measured at start) or an integer >= 1 (runtime/batch.py's check_max_batch)."""
     name = "auto|N"
 
     def convert(self, value, param, ctx):
-        if value is None or isinstance(value, int) and value >= 1:
-            return value
-        if str(value).strip().lower() == "auto":
-            return None
-        if not str(value).strip().isdigit() or int(value) < 1:
+        from specexport.errors import SpecexportError
+        from specexport.runtime.batch import check_max_batch
+
+        text = str(value).strip().lower()
+        try:
+            return check_max_batch(int(text) if text.lstrip("-").isdigit() else text)
+        except SpecexportError:
             self.fail(f"{value!r}: expected auto or an integer >= 1", param, ctx)
-        return int(value)
 
 
 @click.command()

@@ -26,6 +26,10 @@ import threading
 from specexport.errors import SpecexportError
 from specexport.runtime.backends.head_slots import EagleSlots, rows_exact
 from specexport.runtime.backends.slots import SlotModel
+from specexport.runtime.proposer_table import make_proposer
+
+
+AUTO = "auto"                   # max_batch=AUTO: measured here (batch_width), the default everywhere
 
 
 class Scheduler:
@@ -119,34 +123,32 @@ class Handle:
 class Batch:
     """Up to `max_batch` requests decoding together on one pipeline; more wait for a slot (FIFO)."""
 
-    def __init__(self, pipe, max_batch: int, *, rows_per_pass: int | None = None):
-        if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
-            raise SpecexportError(f"max_batch: expected an integer >= 1, got {max_batch!r}")
+    def __init__(self, pipe, max_batch: int | str = AUTO, *, rows_per_pass: int | None = None):
         self.pipe = pipe
-        self.exact, why = row_exact(pipe)
-        self.slots = max_batch if self.exact else 1
-        self.note = (f"batched: up to {self.slots} requests a pass" if self.exact else
-                     f"batch of 1: {why}, so a request's output would depend on its batch neighbours")
+        self.exact = row_exact(pipe)[0]
+        self.slots, self.note = batch_width(pipe, max_batch)
         self.scheduler = Scheduler()
         self.rows_per_pass = rows_per_pass or pipe.max_verify_tokens
         if not isinstance(self.rows_per_pass, int) or self.rows_per_pass < 1:
             raise SpecexportError(f"rows_per_pass: expected an integer >= 1, got {rows_per_pass!r}")
         self.target = SlotModel(pipe.target, self.slots, self.scheduler.submit, rows_per_pass=self.rows_per_pass)
         self.target.observer = self._observe
-        self._draft: SlotModel | None = None
+        self._drafts: dict[str, SlotModel] = {}             # the shared draft's slots, by precision
         self._eagle: EagleSlots | bool | None = None        # False: the head's rows are not exact in a pass
         self.observer = None                # observer(model name, B, Tp, real rows) after each pass (metrics)
         self._open_lock = threading.Lock()       # opens the shared draft / heads once
         self._admit = threading.Semaphore(self.slots)
         self._threads: list[threading.Thread] = []
 
-    def draft_model(self) -> SlotModel:
+    def draft_model(self, precision: str) -> SlotModel:
+        """The slots of the pipeline's draft in `precision` (opened once)."""
         with self._open_lock:
-            if self._draft is None:
-                self._draft = SlotModel(self.pipe.draft, self.slots, self.scheduler.submit, name="draft",
-                                        rows_per_pass=self.rows_per_pass)
-                self._draft.observer = self._observe
-            return self._draft
+            if precision not in self._drafts:
+                model = SlotModel(self.pipe.draft_of(precision), self.slots, self.scheduler.submit, name="draft",
+                                  rows_per_pass=self.rows_per_pass)
+                model.observer = self._observe
+                self._drafts[precision] = model
+            return self._drafts[precision]
 
     def eagle_model(self) -> EagleSlots | None:
         """The EAGLE head's slots (opened once), None where its rows are not exact in a pass (rows_exact)."""
@@ -170,9 +172,15 @@ class Batch:
             self.observer(*args)
 
     def request(self, prompt: str | None = None, **options):
-        """A request's options checked (Pipeline.request's, the method's too), in the caller's thread."""
+        """A request's options checked (Pipeline.request's, its proposer's too), in the caller's thread."""
         request = self.pipe.request(prompt, **options)
-        self.pipe._proposer(request, self.pipe)
+        o = request.options
+        if self.slots > 1 and o.method == "draft":          # the draft's rows share passes too
+            exact, why = row_exact(self.pipe, "draft", o.draft_precision)
+            if not exact:
+                raise SpecexportError(f"draft_precision: {why}, so it cannot draft in a batch; draft in a precision "
+                                      f"on specexport's kernels (gguf) or decode one request at a time (max_batch 1)")
+        make_proposer(o, self.pipe.resources())
         return request
 
     def submit(self, prompt: str | None = None, **options) -> Handle:
@@ -195,8 +203,8 @@ class Batch:
             target = between(self.target.view)
             taken = [target]                # slots this request holds, released at its end
 
-            def draft():                    # the draft's slot, taken when the proposer first asks for it
-                taken.append(between(self.draft_model().view))
+            def draft(precision: str):      # the draft's slot, taken when the proposer first asks for it
+                taken.append(between(self.draft_model(precision).view))
                 return taken[-1]
 
             def heads(kind: str):           # its Medusa heads or EAGLE head, when the proposer first asks
@@ -209,7 +217,8 @@ class Batch:
                 return taken[-1]
 
             try:
-                pieces = self.pipe.decode_request(request, target, draft, done=done, heads=heads)
+                pieces = self.pipe.decode_request(request, target, self.pipe.resources(draft=draft, heads=heads),
+                                                  done=done)
                 try:
                     yield from pieces
                 finally:
@@ -248,17 +257,42 @@ class Batch:
         self.close()
 
 
-def row_exact(pipe) -> tuple[bool, str]:
-    """(whether a row's outputs are independent of its batch neighbours on this pipeline's target, why not):
-    the build measured the graph's rows independent (row_dependence 0.0) on specexport's own CPU kernels."""
-    entry = pipe.manifest["models"]["target"]["precisions"][pipe.precision]
+def row_exact(pipe, role: str = "target", precision: str | None = None) -> tuple[bool, str]:
+    """(whether a row's outputs are independent of its batch neighbours on the pipeline's target, or its
+    draft in `precision`, why not): the build measured the graph's rows independent (row_dependence 0.0)
+    on specexport's own CPU kernels."""
+    precision = precision or pipe.precision
+    entry = pipe.manifest["models"][role]["precisions"][precision]
     ops = (entry.get("quantization") or {}).get("kernels", {}).get("ops")
     dependence = entry.get("row_dependence") or {}
+    graph = precision if role == "target" else f"{role}'s {precision}"
     if ops != "specexport.cpu":
-        return False, f"the {pipe.precision} graph runs on ONNX Runtime's own kernels, whose rows depend on the pass"
+        return False, f"the {graph} graph runs on ONNX Runtime's own kernels, whose rows depend on the pass"
     if any(v != 0.0 for v in dependence.values()) or not dependence:
-        return False, f"the build measured the {pipe.precision} graph's rows dependent ({dependence})"
+        return False, f"the build measured the {graph} graph's rows dependent ({dependence})"
     return True, ""
+
+
+def check_max_batch(value) -> int | str:
+    """max_batch as given, checked (the one check from the CLI to the worker): AUTO (None too) or an
+    integer >= 1."""
+    if value is None or value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise SpecexportError(f"max_batch: expected {AUTO!r} or an integer >= 1, got {value!r}")
+    return value
+
+
+def batch_width(pipe, max_batch: int | str = AUTO) -> tuple[int, str]:
+    """(how many requests decode together on `pipe`, a line saying why): max_batch as given, or measured
+    here when AUTO (auto_max_batch); 1 where a row's outputs depend on its batch neighbours."""
+    max_batch = check_max_batch(max_batch)
+    exact, why = row_exact(pipe)
+    if not exact:
+        return 1, f"max_batch 1: {why}, so a request's output would depend on its batch neighbours"
+    if max_batch == AUTO:
+        return auto_max_batch(pipe)
+    return max_batch, f"max_batch {max_batch} (as given)"
 
 
 AUTO_SLOTS = (8, 4, 2)          # the batch sizes auto_max_batch tries, largest first
@@ -268,14 +302,11 @@ AUTO_BOUND = 2.0                # ... the largest whose pass costs at most this 
 def auto_max_batch(pipe, *, clock=None, reps: int = 5) -> tuple[int, str]:
     """(max_batch, why): measured here, the largest of AUTO_SLOTS whose one-row-per-request pass costs at
     most AUTO_BOUND one-row passes (so a request's time per token stays within about twice a lone
-    request's), 1 where rows are not exact or none qualifies. Takes a few passes of the target."""
+    request's), 1 where none qualifies; on a row-exact target (batch_width checks). A few target passes."""
     import time
 
     import numpy as np
 
-    exact, why = row_exact(pipe)
-    if not exact:
-        return 1, f"max_batch 1: {why}"
     clock = clock or time.perf_counter
     target = pipe.target
     tokens = np.zeros(max(AUTO_SLOTS), np.int64)

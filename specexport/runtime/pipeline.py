@@ -20,7 +20,8 @@ from specexport.manifest import check_files, file_problems, listed_files, read_m
 from specexport.runtime.backends import open_eagle, open_medusa, open_model, require_kind
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
-from specexport.runtime.methods import METHODS, proposer_for, stored_choice
+from specexport.runtime.methods import METHODS, MethodOptions, resolve, stored_choice
+from specexport.runtime.proposer_table import Resources, make_proposer
 from specexport.runtime.sampling import Coins, SamplingParams
 from specexport.runtime.suffix import SuffixCache
 
@@ -30,48 +31,14 @@ AS_TARGET = "as target"          # load(draft_threads=AS_TARGET): the draft on a
 SUFFIX_CACHE_TOKENS = 500_000    # the default bound of a pipeline's suffix cache (about 28 MB at ~55 bytes a token, measured at 1M tokens: runtime/suffix.py)
 @dataclass
 class Request:
-    """One generation's checked options (Pipeline.request)."""
+    """One generation's checked options (Pipeline.request), its method resolved once (methods.resolve)."""
     ids: np.ndarray
     params: SamplingParams
     max_new_tokens: int
     seed: int | None
     stop: tuple
-    suffix_scope: str
-    suffix_share: bool
-    method: tuple                       # proposer_for's (method, gamma, draft_stop, lookup_branches, tree, sampled_children)
-
-
-class _RequestPipe:
-    """The pipeline as a batched request sees it: `draft` is the request's slot of the shared draft, `medusa`
-    and `eagle` its own heads on the shared sessions (each taken on first use, through the batch); the rest is
-    the pipeline's (proposer_for reads both)."""
-
-    def __init__(self, pipe, draft, heads):
-        self._pipe, self._draft_slot, self._heads = pipe, draft, heads
-        self._draft, self._own = None, {}
-        self.auto_note = None
-
-    @property
-    def draft(self):
-        if self._draft is None:
-            self._draft = self._draft_slot()
-        return self._draft
-
-    @property
-    def medusa(self):
-        return self._own_heads("medusa")
-
-    @property
-    def eagle(self):
-        return self._own_heads("eagle")
-
-    def _own_heads(self, kind: str):
-        if kind not in self._own:
-            self._own[kind] = self._heads(kind)
-        return self._own[kind]
-
-    def __getattr__(self, name):
-        return getattr(self._pipe, name)
+    options: MethodOptions              # as it will run: no "auto" left
+    note: str = ""                      # what method="auto" / gamma="auto" decided ("" when nothing was)
 
 
 @dataclass
@@ -80,6 +47,8 @@ class GenerationOutput:
     token_ids: list[int]                # generated ids only (EOS included when it ended the output)
     finish_reason: str                  # "stop" (EOS or a stop string) or "length"
     stats: DecodeStats
+    method: str = "vanilla"             # the method that ran (what "auto" chose)
+    note: str = ""                      # what method="auto" / gamma="auto" decided, in one line
 
 
 def load(output_dir, *, precision: str | None = None, draft_precision: str | None = None, backend: str = "onnxruntime",
@@ -143,7 +112,6 @@ class Pipeline:
         self.last_output: GenerationOutput | None = None
         self._suffix_tokens = suffix_cache_tokens
         self._suffix_cache: SuffixCache | None = None   # made on first use (method="suffix")
-        self.auto_note: str | None = None          # what gamma="auto" / method="auto" decided, for the CLI
         self.clock = time.perf_counter             # the stats' clock (the bench's tests inject one)
 
     def _measured_threads(self, threads, options: dict) -> tuple:
@@ -205,24 +173,35 @@ class Pipeline:
     @property
     def draft(self):
         """The draft backend of `draft_precision`, opened on first use."""
-        if self.draft_precision not in self.drafts:
-            self.drafts[self.draft_precision] = self._open("draft")
-        return self.drafts[self.draft_precision]
+        return self.draft_of(self.draft_precision)
+
+    def draft_of(self, precision: str):
+        """The draft backend of `precision`, opened on first use (an error when it was not built)."""
+        if precision not in self.drafts:
+            self.drafts[precision] = self._open("draft", precision)
+        return self.drafts[precision]
+
+    def heads_of(self, kind: str):
+        """The Medusa heads or the EAGLE head ("medusa", "eagle"), opened on first use."""
+        return {"medusa": lambda: self.medusa, "eagle": lambda: self.eagle}[kind]()
+
+    def resources(self, *, draft=None, heads=None) -> Resources:
+        """What a request's proposer is made of: this pipeline's models, or the `draft(precision)` and
+        `heads(kind)` a batch gives a request of its own."""
+        return Resources(verify_width=self.max_verify_tokens, heads_manifest=self.manifest.get("heads", {}),
+                         target_io=self.manifest["models"]["target"]["io"], draft=draft or self.draft_of,
+                         heads=heads or self.heads_of, suffix_cache=lambda: self.suffix_cache)
 
     def use_draft_precision(self, precision: str) -> None:
         """Switch the draft to another built precision, keeping the target's session. Backends opened
         before are kept, so switching back and forth costs nothing after the first time."""
-        previous, self.draft_precision = self.draft_precision, precision
-        try:
-            _ = self.draft                          # opens it, or says it was not built
-        except SpecexportError:
-            self.draft_precision = previous
-            raise
+        self.draft_of(precision)                    # opens it, or says it was not built
+        self.draft_precision = precision
 
-    def _open(self, role: str):
-        """The target or the draft (in `draft_precision`), from the factory in runtime/backends."""
+    def _open(self, role: str, precision: str | None = None):
+        """The target, or the draft in `precision`, from the factory in runtime/backends."""
         return open_model(self.dir, self.manifest, role, kind=self.backend_kind,
-                          precision=self.precision if role == "target" else self.draft_precision,
+                          precision=self.precision if role == "target" else precision,
                           capacity=self.capacity, max_tokens=max(self.max_verify_tokens, PREFILL_CHUNK),
                           threads=self._threads[role], **self._options)
 
@@ -268,25 +247,26 @@ class Pipeline:
             raise SpecexportError(f"suffix_scope: expected a string, got {type(suffix_scope).__name__}")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpecexportError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
-        return Request(ids, params, max_new_tokens, seed, tuple(stop), suffix_scope, suffix_share,
-                       (method, gamma, draft_stop, lookup_branches, tree, sampled_children))
+        options, note = resolve(MethodOptions(method, gamma, tree, draft_stop, lookup_branches, sampled_children,
+                                              suffix_scope, suffix_share), self)
+        return Request(ids, params, max_new_tokens, seed, tuple(stop), options, note)
 
     def stream(self, prompt: str | None = None, **options):
         """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards.
         Options: request()'s."""
         request = self.request(prompt, **options)
-        yield from self.decode_request(request, self.target, lambda: self.draft,
+        yield from self.decode_request(request, self.target, self.resources(),
                                        done=lambda out: setattr(self, "last_output", out))
 
-    def batch(self, max_batch: int = 4, *, rows_per_pass: int | None = None):
-        """A Batch (runtime/batch.py): up to max_batch requests decoded together, each one's output its own
-        generate()'s; a pass's rows (default max_verify_tokens) shared out among them. Use it as a context
-        manager; submit() starts a request."""
+    def batch(self, max_batch: int | str = "auto", *, rows_per_pass: int | None = None):
+        """A Batch (runtime/batch.py): up to max_batch requests decoded together ("auto": as many as measured
+        here to pay), each one's output its own generate()'s; a pass's rows (default max_verify_tokens) shared
+        out among them. Use it as a context manager; submit() starts a request."""
         from specexport.runtime.batch import Batch
 
         return Batch(self, max_batch, rows_per_pass=rows_per_pass)
 
-    def generate_many(self, requests: list[dict], *, max_batch: int = 4,
+    def generate_many(self, requests: list[dict], *, max_batch: int | str = "auto",
                       rows_per_pass: int | None = None) -> list[GenerationOutput]:
         """Each request (generate()'s keyword arguments, prompt included) decoded in a batch of up to
         max_batch; the outputs in order, each equal to what generate() gives for it alone."""
@@ -294,17 +274,12 @@ class Pipeline:
             handles = [batch.submit(**dict(r)) for r in requests]
             return [h.result() for h in handles]
 
-    def _proposer(self, request: "Request", pipe):
-        method, gamma, draft_stop, lookup_branches, tree, sampled_children = request.method
-        return proposer_for(pipe, method, gamma, draft_stop, lookup_branches, tree, sampled_children,
-                            request.suffix_scope, request.suffix_share)
-
-    def decode_request(self, request: "Request", target, draft, *, done, heads=None):
-        """Yield the text pieces of `request` decoded on `target` (a backend), drafting on draft() (called
-        once, when the proposer needs the draft model) and heads(kind) ("medusa", "eagle": the request's own,
-        called once when its proposer needs them); done(GenerationOutput) at the end."""
-        proposer = self._proposer(request, self if target is self.target else _RequestPipe(self, draft, heads))
-        ids, stop, suffix_share, suffix_scope = request.ids, request.stop, request.suffix_share, request.suffix_scope
+    def decode_request(self, request: "Request", target, resources: Resources, *, done):
+        """Yield the text pieces of `request` decoded on `target` (a backend), its proposer made of
+        `resources` (this pipeline's models, or a batch's slots of them); done(GenerationOutput) at the end."""
+        proposer = make_proposer(request.options, resources)
+        ids, stop = request.ids, request.stop
+        suffix_share, suffix_scope = request.options.suffix_share, request.options.suffix_scope
         stats, detok = DecodeStats(), IncrementalDetokenizer(self.tokenizer, ids.tolist())
         out_ids, text, reason = [], "", "length"
         rounds = decode(target, proposer, ids, max_new_tokens=request.max_new_tokens, params=request.params,
@@ -333,7 +308,7 @@ class Pipeline:
         final = self.tokenizer.decode(out_ids, skip_special_tokens=True)
         hit = _find_stop(final, stop)
         final = final[:hit] if hit is not None else final
-        done(GenerationOutput(final, out_ids, reason, stats))
+        done(GenerationOutput(final, out_ids, reason, stats, request.options.method, request.note))
         if suffix_share and self._suffix_cache is not None:     # what it served, for later suffix lookups
             self._suffix_cache.add(np.concatenate([ids, np.asarray(out_ids, dtype=np.int64)]), suffix_scope)
         if final.startswith(text) and len(final) > len(text):

@@ -22,6 +22,7 @@ import json
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from specexport.runtime.batch import check_max_batch
 from specexport.serve import is_loopback
 from specexport.serve.protocol import error_body
 
@@ -37,15 +38,14 @@ class Limits:
     max_queue: int = 64                         # requests waiting behind the running ones; more: 429 [--max-queue]
     request_timeout_s: float | None = 300.0     # arrival -> done, queue included; later: 504 [--request-timeout]
     shutdown_grace_s: float = 20.0              # SIGTERM: finish within this, then stop what runs [--shutdown-grace]
-    max_batch: int | None = 1                   # requests decoding together (runtime/batch.py); None: measured [--max-batch]
+    max_batch: int | str = "auto"               # requests decoding together (runtime/batch.py); auto: measured [--max-batch]
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes: expected >= 1")
         if self.max_queue < 0:
             raise ValueError("max_queue: expected >= 0")
-        if self.max_batch is not None and self.max_batch < 1:
-            raise ValueError("max_batch: expected >= 1")
+        check_max_batch(self.max_batch)
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s: expected > 0 (or None: no deadline)")
         if self.shutdown_grace_s < 0:

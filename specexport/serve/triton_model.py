@@ -23,7 +23,7 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def initialize(self, args):
         import specexport
-        from specexport.serve.worker import resolve_default_method
+        from specexport.runtime.methods import resolve_default_method
 
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}

@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from specexport.errors import SpecexportError
-from specexport.runtime.batch import auto_max_batch
-from specexport.runtime.methods import auto_summary, resolve_default_method, stored_choice  # noqa: F401  (the server's API)
+from specexport.runtime.batch import AUTO, batch_width
+from specexport.runtime.methods import resolve_default_method
 from specexport.serve.protocol import RequestError
 
 log = logging.getLogger("specexport.serve")
@@ -100,22 +100,17 @@ def shutting_down(why: str = "it no longer accepts requests") -> RequestError:
 
 class ModelWorker:
     def __init__(self, pipe, *, method: str = "auto", max_queue: int = 64, request_timeout_s: float | None = None,
-                 metrics=None, max_batch: int | None = 1):
+                 metrics=None, max_batch: int | str = AUTO):
         self.pipe = pipe
         self.default_method, self.method_note = resolve_default_method(pipe, method)
         self.max_queue, self.request_timeout_s, self.metrics = max_queue, request_timeout_s, metrics
-        self.batch_note = f"max_batch {max_batch} (as given)"
-        if max_batch is None:                       # auto: measured on this machine (runtime/batch.py)
-            max_batch, self.batch_note = auto_max_batch(pipe)
-        self.batch = pipe.batch(max_batch) if max_batch > 1 else None
-        self.slots = self.batch.slots if self.batch is not None else 1
-        if self.batch is not None and not self.batch.exact:
-            self.batch_note += f"; {self.batch.note}"
+        self.max_batch, self.batch_note = batch_width(pipe, max_batch)   # requests decoding together
+        self.batch = pipe.batch(self.max_batch) if self.max_batch > 1 else None
         if metrics is not None:
-            metrics.watch_batch(self.slots, lambda: self.running)
+            metrics.watch_batch(self.max_batch, lambda: self.running)
             if self.batch is not None:
                 self.batch.observer = metrics.batch_pass
-        self._executor = ThreadPoolExecutor(max_workers=self.slots, thread_name_prefix="specexport-decode")
+        self._executor = ThreadPoolExecutor(max_workers=self.max_batch, thread_name_prefix="specexport-decode")
         self._lock = threading.Lock()
         self.waiting = 0            # queued jobs
         self.running = 0            # decoding jobs (up to slots)
@@ -142,7 +137,7 @@ class ModelWorker:
         with self._lock:
             if self.drain_deadline is not None and time.monotonic() >= self.drain_deadline:
                 raise shutting_down()       # (during the grace period: requests that were on their way when it began)
-            if self.pending >= self.max_queue + self.slots:
+            if self.pending >= self.max_queue + self.max_batch:
                 raise RequestError(
                     f"the server is busy: {self.waiting} requests are waiting for the model (--max-queue "
                     f"{self.max_queue}); retry after the Retry-After seconds", status=429, kind="rate_limit_error",
@@ -215,21 +210,17 @@ class ModelWorker:
             return Event("error", text=str(err), status=err.status, code=err.code)
         options = dict(job.options)
         method = options.pop("method", None) or self.default_method
-        self.pipe.auto_note = None
-        used = self._auto_choice()["method"] if method == "auto" else method
         if self.batch is not None:
             result = {}
             request = self.batch.request(prompt_ids=job.prompt_ids, method=method, **options)
             stream = self.batch.stream(request, done=lambda out: result.setdefault("output", out))
-            note = auto_summary(self._auto_choice(), self.pipe.dir) if method == "auto" else ""
-            return self._pieces(job, stream, lambda: (result["output"], note), used)
+            return self._pieces(job, stream, lambda: result["output"])
         # without a batch the executor has one thread: one request at a time on the pipeline
         stream = self.pipe.stream(prompt_ids=job.prompt_ids, method=method, **options)
-        return self._pieces(job, stream, lambda: (self.pipe.last_output,
-                                                  (self.pipe.auto_note or "") if method == "auto" else ""), used)
+        return self._pieces(job, stream, lambda: self.pipe.last_output)
 
-    def _pieces(self, job: Job, stream, result, used: str) -> Event:
-        """Run a decode's pieces into the job's events; result() -> (GenerationOutput, note) at the end."""
+    def _pieces(self, job: Job, stream, result) -> Event:
+        """Run a decode's pieces into the job's events; result() -> its GenerationOutput at the end."""
         first = None
         try:
             for piece in stream:
@@ -243,16 +234,8 @@ class ModelWorker:
                     job.emit(Event("text", text=piece))
         finally:
             stream.close()
-        output, note = result()
+        output = result()
         if self.metrics is not None:
             self.metrics.finished(output=output, prompt_tokens=len(job.prompt_ids), arrived=job.arrived,
                                   first_token=first, ended=time.monotonic())
-        return Event("done", output=output, method=used, note=note)
-
-    def _auto_choice(self) -> dict:
-        return auto_choice(self.pipe) or {"method": "vanilla"}
-
-
-def auto_choice(pipe) -> dict | None:
-    """The configuration `specexport bench` stored for the pipeline's precisions, if any."""
-    return stored_choice(pipe)
+        return Event("done", output=output, method=output.method, note=output.note)
