@@ -11,7 +11,8 @@ from close import assert_close
 torch = pytest.importorskip("torch")
 
 from specexport.errors import SpecexportError  # noqa: E402
-from specexport.heads.eagle import eagle3_layers, load_eagle, make_head  # noqa: E402
+from specexport.heads.eagle import eagle3_layers, load_eagle  # noqa: E402
+from specexport.heads.eagle_torch import make_head  # noqa: E402
 
 H, HEADS, KV, INTER, V = 32, 4, 2, 64, 96
 

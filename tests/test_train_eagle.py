@@ -1,6 +1,6 @@
 """specexport train-heads --kind eagle3 / eagle1 (distill/eagle.py) on a tiny 4-layer target: the head
-learns, is written in the published layout that load_eagle reads, and make_head (the reference)
-computes exactly the trained module; the training-time-test unroll is what inference computes; a
+learns, is written in the published layout that load_eagle reads, and make_head (the reference, the
+same module loaded from the files) computes exactly the trained module; the training-time-test unroll is what inference computes; a
 resumed run ends where an uninterrupted one does; bad options are one-line errors."""
 from __future__ import annotations
 
@@ -16,11 +16,12 @@ from close import assert_close
 torch = pytest.importorskip("torch")
 
 from specexport.cli import main  # noqa: E402
-from specexport.distill.eagle_head import head_config, trainable_head  # noqa: E402
+from specexport.distill.eagle_head import head_config  # noqa: E402
 from specexport.distill.heads import HeadsTrainConfig, train_heads  # noqa: E402
-from specexport.distill.train import DATA_FIELDS, data_fingerprint  # noqa: E402
+from specexport.distill.core import DATA_FIELDS, data_fingerprint  # noqa: E402
 from specexport.errors import SpecexportError  # noqa: E402
-from specexport.heads.eagle import EagleWeights, load_eagle, make_head  # noqa: E402
+from specexport.heads.eagle import EagleWeights, load_eagle  # noqa: E402
+from specexport.heads.eagle_torch import make_head, trainable_head  # noqa: E402
 from specexport.export.tiny import make_tiny_checkpoint  # noqa: E402
 from specexport.runtime.tree import Tree  # noqa: E402
 
@@ -91,7 +92,8 @@ def _module_of(w: EagleWeights):
 
 
 def _assert_reference_equals_module(w: EagleWeights):
-    """Random inputs, a causal and a tree mask, own_hidden both ways: make_head == our module."""
+    """Random inputs, a causal and a tree mask, own_hidden both ways: make_head's loading (the keys the
+    module uses, d2t from target_ids) == a strict load_state_dict of every tensor in the files."""
     ours, ref = _module_of(w), make_head(w)
     H, V = w.config["hidden_size"], w.config["vocab_size"]
     g = torch.Generator().manual_seed(5)
@@ -105,7 +107,7 @@ def _assert_reference_equals_module(w: EagleWeights):
             with torch.no_grad():
                 pairs = zip(ours(emb, feat, pos, mask, lm, own_hidden=own), ref(emb, feat, pos, mask, lm, own_hidden=own))
                 for a, b in pairs:
-                    assert_close(a, b, rel=1e-5, why="the trainer's head vs the export's: fp32, other kernels")
+                    assert_close(a, b, rel=1e-5, why="one module, two ways of loading it")
 
 
 def test_eagle3_with_a_draft_vocabulary_learns_and_is_the_published_layout(eagle3_run, chat_target):

@@ -4,7 +4,7 @@
     layers eagle3_layers(); EAGLE-1: final post-norm state) and the final state h_i, cached in the state
     folder (fp16) ──► head row i (token x_{i+1}, feature f_i) learns KL(p_target(i + 1) ‖ q_head),
     p_target = softmax(lm_head(h_{i+1})), unrolled on its own outputs for --ttt-steps steps (EAGLE-3's
-    training-time test; step s weighs 0.8^s; distill/eagle_head.py has the alignment and the mask)
+    training-time test; step s weighs 0.8^s; heads/eagle_torch.py has the alignment and the mask)
 
 The data are medusa's (distill/train.py: prompts from --prompts or --corpus, target continuations
 sampled at temperature 1, held-out prompts with the greedy continuation); with a chat template
@@ -25,16 +25,15 @@ import copy
 import dataclasses
 import hashlib
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 
 from specexport._optional import require
 from specexport.distill import data as distill_data
-from specexport.distill import outputs
-from specexport.distill import train as distill
-from specexport.distill.eagle_head import head_config, trainable_head
+from specexport.distill import core, outputs
+from specexport.distill.eagle_head import head_config
+from specexport.heads.eagle_torch import trainable_head
 from specexport.errors import SpecexportError
 
 DECAY = 0.8                          # step s of the training-time test weighs DECAY ** s (EAGLE-3)
@@ -44,18 +43,12 @@ def train_eagle(cfg, *, console=None, on_step=None) -> dict:
     """Run (or resume) training of an EAGLE head (cfg: distill.heads.HeadsTrainConfig, kind eagle1 or
     eagle3); returns the report written to <out>/train_report.json."""
     torch = require("torch")
-    transformers = require("transformers")
     check(cfg)
-    transformers.utils.logging.disable_progress_bar()
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     state_dir = outputs.state_folder(cfg.out.parent / f".{cfg.out.name}.heads", cfg)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.target)
+    device, tokenizer, target = core.load_target(cfg)
     cfg = resolve_chat_template(cfg, tokenizer)
-    target = transformers.AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    data = distill._load_or_make_data(cfg, target, tokenizer, state_dir, console)
-    ids = distill._vocab_ids(cfg, data, target)
+    data = core.load_or_make_data(cfg, target, tokenizer, state_dir, console)
+    ids = core.vocab_ids(cfg, data, target)
     version = _version(cfg)
     aux = _aux_layers(cfg, target.config.num_hidden_layers)
     hcfg = head_config(target.config, version, aux_layers=aux, draft_vocab=None if ids is None else len(ids),
@@ -68,42 +61,21 @@ def train_eagle(cfg, *, console=None, on_step=None) -> dict:
 
     head = fresh()
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=0.0)
+
+    def restore(state):
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+
     state_path = state_dir / "state.pt"
-    step, history = _resume(state_path, head, opt, cfg, console)
+    step, history = core.resume(state_path, cfg, device, restore, console)
     before = evaluate(target, fresh(), data["heldout"], aux=aux, depth=cfg.eval_depth)
-    progress = outputs._progress(console, cfg.steps, step, label=f"train-heads {cfg.kind}")
-    start, seen = time.perf_counter(), 0
-    try:
-        while step < cfg.steps:
-            batch = _batch(store, data["train"], step, cfg, device)
-            loss = _step(target, head, opt, batch, cfg, lr=distill._lr(cfg, step))
-            step += 1
-            seen += int(batch[1].sum())
-            history.append(round(loss, 5))
-            progress(step, loss, seen / max(time.perf_counter() - start, 1e-9))
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                outputs.atomic_save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step,
-                                     "history": history, "fingerprint": cfg.fingerprint()}, state_path)
-            if on_step:
-                on_step(step)
-    finally:
-        progress(None, None, None)
+    core.train_loop(cfg, step=step, history=history, opt=opt, params=head.parameters(), console=console,
+                    on_step=on_step, label=f"train-heads {cfg.kind}",
+                    batch_at=lambda s: _batch(store, data["train"], s, cfg, device),
+                    loss_of=lambda batch: ttt_loss(target, head, batch, cfg.ttt_steps),
+                    save=lambda s, h: core.save_state(state_path, cfg, opt, s, h, head=head.state_dict()))
     after = evaluate(target, head, data["heldout"], aux=aux, depth=cfg.eval_depth)
     return _write_outputs(cfg, head, hcfg, target, data["heldout"], aux, before=before, after=after, history=history)
-
-
-def _resume(path: Path, head, opt, cfg, console) -> tuple[int, list]:
-    """(step, loss history) of the saved state when it is this run's (its fingerprint), else (0, [])."""
-    torch = require("torch")
-    if not path.is_file():
-        return 0, []
-    state = torch.load(path, map_location=next(head.parameters()).device, weights_only=False)
-    if state["fingerprint"] != cfg.fingerprint():
-        return 0, []
-    head.load_state_dict(state["head"])
-    opt.load_state_dict(state["opt"])
-    outputs._say(console, f"resuming from step {state['step']}")
-    return state["step"], state["history"]
 
 
 # -- options -----------------------------------------------------------------------------------
@@ -120,7 +92,7 @@ def check(cfg) -> None:
             raise SpecexportError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(cfg, name)}")
     if cfg.intermediate_size is not None and cfg.intermediate_size < 1:
         raise SpecexportError(f"--intermediate-size: expected >= 1, got {cfg.intermediate_size}")
-    distill._check(cfg)
+    core.check(cfg)
     tcfg = json.loads((cfg.target / "config.json").read_text())
     if cfg.kind == "eagle3":
         _aux_layers(cfg, tcfg.get("num_hidden_layers", 0))
@@ -167,7 +139,7 @@ def _load_or_make_features(cfg, target, train, aux, state_dir: Path, console) ->
     """{"feats" [N, F], "final" [N, H] (EAGLE-3 only), "offsets" [n + 1]}: every training sequence's
     features back to back, fp16 unless that overflows (then float32), cached in features.pt."""
     torch = require("torch")
-    key = hashlib.sha256(json.dumps([distill.data_fingerprint(cfg), cfg.kind, list(aux)]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([core.data_fingerprint(cfg), cfg.kind, list(aux)]).encode()).hexdigest()[:16]
     path = state_dir / "features.pt"
     if path.is_file():
         store = torch.load(path, weights_only=False)
@@ -175,11 +147,11 @@ def _load_or_make_features(cfg, target, train, aux, state_dir: Path, console) ->
             return store
     device = next(target.parameters()).device
     feats, finals = [], []
-    bar = outputs._progress(console, len(train), 0, label="target features")
+    bar = outputs.progress_bar(console, len(train), 0, label="target features")
     try:
         for start in range(0, len(train), cfg.batch_size):
             rows = train[start:start + cfg.batch_size]
-            ids, mask = distill.pad_batch(rows, device)
+            ids, mask = core.pad_batch(rows, device)
             f, h = target_features(target, ids, mask, aux)
             for r, seq in enumerate(rows):
                 feats.append(f[r, :len(seq)].cpu())
@@ -200,11 +172,11 @@ def _compact(x):
 
 
 def _batch(store, train, step: int, cfg, device):
-    """Batch `step` (the rows distill._batch takes: a pure function of (seed, step)): token ids and mask
+    """Batch `step` (the rows core.text_batch takes: a pure function of (seed, step)): token ids and mask
     [B, S], features [B, S, F] and final states [B, S, H], float32."""
     torch = require("torch")
-    rows = distill.batch_rows(len(train), step, cfg)
-    ids, mask = distill.pad_batch([train[i] for i in rows], device)
+    rows = core.batch_rows(len(train), step, cfg)
+    ids, mask = core.pad_batch([train[i] for i in rows], device)
     off = store["offsets"]
 
     def gather(flat):
@@ -247,18 +219,6 @@ def ttt_loss(target, head, batch, steps: int):
         loss = loss + DECAY ** s * (kl * valid).sum() / valid.sum().clamp(min=1)
         total += DECAY ** s
     return loss / total
-
-
-def _step(target, head, opt, batch, cfg, *, lr: float) -> float:
-    torch = require("torch")
-    loss = ttt_loss(target, head, batch, cfg.ttt_steps)
-    for group in opt.param_groups:
-        group["lr"] = lr
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-    opt.step()
-    return float(loss.detach())
 
 
 # -- evaluation ----------------------------------------------------------------------------------
@@ -342,7 +302,8 @@ def reference_diff(folder, head, target, heldout, aux, *, dtype: str = "float32"
     the first held-out sequence (causal, step 0), `head`'s weights rounded to the written dtype first
     (so fp16 files compare like for like): 0 up to float32 rounding when the files hold what was trained."""
     torch = require("torch")
-    from specexport.heads.eagle import load_eagle, make_head
+    from specexport.heads.eagle import load_eagle
+    from specexport.heads.eagle_torch import make_head
 
     if not heldout:
         return None

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specexport._optional import require
-from specexport.distill import outputs
-from specexport.distill import train as distill
+from specexport.distill import core, outputs
 from specexport.errors import SpecexportError
 
 KINDS = ("medusa", "eagle1", "eagle3")
@@ -83,49 +81,31 @@ def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
 
         return train_eagle(cfg, console=console, on_step=on_step)
     torch = require("torch")
-    transformers = require("transformers")
-    transformers.utils.logging.disable_progress_bar()
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     state_dir = outputs.state_folder(cfg.out.parent / f".{cfg.out.name}.heads", cfg)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.target)
-    target = transformers.AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    data = distill._load_or_make_data(cfg, target, tokenizer, state_dir, console)
+    device, tokenizer, target = core.load_target(cfg)
+    data = core.load_or_make_data(cfg, target, tokenizer, state_dir, console)
     heads = medusa_heads(target, cfg).to(device)
     opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
-    step, history = 0, []
     state_path = state_dir / "state.pt"
-    if state_path.is_file():
-        state = torch.load(state_path, map_location=device, weights_only=False)
-        if state["fingerprint"] == cfg.fingerprint():
-            # a frozen shared projection is not saved (it is the target's lm_head): only it may be missing
-            missing, unexpected = heads.load_state_dict(state["heads"], strict=False)
-            if unexpected or set(missing) - ({"proj"} if cfg.projection == "shared" else set()):
-                raise SpecexportError(f"{state_path}: does not match these heads (missing {missing}, unexpected "
-                                      f"{unexpected}); delete it to start over")
-            opt.load_state_dict(state["opt"])
-            step, history = state["step"], state["history"]
-            outputs._say(console, f"resuming from step {step}")
+
+    def restore(state):
+        # a frozen shared projection is not saved (it is the target's lm_head): only it may be missing
+        missing, unexpected = heads.load_state_dict(state["heads"], strict=False)
+        if unexpected or set(missing) - ({"proj"} if cfg.projection == "shared" else set()):
+            raise SpecexportError(f"{state_path}: does not match these heads (missing {missing}, unexpected "
+                                  f"{unexpected}); delete it to start over")
+        opt.load_state_dict(state["opt"])
+
+    def save(step, history):
+        trained = {k: v for k, v in heads.state_dict().items() if k != "proj" or cfg.projection == "own"}
+        core.save_state(state_path, cfg, opt, step, history, heads=trained)
+
+    step, history = core.resume(state_path, cfg, device, restore, console)
     before = evaluate(target, medusa_heads(target, cfg).to(device), data["heldout"], cfg.top_k)
-    progress = outputs._progress(console, cfg.steps, step, label="train-heads")
-    start, seen = time.perf_counter(), 0
-    try:
-        while step < cfg.steps:
-            batch = distill._batch(data["train"], step, cfg, device)
-            loss = _step(target, heads, opt, batch, cfg, lr=distill._lr(cfg, step))
-            step += 1
-            seen += int(batch[1].sum())
-            history.append(round(loss, 5))
-            progress(step, loss, seen / max(time.perf_counter() - start, 1e-9))
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                trained = {k: v for k, v in heads.state_dict().items() if k != "proj" or cfg.projection == "own"}
-                outputs.atomic_save({"heads": trained, "opt": opt.state_dict(), "step": step,
-                                     "history": history, "fingerprint": cfg.fingerprint()}, state_path)
-            if on_step:
-                on_step(step)
-    finally:
-        progress(None, None, None)
+    core.train_loop(cfg, step=step, history=history, opt=opt, params=[p for p in heads.parameters() if p.requires_grad],
+                    batch_at=lambda s: core.text_batch(data["train"], s, cfg, device),
+                    loss_of=lambda batch: medusa_loss(target, heads, batch, cfg), save=save, console=console,
+                    on_step=on_step, label="train-heads")
     after = evaluate(target, heads, data["heldout"], cfg.top_k)
     return _write_outputs(cfg, heads, before, after, history)
 
@@ -144,7 +124,7 @@ def _check(cfg: HeadsTrainConfig) -> None:
     for name in ("heads", "layers", "top_k"):
         if getattr(cfg, name) < 1:
             raise SpecexportError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(cfg, name)}")
-    distill._check(cfg)
+    core.check(cfg)
 
 
 def medusa_heads(target, cfg: HeadsTrainConfig):
@@ -189,7 +169,7 @@ def _target_states(target, ids, mask):
         return hidden, torch.log_softmax(target.get_output_embeddings()(hidden).float(), -1)
 
 
-def _step(target, heads, opt, batch, cfg: HeadsTrainConfig, *, lr: float) -> float:
+def medusa_loss(target, heads, batch, cfg: HeadsTrainConfig):
     """Head k at position i against the target's p at position i + 1 + k (the token k + 2 ahead)."""
     torch = require("torch")
     ids, mask = batch
@@ -205,14 +185,7 @@ def _step(target, heads, opt, batch, cfg: HeadsTrainConfig, *, lr: float) -> flo
         kl = (p.exp() * (p - q)).sum(-1)                                        # [B, S - shift]
         loss = loss + cfg.decay ** k * (kl * valid).sum() / valid.sum().clamp(min=1)
         weight += cfg.decay ** k
-    loss = loss / weight
-    for group in opt.param_groups:
-        group["lr"] = lr
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_([p for p in heads.parameters() if p.requires_grad], 1.0)
-    opt.step()
-    return float(loss.detach())
+    return loss / weight
 
 
 def evaluate(target, heads, heldout, top_k: int) -> dict:

@@ -77,12 +77,12 @@ def json_config(cfg) -> dict:
     return {k: plain(v) for k, v in asdict(cfg).items()}
 
 
-def _say(console, text):
+def say(console, text):
     if console is not None:
         console.print(text)
 
 
-def _progress(console, total: int, done: int, label: str = "distill"):
+def progress_bar(console, total: int, done: int, label: str = "distill"):
     """A rich progress bar with loss and tokens/s; call with step None to close it."""
     if console is None:
         return lambda *a: None

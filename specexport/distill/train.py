@@ -20,18 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 
-from specexport import owned
 from specexport._optional import require
-from specexport.distill import data as distill_data
-from specexport.distill.outputs import (_progress, _say, _state_dir, atomic_save, command_of, json_config,
-                                        output_partial, place_outputs, state_folder)
+from specexport.distill import core
+from specexport.distill.outputs import _state_dir, json_config, output_partial, place_outputs, state_folder
 from specexport.errors import SpecexportError
 
 
@@ -63,156 +58,40 @@ class DistillConfig:
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
-# What the target-generated data depends on (the batch size too: generation batches share a seed), so
-# that a rerun with another draft shape, learning rate or --draft-vocab reuses the sequences.
-DATA_FIELDS = ("target", "prompts", "corpus", "num_prompts", "prompt_tokens", "new_tokens", "heldout", "batch_size",
-               "seed")
-
-
-def data_fingerprint(cfg) -> str:
-    keep = {k: str(getattr(cfg, k)) for k in DATA_FIELDS}
-    if _chat(cfg):           # only when on: fingerprints made before the option existed stay valid
-        keep["chat_template"] = "on"
-    return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
     """Run (or resume) distillation; returns the report written to <out>/distill_report.json."""
     torch = require("torch")
-    transformers = require("transformers")
-    _check(cfg)
-    transformers.utils.logging.disable_progress_bar()
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    core.check(cfg)
     state_dir = state_folder(_state_dir(cfg.out), cfg)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(cfg.target)
-    target = transformers.AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).to(device).eval()
-    for p in target.parameters():
-        p.requires_grad_(False)
-    data = _load_or_make_data(cfg, target, tokenizer, state_dir, console)
-    vocab = _vocab_ids(cfg, data, target)
+    device, tokenizer, target = core.load_target(cfg)
+    data = core.load_or_make_data(cfg, target, tokenizer, state_dir, console)
+    vocab = core.vocab_ids(cfg, data, target)
     ids = None if vocab is None else torch.tensor(vocab, device=device)
     draft = _init_draft(cfg, target).to(device)
     opt = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.0)
-    step, history = 0, []
+
+    def restore(state):
+        draft.load_state_dict(state["draft"])
+        opt.load_state_dict(state["opt"])
+
     state_path = state_dir / "state.pt"
-    if state_path.is_file():
-        state = torch.load(state_path, map_location=device, weights_only=False)
-        if state["fingerprint"] == cfg.fingerprint():
-            draft.load_state_dict(state["draft"])
-            opt.load_state_dict(state["opt"])
-            step, history = state["step"], state["history"]
-            _say(console, f"resuming from step {step}")
+    step, history = core.resume(state_path, cfg, device, restore, console)
     heldout = data["heldout"]
     before = evaluate(target, _init_draft(cfg, target).to(device), heldout, ids)
-    train = data["train"]
-    total_tokens = 0
-    start = time.perf_counter()
-    progress = _progress(console, cfg.steps, step)
-    try:
-        while step < cfg.steps:
-            batch = _batch(train, step, cfg, device)
-            loss = _kl_step(target, draft, opt, batch, lr=_lr(cfg, step), ids=ids)
-            step += 1
-            total_tokens += int(batch[1].sum())
-            history.append(round(loss, 5))
-            progress(step, loss, total_tokens / max(time.perf_counter() - start, 1e-9))
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-                _save_state(state_path, draft, opt, step, history, cfg)
-            if on_step:
-                on_step(step)
-    finally:
-        progress(None, None, None)
+    core.train_loop(cfg, step=step, history=history, opt=opt, params=draft.parameters(), console=console,
+                    on_step=on_step, batch_at=lambda s: core.text_batch(data["train"], s, cfg, device),
+                    loss_of=lambda batch: kl_loss(target, draft, batch, ids),
+                    save=lambda s, h: core.save_state(state_path, cfg, opt, s, h, draft=draft.state_dict()))
     after = evaluate(target, draft, heldout, ids)
     return _write_outputs(cfg, draft, tokenizer, before, after, history, vocab)
 
 
-# -- pieces ----------------------------------------------------------------------------------
-
-def _check(cfg: DistillConfig) -> None:
-    if not (cfg.target / "config.json").is_file():
-        raise SpecexportError(f"target: {cfg.target} has no config.json")
-    inputs = [("TARGET", cfg.target), *(("--prompts", f) for f in cfg.prompts),
-              *((("--corpus", cfg.corpus),) if cfg.corpus is not None else ())]
-    owned.refuse_overlap(cfg.out, inputs, option="--out", hint="write the output into a folder of its own")
-    owned.check_destination(cfg.out, by=command_of(cfg), force=cfg.force)    # before hours of training
-    if (cfg.corpus is None) == (not cfg.prompts):
-        raise SpecexportError("give prompts (--prompts FILE) or a corpus (--corpus DIR), exactly one of them")
-    if getattr(cfg, "draft_vocab", None) is not None and cfg.draft_vocab < 2:     # train-heads shares _check
-        raise SpecexportError(f"--draft-vocab: expected >= 2 tokens, got {cfg.draft_vocab}")
-    for name in ("layers", "steps", "batch_size", "num_prompts", "prompt_tokens", "new_tokens", "checkpoint_every"):
-        if getattr(cfg, name) < 1:
-            raise SpecexportError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(cfg, name)}")
-
-
-def _load_or_make_data(cfg, target, tokenizer, state_dir: Path, console) -> dict:
-    torch = require("torch")
-    path = state_dir / "data.pt"
-    if path.is_file():
-        data = torch.load(path, weights_only=False)
-        if data["fingerprint"] == data_fingerprint(cfg):
-            return data
-    if cfg.corpus is not None:
-        prompts = distill_data.prompts_from_corpus(cfg.corpus, tokenizer, count=cfg.num_prompts + cfg.heldout,
-                                                   tokens=cfg.prompt_tokens, seed=cfg.seed)
-    else:
-        prompts = distill_data.prompts_from_files(cfg.prompts, tokenizer, max_tokens=cfg.prompt_tokens)
-    if _chat(cfg):
-        prompts = distill_data.render_chat(prompts, tokenizer)
-    rng = np.random.default_rng(cfg.seed)
-    order = rng.permutation(len(prompts))
-    n_held = min(cfg.heldout, max(1, len(prompts) // 5))
-    held, train_p = [prompts[i] for i in order[:n_held]], [prompts[i] for i in order[n_held:]]
-    if not train_p:
-        raise SpecexportError("prompts: need at least 2 prompts (one is held out for evaluation)")
-    eos = tuple(_eos_ids(target))
-    _say(console, f"generating {len(train_p)} target continuations of up to {cfg.new_tokens} tokens")
-    bar = _progress(console, len(train_p), 0, label="generate")
-    try:
-        seqs = distill_data.generate_sequences(target, train_p, new_tokens=cfg.new_tokens, batch_size=cfg.batch_size,
-                                               seed=cfg.seed, eos_ids=eos, progress=lambda n: bar(n, None, None))
-    finally:
-        bar(None, None, None)
-    data = {"fingerprint": data_fingerprint(cfg), "train": seqs, "heldout": _greedy_heldout(target, held, cfg.new_tokens)}
-    atomic_save(data, path)
-    return data
-
-
-def _chat(cfg) -> bool:
-    """Prompts rendered with the chat template: train-heads' EAGLE kinds, once "auto" is resolved."""
-    return getattr(cfg, "chat_template", "off") == "on"
-
-
-def _eos_ids(model):
-    eos = model.generation_config.eos_token_id
-    return [] if eos is None else (list(eos) if isinstance(eos, (list, tuple)) else [eos])
-
-
-def _greedy_heldout(target, prompts, new_tokens):
-    """Held-out prompts with the target's greedy continuation: (sequence, prompt length) pairs."""
-    torch = require("torch")
-    out = []
-    device = next(target.parameters()).device
-    for p in prompts:
-        ids = torch.tensor([p], device=device)
-        with torch.no_grad():
-            seq = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  do_sample=False, pad_token_id=0)
-        out.append((seq[0].cpu().tolist(), len(p)))
-    return out
-
-
-def _vocab_ids(cfg: DistillConfig, data: dict, target) -> tuple[int, ...] | None:
-    """--draft-vocab N: the N ids most frequent in the training sequences, EOS always in."""
-    if cfg.draft_vocab is None:
-        return None
-    from specexport.runtime.backends.vocab import most_frequent_ids
-
-    vocab_size = target.config.vocab_size
-    if cfg.draft_vocab >= vocab_size:
-        raise SpecexportError(f"--draft-vocab: {cfg.draft_vocab} is not smaller than the target's vocabulary "
-                              f"({vocab_size})")
-    tokens = np.concatenate([np.asarray(s, np.int64) for s in data["train"]])
-    return most_frequent_ids(tokens, cfg.draft_vocab, vocab_size, always=_eos_ids(target))
+def kl_loss(target, draft, batch, ids=None):
+    """Mean KL(p_target ‖ q_draft) over the batch's real positions (p renormalised over `ids` when given)."""
+    tokens, mask = batch
+    p_log, q_log = _log_probs(target, draft, tokens, mask, ids)                            # [B, S, V|Vd]
+    kl = (p_log.exp() * (p_log - q_log)).sum(-1)                                         # [B, S]
+    return (kl * mask).sum() / mask.sum()
 
 
 def draft_logits(draft, input_ids, attention_mask=None, ids=None):
@@ -300,59 +179,6 @@ def _init_draft(cfg: DistillConfig, target):
             draft.get_input_embeddings().weight.copy_(emb @ vt[:hidden].T)          # [V, H]
         draft.tie_weights()
     return draft.train()
-
-
-def batch_rows(count: int, step: int, cfg) -> list[int]:
-    """The training sequences of batch `step`: a pure function of (seed, step), so resuming reproduces
-    the same batches (an epoch is a fresh permutation)."""
-    epoch_len = max(1, count // cfg.batch_size)
-    perm = np.random.default_rng([cfg.seed, step // epoch_len]).permutation(count)
-    return [int(i) for i in perm[(step % epoch_len) * cfg.batch_size:][:cfg.batch_size]]
-
-
-def pad_batch(rows, device):
-    """Right-padded token ids and attention mask [B, S] of token lists (padding comes after every real
-    token, so a causal model's real rows never see it)."""
-    torch = require("torch")
-    width = max(map(len, rows))
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for r, seq in enumerate(rows):
-        ids[r, :len(seq)] = torch.tensor(seq)
-        mask[r, :len(seq)] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _batch(train, step: int, cfg: DistillConfig, device):
-    """Batch `step` (batch_rows), padded."""
-    return pad_batch([train[i] for i in batch_rows(len(train), step, cfg)], device)
-
-
-def _kl_step(target, draft, opt, batch, *, lr: float, ids=None) -> float:
-    torch = require("torch")
-    tokens, mask = batch
-    p_log, q_log = _log_probs(target, draft, tokens, mask, ids)                            # [B, S, V|Vd]
-    kl = (p_log.exp() * (p_log - q_log)).sum(-1)                                         # [B, S]
-    loss = (kl * mask).sum() / mask.sum()
-    for group in opt.param_groups:
-        group["lr"] = lr
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-    opt.step()
-    return float(loss.detach())
-
-
-def _lr(cfg: DistillConfig, step: int) -> float:
-    warmup = max(1, cfg.steps // 20)
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, cfg.steps - warmup)))
-
-
-def _save_state(path: Path, draft, opt, step, history, cfg) -> None:
-    atomic_save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step, "history": history,
-                  "fingerprint": cfg.fingerprint()}, path)
 
 
 def _write_outputs(cfg, draft, tokenizer, before, after, history, vocab=None) -> dict:

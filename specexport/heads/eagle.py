@@ -1,5 +1,5 @@
-"""EAGLE heads in their published formats (SafeAILab EAGLE-1/2 and EAGLE-3): loading, and a PyTorch
-implementation of the published head that the head graph will be checked against (issue 11).
+"""EAGLE heads in their published formats (SafeAILab EAGLE-1/2 and EAGLE-3): loading and checking them
+against the target (issue 11); the head in PyTorch is heads/eagle_torch.py's.
 
 A folder holds `config.json` (a Llama config of one layer) and `pytorch_model.bin` or
 `model.safetensors`. The version is read from the keys, not from the config:
@@ -15,17 +15,12 @@ A folder holds `config.json` (a Llama config of one layer) and `pytorch_model.bi
     `t2d` [V] bool.
 
 Embeddings always come from the target. RoPE uses the head's own config (rope_theta 10000 when it
-is missing). `EagleHead.forward` runs the head over T positions at once under a [T, T] mask (causal
-for a chain, the ancestor mask for a tree), from positions P..P+T-1.
-
-Not yet built on this (the rest of issue 11): the head graph with its own static KV, dynamic trees,
-the runtime proposer, train-heads --kind eagle3.
+is missing).
 """
 from __future__ import annotations
 
 import copy
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,84 +158,3 @@ def _read_weights(path: Path, where: str) -> dict:
             raw = torch.load(file, map_location="cpu", weights_only=True)
         return {k: (v if v.dtype in (torch.int64, torch.bool) else v.float()) for k, v in raw.items()}
     raise SpecexportError(f"{where} has no weights ({' or '.join(WEIGHT_FILES)})")
-
-
-# -- the published head in PyTorch (the parity reference) ----------------------------------------
-
-def make_head(weights: EagleWeights):
-    """An nn.Module computing the published head (see EagleHead)."""
-    return _head_class()(weights)
-
-
-def _head_class():
-    torch = require("torch")
-    nn = torch.nn
-
-    class EagleHead(nn.Module):
-        """forward(embeds [B, T, H], features [B, T, H or 3H], positions [T], mask [T, T] bool,
-        lm_head [V, H] (EAGLE-1: the target's)) -> (logits [B, T, V or Vd], hidden [B, T, H]).
-
-        `features` are the target's (EAGLE-1: final post-norm state; EAGLE-3: its three aux inputs,
-        concatenated) at the position before each token, or the head's own previous `hidden` when it
-        drafts further (EAGLE-3 then skips fc: pass `own_hidden=True`)."""
-
-        def __init__(self, w: EagleWeights):
-            super().__init__()
-            self.version, cfg = w.version, w.config
-            self.heads = int(cfg["num_attention_heads"])
-            self.kv_heads = int(cfg.get("num_key_value_heads") or self.heads)
-            self.hidden = int(cfg["hidden_size"])
-            self.head_dim = int(cfg.get("head_dim") or self.hidden // self.heads)
-            inv_freq, self.rope_scale = rope_frequencies(cfg, self.head_dim)
-            self.inv_freq = torch.from_numpy(inv_freq)
-            self.eps = float(cfg.get("rms_norm_eps", 1e-6))
-            prefix = "layers.0." if w.version == 1 else "midlayer."
-            self.t = {k: v for k, v in w.tensors.items()}
-            self.prefix = prefix
-
-        def _w(self, key):
-            return self.t[self.prefix + key]
-
-        def _norm(self, x, weight):
-            x32 = x.float()
-            return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))
-
-        def _rope(self, x, positions):                       # x [B, heads, T, D]
-            d = self.head_dim
-            ang = positions.float()[:, None] * self.inv_freq[None]      # [T, D/2]
-            cos = torch.cat([ang, ang], -1).cos() * self.rope_scale
-            sin = torch.cat([ang, ang], -1).sin() * self.rope_scale
-            half = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
-            return x * cos + half * sin
-
-        def forward(self, embeds, features, positions, mask, lm_head=None, own_hidden: bool = False):
-            f = nn.functional
-            if self.version == 1:
-                hidden = f.linear(torch.cat([embeds, features], -1), self.t["fc.weight"], self.t.get("fc.bias"))
-                x = hidden                                   # no input norm
-            else:
-                hidden = features if own_hidden else f.linear(features, self.t["fc.weight"])
-                x = torch.cat([self._norm(embeds, self._w("input_layernorm.weight")),
-                               self._norm(hidden, self._w("hidden_norm.weight"))], -1)
-            b, t, _ = x.shape
-            q = f.linear(x, self._w("self_attn.q_proj.weight"), self.t.get(self.prefix + "self_attn.q_proj.bias"))
-            k = f.linear(x, self._w("self_attn.k_proj.weight"), self.t.get(self.prefix + "self_attn.k_proj.bias"))
-            v = f.linear(x, self._w("self_attn.v_proj.weight"), self.t.get(self.prefix + "self_attn.v_proj.bias"))
-            q, k, v = (z.view(b, t, n, self.head_dim).transpose(1, 2)
-                       for z, n in ((q, self.heads), (k, self.kv_heads), (v, self.kv_heads)))
-            q, k = self._rope(q, positions), self._rope(k, positions)
-            g = self.heads // self.kv_heads
-            k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-            scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
-            scores = scores.masked_fill(~mask[None, None], float("-inf"))
-            attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
-            h = hidden + f.linear(attn, self._w("self_attn.o_proj.weight"))
-            y = self._norm(h, self._w("post_attention_layernorm.weight"))
-            y = f.linear(f.silu(f.linear(y, self._w("mlp.gate_proj.weight"))) * f.linear(y, self._w("mlp.up_proj.weight")),
-                         self._w("mlp.down_proj.weight"))
-            out = h + y
-            if self.version == 1:
-                return f.linear(out, lm_head), out
-            return f.linear(self._norm(out, self.t["norm.weight"]), self.t["lm_head.weight"]), out
-
-    return EagleHead

@@ -1,5 +1,5 @@
 """An EAGLE head as an ONNX graph with a KV cache of its own (EagleIO in io_spec.py), and its check
-against the published head in PyTorch (heads/eagle.py's `make_head`).
+against the published head in PyTorch (heads/eagle_torch.py's `make_head`).
 
     input_ids [B,T]   features [B,T,F]   draft_hidden [B,T,H]   position_ids [B,T]   attention_mask [B,T,P+T]
         |                  |                    |                     |                      |
@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from specexport._optional import require
-from specexport.heads.eagle import EagleWeights, make_head, rope_frequencies
+from specexport.heads.eagle import EagleWeights, rope_frequencies
+from specexport.heads.eagle_torch import make_head
 from specexport.io_spec import (
     DYNAMIC_AXES,
     HIDDEN_STATES,
@@ -180,7 +181,7 @@ def head_parity(w: EagleWeights, embed: np.ndarray, lm_head, io: EagleIO, onnx_p
         with torch.no_grad():
             f = torch.from_numpy(np.asarray(feats, np.float32))
             if w.version == 3:
-                f = torch.nn.functional.linear(f, head.t["fc.weight"])
+                f = head.fc(f)
             f = torch.cat([f, torch.from_numpy(np.asarray(own, np.float32).reshape(-1, f.shape[-1]))])
             n = len(row_tokens)
             logits, hidden = head(emb_all[torch.from_numpy(np.asarray(row_tokens))][None], f[None],
