@@ -394,8 +394,9 @@ ENGINE_SOURCES = ("trt/*.py", "plugins/*.py", "build/stages/engines.py")
 QUANTIZER_SOURCES = ("quant/*.py", "build/stages/quantize.py", "build/stages/blocks.py")
 HEADS_SOURCES = ("io_spec.py", "heads/medusa.py", "heads/medusa_tree.py", "build/stages/medusa.py",
                  "export/to_onnx.py", "build/stages/head_blocks.py", "quant/graph_blocks.py", "quant/kquant.py")
-EAGLE_SOURCES = ("io_spec.py", "heads/eagle.py", "heads/eagle_graph.py", "build/stages/eagle.py", "export/gqa.py",
-                 "export/to_onnx.py", "build/stages/head_blocks.py", "quant/graph_blocks.py", "quant/kquant.py")
+EAGLE_SOURCES = ("io_spec.py", "heads/eagle.py", "heads/eagle_torch.py", "heads/eagle_graph.py", "build/stages/eagle.py",
+                 "export/gqa.py", "export/to_onnx.py", "build/stages/head_blocks.py", "quant/graph_blocks.py",
+                 "quant/kquant.py")
 
 
 def source_hash(patterns) -> str:
