@@ -50,6 +50,7 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.errors import SpecexportError
+from specexport.trt.rewrite import attention_fields, drop_unused_initializers, install, replace_nodes
 from specexport.io_spec import (
     ATTENTION_MASK,
     INPUT_IDS,
@@ -80,8 +81,6 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
     Example: the tiny llama (2 layers, 4/2 heads, D 16) at kv_capacity 128 gets 4 TRT_KVCacheUpdate
     nodes, 2 TRT_Attention nodes, and past_key.0 typed [batch, 2, 128, 16]. Checked on CPU (cpu_session);
     UNVERIFIED: that TensorRT's parser imports it and builds it (no TensorRT where this was written)."""
-    from specexport.trt.plugin_graph import attention_fields
-
     onnx = require("onnx")
     helper = onnx.helper
     if attention not in ATTENTION_OPTIONS:
@@ -129,16 +128,12 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
         nodes.append(node("Squeeze", [ATTENTION_MASK, const(f"{e}/axis0", [0])], [f"{e}/mask"], f"{e}/mask"))
     mask = f"{e}/mask"
 
-    count = 0
-    for old in graph.node:
-        if old.op_type != SOURCE_OP:
-            nodes.append(old)
-            continue
+    def layer(old, index: int) -> list:
+        """The nodes replacing attention node `index` (`old`)."""
         hq, hkv, scale, (q, k, v, past_k, past_v), (out, present_k, present_v) = attention_fields(old, head_dim)
-        p = f"/engine/layers.{count}/attn"
-        count += 1
+        p = f"/engine/layers.{index}/attn"
         kv_heads = const(f"{e}/kv_heads_shape{hkv}", [0, -1, hkv, head_dim])
-        nodes += [
+        nodes = [
             *_to_heads(node, k, kv_heads, f"{p}/k"),                               # [B, Hkv, T, D]
             *_to_heads(node, v, kv_heads, f"{p}/v"),
             node(KV_UPDATE_OP, [past_k, f"{p}/k_heads", write_index], [present_k], f"{p}/{KV_UPDATE_OP}_k",
@@ -149,7 +144,7 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
         if attention == "native":
             nodes += [
                 *_to_heads(node, q, const(f"{e}/q_heads_shape{hq}", [0, -1, hq, head_dim]), f"{p}/q"),
-                node("CastLike", [const(f"{e}/scale{count}", scale, np.float32), f"{p}/q_heads"], [f"{p}/scale"],
+                node("CastLike", [const(f"{e}/scale{index + 1}", scale, np.float32), f"{p}/q_heads"], [f"{p}/scale"],
                      f"{p}/scale"),
                 node("Mul", [f"{p}/q_heads", f"{p}/scale"], [f"{p}/q_scaled"], f"{p}/q_scaled"),
                 node(ATTENTION_OP, [f"{p}/q_scaled", present_k, present_v, mask], [f"{p}/out_heads"],
@@ -172,13 +167,12 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
                 node("Reshape", [f"{p}/out_rows", const(f"{e}/out_shape{hq}", [1, -1, hq * head_dim])], [out],
                      f"{p}/out"),
             ]
+        return nodes
+
+    nodes, count = replace_nodes(graph, SOURCE_OP, layer, before=nodes)
     if not count:
         raise SpecexportError(f"engine graph: the graph has no {SOURCE_OP} node to replace")
-    from specexport.trt.plugin_graph import _live
-
-    graph.ClearField("node")
-    graph.node.extend(_live(nodes, {o.name for o in graph.output}))
-    graph.ClearField("value_info")
+    install(graph, nodes)
     _fix_capacity(graph, kv_capacity)
     model.opset_import.append(helper.make_opsetid(TRT_DOMAIN, 1))
     if attention == "plugin":
@@ -221,10 +215,7 @@ def write_engine_graph(source: Path, dest: Path, *, head_dim: int, kv_capacity: 
         raise SpecexportError("write_engine_graph: dest must be beside source (it shares its weights file)")
     model = engine_graph(onnx.load(str(source), load_external_data=False), head_dim=head_dim,
                          kv_capacity=kv_capacity, attention=attention)
-    used = {i for n in model.graph.node for i in n.input}
-    kept = [i for i in model.graph.initializer if i.name in used]       # the attention-bias constants go
-    model.graph.ClearField("initializer")
-    model.graph.initializer.extend(kept)
+    drop_unused_initializers(model)
     partial = Path(dest).with_name(Path(dest).name + ".partial")
     onnx.save(model, str(partial))
     partial.replace(dest)

@@ -31,6 +31,7 @@ import numpy as np
 from specexport._optional import require
 from specexport.io_spec import ATTENTION_MASK
 from specexport.plugins.trt_plugin import NAME, NAMESPACE, plugin_node
+from specexport.trt.rewrite import attention_fields, drop_unused_initializers, install, replace_nodes
 
 ATTENTION_OP = "GroupQueryAttention"
 PYOP_DOMAIN = "ai.onnx.contrib"
@@ -43,7 +44,6 @@ def plugin_graph(model, *, head_dim: int):
     graph = model.graph
     mask = _graph_input(graph, ATTENTION_MASK)
     consts: dict[str, str] = {}
-    nodes, count = [], 0
 
     def const(name: str, values) -> str:
         if name not in consts:
@@ -52,19 +52,17 @@ def plugin_graph(model, *, head_dim: int):
         return name
 
     tree_mask = "tree_attention.mask"
-    nodes.append(helper.make_node("Squeeze", [mask, const("tree_attention.axis0", [0])], [tree_mask],
-                                  name="tree_attention_mask"))
-    for node in graph.node:
-        if node.op_type != ATTENTION_OP:
-            nodes.append(node)
-            continue
+    squeeze = helper.make_node("Squeeze", [mask, const("tree_attention.axis0", [0])], [tree_mask],
+                               name="tree_attention_mask")
+
+    def layer(node, index: int) -> list:
+        """The nodes replacing attention node `index` (`node`)."""
         hq, hkv, scale, (q, k, v, past_k, past_v), (out, present_k, present_v) = attention_fields(node, head_dim)
-        p = f"{node.name or 'attention'}.plugin{count}"
-        count += 1
+        p = f"{node.name or 'attention'}.plugin{index}"
         heads = const(f"tree_attention.q_shape{hq}", [-1, hq, head_dim])
         kv_new = const(f"tree_attention.kv_new_shape{hkv}", [1, -1, hkv, head_dim])
         flat = const(f"tree_attention.out_shape{hq}", [1, -1, hq * head_dim])
-        nodes += [
+        return [
             helper.make_node("Reshape", [q, heads], [f"{p}.q"], name=f"{p}.reshape_q"),
             *_append(helper, k, kv_new, past_k, present_k, p, "k"),
             *_append(helper, v, kv_new, past_v, present_v, p, "v"),
@@ -72,11 +70,11 @@ def plugin_graph(model, *, head_dim: int):
                         scale=scale, name=f"{p}.tree_attention", domain=NAMESPACE),
             helper.make_node("Reshape", [f"{p}.out", flat], [out], name=f"{p}.reshape_out"),
         ]
+
+    nodes, count = replace_nodes(graph, ATTENTION_OP, layer, before=[squeeze])
     if not count:
         raise ValueError(f"plugin_graph: the graph has no {ATTENTION_OP} node to replace")
-    graph.ClearField("node")
-    graph.node.extend(_live(nodes, {o.name for o in graph.output}))
-    graph.ClearField("value_info")
+    install(graph, nodes)
     model.opset_import.append(helper.make_opsetid(NAMESPACE, 1))
     return model
 
@@ -88,23 +86,9 @@ def write_plugin_graph(source: Path, dest: Path, *, head_dim: int) -> Path:
     if Path(source).parent != Path(dest).parent:
         raise ValueError("write_plugin_graph: dest must be beside source (it shares its weights file)")
     model = plugin_graph(onnx.load(str(source), load_external_data=False), head_dim=head_dim)
-    used = {i for n in model.graph.node for i in n.input}
-    kept = [i for i in model.graph.initializer if i.name in used]       # the attention-bias constants go
-    model.graph.ClearField("initializer")
-    model.graph.initializer.extend(kept)
+    drop_unused_initializers(model)
     onnx.save(model, str(dest))
     return dest
-
-
-def _live(nodes: list, outputs: set[str]) -> list:
-    """The nodes something downstream of the graph outputs reads (the old attention-bias and length
-    computations are dead after the rewrite)."""
-    needed, keep = set(outputs), []
-    for node in reversed(nodes):
-        if any(o in needed for o in node.output):
-            keep.append(node)
-            needed.update(node.input)
-    return keep[::-1]
 
 
 def _append(helper, new, shape, past, present, p: str, which: str) -> list:
@@ -168,14 +152,3 @@ def _register_reference_op(ext) -> None:
         return reference(q, k, v, mask, scale=scale).astype(np.float32)
 
     _REGISTERED.append(tree_attention)
-
-
-def attention_fields(node, head_dim: int):
-    """(heads, kv heads, scale, its 5 inputs q/k/v/past_k/past_v, its 3 outputs out/present_k/present_v) of
-    an exported GroupQueryAttention node (export/gqa.py); a missing scale is 1/sqrt(head_dim), as ORT's."""
-    from onnx import helper
-
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    scale = float(attrs.get("scale", 0.0)) or 1.0 / np.sqrt(head_dim)
-    return (int(attrs["num_heads"]), int(attrs["kv_num_heads"]), scale, tuple(node.input[:5]),
-            tuple(node.output[:3]))
