@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from specexport.errors import SpecexportError, shown
+from specexport.owned import refuse_overlap
 from specexport.schemes import (  # noqa: F401  (names of the model.yaml's contract, read from here too)
     DEFAULT_QUALITY_GATES, GPU_PRECISIONS, PRECISIONS, QUANTIZED, SCHEMES, default_scheme, quality_gates,
     quantization_settings)
@@ -391,8 +392,6 @@ def check_output_apart(cfg: BuildConfig) -> None:
     """Refuse, before anything is written, an output folder that is, contains or lies inside anything the
     build reads: a build writes role folders (target/, draft/, ...) into it and removes what it wrote
     there, so an input inside it could be replaced, and an output inside a checkpoint would change it."""
-    from specexport.owned import refuse_overlap
-
     refuse_overlap(cfg.output, input_paths(cfg), option="output",
                    hint="build into a folder of its own, apart from the inputs (output: in the model.yaml)")
 

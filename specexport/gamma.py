@@ -26,6 +26,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from pathlib import Path
 
+from specexport.errors import SpecexportError
+from specexport.locking import output_lock, work_dir
 from specexport.manifest import MANIFEST_NAME, read_manifest, write_json_atomic
 
 
@@ -84,9 +86,6 @@ def store_gamma_choices(output_dir: Path, choices: dict, *, build_id: str, comma
     """Merge `choices` {(tp, dp): {..., "measured_tokens"}} into the manifest's `section` (gamma_auto:
     {"gamma", "predicted_speedup", ...}; method_auto: {"method", ...}), under the output folder's lock.
     Returns one line per choice that was not stored, and why."""
-    from specexport.errors import SpecexportError
-    from specexport.locking import output_lock, work_dir
-
     skipped = []
     what = "γ" if section == "gamma_auto" else "method"
     try:

@@ -60,6 +60,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from specexport.errors import SpecexportError
+
 # -- the tensor names: spelled here and nowhere else (tests/test_io_names.py checks) ---------------------
 INPUT_IDS = "input_ids"
 POSITION_IDS = "position_ids"
@@ -221,8 +223,6 @@ class ModelIO:
         )
         names = [t.get("name") if isinstance(t, dict) else t for t in d.get("inputs", io.input_names)]
         if d.get("contract", 1) != CONTRACT_VERSION or names != io.input_names:
-            from specexport.errors import SpecexportError
-
             raise SpecexportError(f"manifest IO table is graph contract {d.get('contract', 1)}; this version runs "
                                   f"contract {CONTRACT_VERSION} (rebuild with `specexport build`)")
         return io
@@ -254,8 +254,6 @@ class HeadsIO:
     def from_dict(cls, d: dict) -> "HeadsIO":
         io = cls(hidden_size=d["hidden_size"], num_heads=d["num_heads"], top_k=d["top_k"])
         if [t.get("name") for t in d.get("outputs", [])] != io.output_names:
-            from specexport.errors import SpecexportError
-
             raise SpecexportError("manifest heads IO table does not match this version's tensor layout (rebuild it)")
         return io
 
@@ -341,8 +339,6 @@ class EagleIO:
         io = cls(version=d["version"], hidden_size=d["hidden_size"], feature_width=d["feature_width"],
                  num_kv_heads=d["num_kv_heads"], head_dim=d["head_dim"], top_k=d["top_k"])
         if [t.get("name") for t in d.get("inputs", [])] != io.input_names or d.get("contract") != CONTRACT_VERSION:
-            from specexport.errors import SpecexportError
-
             raise SpecexportError("manifest EAGLE head IO table does not match this version's tensor layout "
                                   "(rebuild it)")
         return io

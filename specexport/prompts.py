@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specexport.errors import SpecexportError
+
 
 def json_lines(path: Path, *, where: str, example: str = ""):
     """(line number, value) of each non-blank line of a JSON-lines file; unreadable files and lines that
     are not JSON are one-line errors naming `where`, the file and the line."""
-    from specexport.errors import SpecexportError
-
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -28,8 +28,6 @@ def json_lines(path: Path, *, where: str, example: str = ""):
 
 def read_prompts(path: Path, *, where: str = "--prompts") -> tuple[str, ...]:
     """A JSON-lines file of prompt strings (or objects with a "prompt" string); errors name the line."""
-    from specexport.errors import SpecexportError
-
     prompts = []
     for number, value in json_lines(path, where=where,
                                     example='; expected one JSON string per line, e.g. "def f(x):"'):

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specexport._console import console as make_console, progress
 from specexport.manifest import describe_files
 
 
@@ -22,16 +23,12 @@ class Reporter:
     def __init__(self, *, quiet: bool = False):
         self.quiet = quiet
         if not quiet:
-            from specexport._console import console as make_console
-
             self.console = make_console(stderr=True)
 
     @contextmanager
     def stage(self, label: str):
         """While a step runs: a live line with the time spent (and, once the step gives the yielded Steps a
         total, its progress and the time left); then one line with the time it took."""
-        from specexport._console import progress
-
         start = time.perf_counter()
         with progress(None if self.quiet else self.console, f"{label} ...") as steps:
             yield steps

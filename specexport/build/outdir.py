@@ -22,7 +22,8 @@ from pathlib import Path
 from specexport import owned
 from specexport.config import HEAD_KINDS, MODEL_ROLES
 from specexport.errors import SpecexportError
-from specexport.manifest import MANIFEST_NAME, files_intact
+from specexport.locking import WORK_DIR, work_dir
+from specexport.manifest import MANIFEST_NAME, files_intact, write_json_atomic
 
 BY = "specexport build"
 
@@ -174,9 +175,6 @@ JOURNAL = "made.json"
 def _journal(out: Path, *, add: str | None = None) -> list[str]:
     """The role folders this build command made in `out` (kept in the work folder: a role folder may
     also be the user's, and it is removed, when empty, only if it is listed here)."""
-    from specexport.locking import WORK_DIR, work_dir
-    from specexport.manifest import write_json_atomic
-
     path = Path(out) / WORK_DIR / JOURNAL
     try:
         made = json.loads(path.read_text())["folders"] if owned.is_owned(path.parent) else []

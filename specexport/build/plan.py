@@ -14,11 +14,14 @@ from pathlib import Path
 
 from specexport import __version__
 from specexport._optional import require
-from specexport.config import TOKENIZER_FILES, WEIGHT_PATTERNS, BuildConfig, HeadsConfig, ModelConfig
+from specexport.chat import load_chat_template
+from specexport.config import (GPU_PRECISIONS, TOKENIZER_FILES, WEIGHT_PATTERNS, BuildConfig, HeadsConfig, ModelConfig,
+                               check_output_apart)
 from specexport.errors import SpecexportError
 from specexport.export.arch import ArchSpec, arch_spec_from_hf, check_supported
 from specexport.export.registry import get_adapter
 from specexport.io_spec import HeadsIO, ModelIO
+from specexport.prompts import read_prompts
 from specexport.quant.gguf_write import blocks_or_matmulnbits
 
 TOKENIZER_EXTRA = ("tokenizer_config.json", "special_tokens_map.json", "merges.txt", "added_tokens.json",
@@ -156,7 +159,6 @@ def check_before_work(cfg: BuildConfig) -> None:
     """What is checked before anything is read at length or written: inputs and output apart, the output
     folder usable, the optional packages the config needs. Raises SpecexportError naming the problem."""
     from specexport.build.outdir import check_output
-    from specexport.config import check_output_apart
 
     check_output_apart(cfg)
     check_output(cfg.output)
@@ -190,7 +192,6 @@ def _check_quantizers(cfg: BuildConfig) -> None:
     extra it imports); every GPU precision's plugin graph is checked with onnxruntime-extensions."""
     import importlib.util
 
-    from specexport.config import GPU_PRECISIONS
     from specexport.quant.quantize import MODELOPT
 
     models = [m for m in (cfg.target, cfg.draft) if m is not None]
@@ -245,9 +246,6 @@ def _prompt_ids(path: Path, tokenizer_dir: Path) -> tuple[tuple[int, ...], ...]:
     """eagle.prompts as the runtime feeds them: each a user message rendered by the runtime's own chat
     template (chat.py, what Pipeline.chat_ids uses) and encoded without adding special tokens
     again, when the tokenizer has a template; else the text as generate() encodes it."""
-    from specexport.prompts import read_prompts
-    from specexport.chat import load_chat_template
-
     tok = require("transformers").AutoTokenizer.from_pretrained(tokenizer_dir)
     template = load_chat_template(tokenizer_dir)
     texts = read_prompts(path, where="eagle.prompts")

@@ -5,6 +5,10 @@ from pathlib import Path
 
 import click
 
+from specexport._console import console, progress
+from specexport.errors import SpecexportError
+from specexport.prompts import read_prompts
+
 
 
 def _csv(value, cast=str):
@@ -54,7 +58,6 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
           workload_file, chat,
           max_new_tokens, temperature, rounds, threads, peers, peer_families, llama_cpp, llama_cpp_n_max, out, verbose):
     """Measure tokens/s, TTFT, TPOT, acceptance and speedup; write report.json, report.md and plots."""
-    from specexport.errors import SpecexportError
     from specexport.report.bench import BenchConfig, run_bench
 
     workload = None
@@ -66,8 +69,6 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
         workload = read_workload(Path(workload_file))
         prompts = tuple(w if isinstance(w, str) else w[0] for w in workload)     # expanded once the model is open
     elif prompts_file:
-        from specexport.prompts import read_prompts
-
         prompts = read_prompts(Path(prompts_file))
     else:
         from specexport.report.bench import DEFAULT_PROMPTS
@@ -93,7 +94,6 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
                       rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers,
                       llama_cpp=Path(llama_cpp) if llama_cpp else None, llama_cpp_n_max=llama_cpp_n_max,
                       peer_families=_peer_families(peer_families), workload=workload)
-    from specexport._console import console, progress
     from specexport.report.render import render_markdown
 
     err = console(stderr=True)
@@ -106,7 +106,6 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
 
 
 def _peer_families(names) -> tuple[str, ...] | None:
-    from specexport.errors import SpecexportError
     from specexport.report.rows import PEER_FAMILIES
 
     unknown = [n for n in names if n not in PEER_FAMILIES]

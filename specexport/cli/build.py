@@ -5,6 +5,10 @@ from pathlib import Path
 
 import click
 
+from specexport._console import console as make_console, progress
+from specexport.config import load_config
+from specexport.errors import SpecexportError
+
 
 
 @click.command()
@@ -19,10 +23,7 @@ import click
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
 def build(config, dry_run, force, only, bench, verbose):
     """Build the artifacts described by CONFIG (a model.yaml)."""
-    from specexport.config import load_config
     from specexport.build.plan import plan_build
-
-    from specexport._console import console as make_console
 
     cfg = load_config(config)
     if dry_run and _print_pending(cfg):
@@ -42,7 +43,6 @@ def build(config, dry_run, force, only, bench, verbose):
 def _print_pending(cfg) -> bool:
     """--dry-run with GGUF models not converted yet: check what can be checked, name what a build would
     convert and where, convert nothing. False when there is nothing pending (the full plan prints)."""
-    from specexport._console import console as make_console
     from specexport.build.plan import check_before_work
     from specexport.export.gguf import pending_conversions
 
@@ -62,13 +62,9 @@ def _print_pending(cfg) -> bool:
 
 
 def _print_quick_bench(cfg) -> None:
-    from specexport._console import console as make_console
     from rich.table import Table
 
     from specexport.report.bench import quick_bench, short_table
-
-    from specexport._console import progress
-    from specexport.errors import SpecexportError
 
     try:
         with progress(make_console(stderr=True), "short latency report (every method the build can run)") as steps:
@@ -91,8 +87,6 @@ def _print_quick_bench(cfg) -> None:
 
 
 def _print_plan(plan) -> None:
-    from specexport._console import console as make_console
-
     console = make_console(stderr=True)
     cfg = plan.config
     console.print(f"[bold]plan[/] {cfg.name} -> {cfg.output}  (max_seq_len {cfg.max_seq_len}, "
@@ -110,8 +104,6 @@ def _print_plan(plan) -> None:
 
 
 def _print_summary(manifest: dict, output) -> None:
-    from specexport._console import console as make_console
-
     console = make_console()
     console.print(checks_table(manifest, title=f"built {manifest['name']} -> {output}", build_columns=True))
     rss = manifest.get("build_peak_rss_bytes")

@@ -5,6 +5,8 @@ from pathlib import Path
 
 import click
 
+from specexport._console import console as make_console
+
 
 
 def checkpoint_folder(target: str, console=None) -> Path:
@@ -55,8 +57,6 @@ def self_distillation_options(command):
 def distill_draft(target, out, layers, hidden_size, intermediate_size, draft_vocab, prompts, corpus, num_prompts,
                   prompt_tokens, new_tokens, steps, batch_size, lr, seed, checkpoint_every, device, force, verbose):
     """Self-distill a small draft from TARGET (a HF checkpoint folder) into --out."""
-    from specexport._console import console as make_console
-
     from specexport.distill.train import DistillConfig, distill_draft as run
 
     console = make_console(stderr=True)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import click
 
+from specexport._console import console, progress
+from specexport.errors import SpecexportError
+
 
 
 @click.command()
@@ -60,8 +63,6 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
         given = [flag for flag, v in (("--gamma", gamma), ("--tree", tree), ("--sampled-children", sampled_children),
                                       ("--draft-stop", draft_stop)) if v]
         if given:
-            from specexport.errors import SpecexportError
-
             raise SpecexportError(f"{given[0]}: name the method it is for (--method draft, lookup, medusa or eagle); "
                                   f"the default, --method auto, takes its settings from the build's bench")
         method = "auto"
@@ -107,8 +108,6 @@ def _tree(text: str | None):
     """A tree name, or rank paths given as JSON."""
     import json
 
-    from specexport.errors import SpecexportError
-
     if text is None or not text.lstrip().startswith(("[", "{")):
         return text
     try:
@@ -119,8 +118,6 @@ def _tree(text: str | None):
 
 
 def _int_gamma(text: str) -> int:
-    from specexport.errors import SpecexportError
-
     try:
         return int(text)
     except ValueError:
@@ -130,7 +127,6 @@ def _int_gamma(text: str) -> int:
 def _compare(pipe, prompt, kwargs, method, repeats: int = 10) -> None:
     """Interleave vanilla and speculative runs of the same request (after one untimed run of each);
     print decode-time tokens/s, the ratio and its 95% paired-bootstrap interval."""
-    from specexport._console import console, progress
     from specexport.report.accounting import speedup_interval, throughput
 
     runs = {"vanilla": [], method: []}

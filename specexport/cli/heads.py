@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from specexport._console import console as make_console
 from specexport.cli.distill import self_distillation_options
 from specexport.errors import SpecexportError
 
@@ -48,8 +49,6 @@ EAGLE_ONLY = ("draft_vocab", "ttt_steps", "eval_depth", "chat_template", "interm
 @click.pass_context
 def train_heads(ctx, target, out, kind, dtype, prompts, corpus, device, verbose, **options):
     """Self-distill Medusa or EAGLE heads for TARGET (a HF checkpoint folder or a GGUF file) into --out."""
-    from specexport._console import console as make_console
-
     from specexport.cli.distill import checkpoint_folder
     from specexport.distill.heads import EAGLE_KINDS, HeadsTrainConfig, train_heads as run
 

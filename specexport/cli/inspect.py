@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import click
 
+from specexport._console import console as make_console
+from specexport.errors import SpecexportError
+from specexport.manifest import file_problems, listed_files, read_manifest
+
 
 
 @click.command()
@@ -15,11 +19,9 @@ def inspect(output_dir, as_json, verify, verbose):
     """Describe the build in OUTPUT_DIR."""
     import json
 
-    from specexport._console import console as make_console
     from rich.table import Table
 
     from specexport.cli.build import checks_table
-    from specexport.manifest import read_manifest
 
     m = read_manifest(output_dir)
     console = make_console()
@@ -74,9 +76,6 @@ def inspect(output_dir, as_json, verify, verbose):
 
 
 def _verify(output_dir, manifest) -> None:
-    from specexport.errors import SpecexportError
-    from specexport.manifest import file_problems, listed_files
-
     files = listed_files(manifest)
     problems = file_problems(output_dir, files, hashes=True)
     for line in problems:

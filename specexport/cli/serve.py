@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from specexport.errors import SpecexportError
 from specexport.serve import API_KEY_ENV    # light: the server's own packages load when it runs
 
 
@@ -32,7 +33,6 @@ class BatchSize(click.ParamType):
     name = "auto|N"
 
     def convert(self, value, param, ctx):
-        from specexport.errors import SpecexportError
         from specexport.runtime.batch import check_max_batch
 
         text = str(value).strip().lower()

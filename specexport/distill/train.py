@@ -25,6 +25,7 @@ from pathlib import Path
 
 
 from specexport._optional import require
+from specexport.config import DRAFT_VOCAB_FILE
 from specexport.distill import core
 from specexport.distill.outputs import _state_dir, json_config, output_partial, place_outputs, state_folder
 from specexport.errors import SpecexportError
@@ -182,8 +183,6 @@ def _init_draft(cfg: DistillConfig, target):
 
 
 def _write_outputs(cfg, draft, tokenizer, before, after, history, vocab=None) -> dict:
-    from specexport.config import DRAFT_VOCAB_FILE
-
     partial = output_partial(cfg)
     draft.eval().save_pretrained(partial)
     if vocab is not None:      # the build reads it as draft.vocab unless model.yaml names another

@@ -29,6 +29,7 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.errors import SpecexportError
+from specexport.schemes import default_scheme
 
 ARCHES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3"}   # what transformers reads back (not mistral)
 # mix -> (base block type, llama.cpp's file type); each is llama-quantize's type of that name
@@ -84,8 +85,6 @@ def unwritable(config) -> str | None:
 def blocks_or_matmulnbits(mc, hf_config) -> tuple:
     """The model's quantization with MatMulNBits where its int8/int4 ask for blocks (the default) and the
     checkpoint cannot be written as blocks; ((precision, why), ...) for the plan's lines and the manifest."""
-    from specexport.schemes import default_scheme
-
     asked = [p for p in mc.precisions if mc.quantization.get(p, {}).get("scheme") == "blocks"]
     why = unwritable(hf_config) if asked else None
     if why is None:

@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from specexport._console import Steps
 from specexport.gamma import store_gamma_choices
 from specexport.manifest import read_manifest, write_json_atomic, write_text_atomic
 from specexport.plugins import cpu
@@ -20,9 +21,9 @@ from specexport.report.folder import REPORT_FILES, claim_report_folder, record_r
 from specexport.report.grid import BenchConfig, Config, _check_request, _configs, accuracy_only
 from specexport.report.rows import _memory, _open_peers, _peer_row, _row
 from specexport.report.threads import ThreadSetting, fastest_for_vanilla
-from specexport.report.workload import expand_workload, suffix_caches
 from specexport.report.timing import (_clocked, _encode, _isolated_costs, _ms, _pass_curve, _reference_outputs, _run,
                                       _step_costs)
+from specexport.report.workload import expand_workload, suffix_caches
 from specexport.runtime.methods import HEAD_METHODS, configuration
 
 # A peer's thread pools (torch's OpenMP, ONNX Runtime's) spin for a while after it answers, in its own
@@ -35,8 +36,6 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
     """Run the bench and write its report. `clock` and `open_pipeline(precision=, threads=, spin=)` are
     for tests: every time the report uses comes from `clock`. steps: _console.Steps, told of every run
     (warm-up and timed)."""
-    from specexport._console import Steps
-
     steps = steps or Steps()
     import specexport
 

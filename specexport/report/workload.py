@@ -18,12 +18,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from specexport.errors import SpecexportError
+from specexport.prompts import json_lines
 
 
 def read_workload(path: Path) -> tuple:
     """The requests of a workload file: strings, or tuples of a conversation's turns."""
-    from specexport.prompts import json_lines
-
     items = []
     for number, value in json_lines(Path(path), where="--workload"):
         where = f"--workload: {path} line {number}"

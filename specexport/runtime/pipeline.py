@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport._optional import require
+from specexport.chat import user_prompt
 from specexport.errors import SpecexportError
 from specexport.manifest import check_files, file_problems, listed_files, read_manifest
 from specexport.runtime.backends import open_eagle, open_medusa, open_model, require_kind
@@ -317,8 +318,6 @@ class Pipeline:
     def chat_prompt(self, text: str) -> str:
         """`text` as one user message in the build's chat template (what a chat client sends to
         `specexport serve`); an error when the tokenizer has no chat template."""
-        from specexport.chat import user_prompt
-
         return user_prompt(self.dir, self.manifest, text)
 
     def chat_ids(self, text: str) -> list[int]:

@@ -14,6 +14,9 @@ import signal
 import sys
 from pathlib import Path
 
+from specexport._optional import require
+from specexport.errors import SpecexportError
+
 API_KEY_ENV = "SPECEXPORT_API_KEY"
 
 
@@ -22,7 +25,6 @@ def serve(output_dir, *, host: str = "127.0.0.1", port: int = 8000, method: str 
           **load_options) -> None:
     """Load the build and serve it until SIGTERM or Ctrl-C (then shut down gracefully: see make_server)."""
     import specexport
-    from specexport._optional import require
     from specexport.serve.app import create_app
     from specexport.serve.guard import Limits
 
@@ -56,7 +58,6 @@ def serve(output_dir, *, host: str = "127.0.0.1", port: int = 8000, method: str 
 def open_suffix_cache(pipe, path) -> str:
     """Give the pipeline the suffix cache saved at `path` (--suffix-cache); a missing file starts an
     empty one, a damaged or foreign one too (never a crash). Returns the line to print."""
-    from specexport.errors import SpecexportError
     from specexport.runtime.suffix import SuffixCache
 
     tokens = pipe.suffix_cache.max_tokens
@@ -73,8 +74,6 @@ def open_suffix_cache(pipe, path) -> str:
 def save_suffix_cache(pipe, path) -> str:
     """Write the pipeline's suffix cache to `path` atomically (SuffixCache.save refuses to overwrite a
     file it did not write). Returns the line to print."""
-    from specexport.errors import SpecexportError
-
     try:
         pipe.suffix_cache.save(path)
     except SpecexportError as err:

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport import _tensorrt
+from specexport._optional import loaded, require
 from specexport.errors import ParityError, SpecexportError
 from specexport.io_spec import ModelIO
 from specexport.runtime.backends.trt import ENGINE_FILE      # the engine's file name beside engine.onnx
@@ -155,8 +156,6 @@ def _plugin_record(plugin_id: str | None) -> dict | None:
 
 
 def _cuda_version() -> str | None:
-    from specexport._optional import loaded
-
     torch = loaded("torch")
     if torch is None:
         try:
@@ -228,7 +227,6 @@ def check_rewrite(fp32_graph: Path, io: ModelIO, *, kv_capacity: int, attention:
                   max_verify_tokens: int, seed: int = 0) -> float:
     """The engine rewrite of the fp32 graph, run on CPU with the reference ops, against the fp32 graph in
     ONNX Runtime on the parity gate's phases: the max relative logit error (float rounding: ~1e-7)."""
-    from specexport._optional import require
     from specexport.trt.graph import cpu_session, engine_graph, engine_graph_logits
     from specexport.export.validate import compare, onnx_logits, parity_case
 

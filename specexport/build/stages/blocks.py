@@ -22,6 +22,7 @@ from specexport.build.stage import ModelStage
 from specexport.build.stages.gguf import _kernels, _lean_graph, _parity, _twin
 from specexport.build.stages.quantize import gate_quality, measure_against
 from specexport.errors import ParityError, SpecexportError
+from specexport.manifest import describe_files
 
 LEVEL = 4                     # int8 activations per block, as llama.cpp multiplies
 
@@ -30,7 +31,6 @@ LEVEL = 4                     # int8 activations per block, as llama.cpp multipl
 class BlocksStage(ModelStage):
     def run(self, ctx) -> dict:
         from specexport.quant.gguf_write import write_gguf
-        from specexport.manifest import describe_files
         from specexport.quant.quality import runtime_session, tree_rows_for
         from specexport.runtime.backends.ort import release_freed_heap
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specexport import owned
+from specexport._console import Steps
 from specexport.build.context import eval_sequences, files_entry
 from specexport.build.stages.head_blocks import PRECISION, SEQUENCES, eagle_checks, kernel_head
 from specexport.build.stages.medusa import HeadsStage
@@ -154,7 +155,6 @@ def auto_tree(target_dir, head_dir, plan, hp, prefixes, steps=None) -> dict:
     """Decode AUTO_TOKENS greedy tokens after each prefix (token arrays) with each candidate tree; check
     them against vanilla; choose by predicted speedup (module docstring). steps: _console.Steps, told of
     each decode (vanilla once per prefix, then every candidate's)."""
-    from specexport._console import Steps
     from specexport.heads.medusa_tree import greedy_continuation, verify_costs
     from specexport.runtime.backends.eagle import OrtEagleHead
     from specexport.runtime.backends.ort import OrtBackend

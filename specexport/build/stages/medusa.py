@@ -12,9 +12,10 @@ import numpy as np
 
 from specexport import owned
 from specexport.build.context import eval_sequences, files_entry
-from specexport.build.stages.head_blocks import PRECISION, SEQUENCES, dequantized, kernel_head
 from specexport.build.stage import Stage
+from specexport.build.stages.head_blocks import PRECISION, SEQUENCES, dequantized, kernel_head
 from specexport.errors import ParityError
+from specexport.io_spec import HIDDEN_STATES
 from specexport.manifest import files_intact
 
 
@@ -96,7 +97,6 @@ def medusa_checks(hp, lm_head, hidden, held_out) -> dict:
     """kernel_head's parity and proposals for Medusa heads: heads_parity on the dequantized weights;
     each head's top-1 at every held-out position."""
     from specexport.heads.medusa import heads_parity
-    from specexport.io_spec import HIDDEN_STATES
 
     w = hp.weights
     deq = dataclasses.replace(w, blocks=tuple(tuple((dequantized(a), b) for a, b in blocks) for blocks in w.blocks),

@@ -9,6 +9,7 @@ import shutil
 from dataclasses import dataclass
 
 from specexport import owned
+from specexport._optional import require
 from specexport.build.outdir import reusable_tokenizer, tokenizer_digest
 from specexport.build.stage import Stage
 from specexport.manifest import sha256_file
@@ -43,7 +44,6 @@ class TokenizerStage(Stage):
                     shutil.copy2(f, partial / f.name)
                 if not (partial / "tokenizer.json").is_file():
                     # The runtime reads tokenizer.json with the `tokenizers` library; slow tokenizers are converted.
-                    from specexport._optional import require
 
                     require("transformers").AutoTokenizer.from_pretrained(plan.target.config.path).save_pretrained(
                         partial)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specexport._optional import require
 from specexport.errors import SpecexportError
 from specexport.io_spec import (ATTENTION_MASK, DRAFT_HIDDEN, FEATURES, HIDDEN_STATES, INPUT_IDS, LOGITS_ROWS,
                                 POSITION_IDS, TOPK_IDS, TOPK_LOGPROBS, EagleIO)
@@ -92,7 +93,6 @@ def check_call(head, T: int, features, own) -> None:
 class OrtEagleHead(Backend):
     def __init__(self, model_dir, *, io: EagleIO, capacity: int, max_tokens: int, threads: int | None = 1,
                  spin: bool = False, optimization: str = "all", session=None, our_attention: bool = False, **_):
-        from specexport._optional import require
         from specexport.plugins.cpu.graph import with_our_attention
         from specexport.runtime.backends.ort import _binding_calls, open_session
 

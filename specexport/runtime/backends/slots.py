@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specexport._optional import require
 from specexport.errors import SpecexportError
 from specexport.io_spec import (ATTENTION_MASK, AUX_HIDDEN_STATES, HIDDEN_STATES, INPUT_IDS, LOGITS, LOGITS_ROWS,
                                 POSITION_IDS)
@@ -60,7 +61,6 @@ class Slots:
     view_class: type = None                             # SlotView, set below
 
     def _setup(self, backend, slots: int, submit, name: str) -> None:
-        from specexport._optional import require
         from specexport.runtime.backends.ort import _binding_calls
 
         if not hasattr(backend, "session"):
