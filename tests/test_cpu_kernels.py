@@ -88,6 +88,8 @@ def _paths_equal_the_reference(kernels, qtype: str, paths: list[str]) -> None:
     # its tails past four rows), and columns in more than one chunk (the 32-weight types' 96 KB chunks)
     cases = [(n, 2 if QK[qtype] == 256 else 5, m) for n, m in ((1, 1), (7, 2), (8, 3), (13, 4), (6, 5), (64 + 3, 11))]
     cases += [(5, 9 if QK[qtype] == 256 else 19, int(rng.integers(1, 20))), (300, 2 if QK[qtype] == 256 else 19, 7)]
+    if QK[qtype] == 32:             # even block counts: the AMX tiles take blocks in pairs (else they fall back)
+        cases += [(16 + 3, 6, 16), (48, 18, 9), (32, 2, 17)]
     for n, nb, m in cases:
         k = QK[qtype] * nb
         w = blocks(rng, qtype, n, k)

@@ -124,7 +124,10 @@ std::string sx_check_against(const SxKernels& k, const SxKernels& ref) {
   Rng rng;
   for (int type : TYPES) {
     const int qk = sx::type_info(type).qk;
-    for (int64_t nb : {(int64_t)1, qk == 256 ? (int64_t)3 : (int64_t)5}) {
+    // 32-weight types: odd counts of blocks (a kernel's tail) and an even one (the AMX tiles take blocks in
+    // pairs: without it their tile kernels would fall back here and never be checked)
+    const std::vector<int64_t> counts = qk == 256 ? std::vector<int64_t>{1, 3} : std::vector<int64_t>{1, 5, 6};
+    for (int64_t nb : counts) {
       std::string bad = check_matmuls(k, ref, type, nb * qk, rng);
       if (!bad.empty()) return bad;
     }
