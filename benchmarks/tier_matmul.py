@@ -1,9 +1,10 @@
 """One matmul on each kernel path, one thread, the paths interleaved: ps a weight by rows M (the table in
 docs/cpu-kernels.md "Measured on a Xeon with AMX").
 
-    python benchmarks/tier_matmul.py [--paths avx512vnni,avx512,amx] [--rows 1,2,4,8,16] [--reps 9]
+    python benchmarks/tier_matmul.py [--paths avx512vnni,avx512,amx] [--rows 1,2,4,8,16] [--reps 9] [--types Q4_1]
 
-Shapes: Qwen2.5-Coder-1.5B's (Q4_K 8960 x 1536, Q6_K 1536 x 8960, Q8_0 4096 x 1536), random valid blocks;
+Shapes: Qwen2.5-Coder-1.5B's (Q4_K 8960 x 1536, Q6_K 1536 x 8960, Q8_0 4096 x 1536), SmolLM2-135M's MLP
+(Q4_1 1536 x 576 and 576 x 1536), a Q4_0 4096 x 1536; random valid blocks;
 the fastest of `reps` runs (the least disturbed); the C interface (quantize + matmul) through ctypes.
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ import numpy as np
 from specexport.plugins import cpu
 from specexport.quant.gguf_blocks import random_blocks
 
-SHAPES = (("Q4_K", 8960, 1536), ("Q6_K", 1536, 8960), ("Q8_0", 4096, 1536))
+SHAPES = (("Q4_K", 8960, 1536), ("Q6_K", 1536, 8960), ("Q8_0", 4096, 1536), ("Q4_1", 1536, 576), ("Q4_1", 576, 1536),
+          ("Q4_0", 4096, 1536))
 
 
 def main() -> None:
@@ -24,6 +26,7 @@ def main() -> None:
     ap.add_argument("--paths", default="avx512vnni,avx512,amx")
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--types", default="", help="only these weight types (comma-separated; default: all)")
     args = ap.parse_args()
     k = cpu.Kernels()
     paths = [p for p in args.paths.split(",") if p in k.paths()]
@@ -33,6 +36,8 @@ def main() -> None:
     print("| type, shape | path | " + " | ".join(f"M={m}" for m in rows) + " |")
     print("|---|---|" + "---|" * len(rows))
     for qtype, N, K in SHAPES:
+        if args.types and qtype not in args.types.split(","):
+            continue
         w = random_blocks(rng, qtype, N, K)
         best = {}
         for m in rows:

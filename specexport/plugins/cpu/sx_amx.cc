@@ -4,8 +4,8 @@
 // (VNNI layout: four K values of a row side by side), packed once a call; each chunk's or sub-block's exact
 // int32 sums are scaled by its integer scale into the block's integer, then the reference's float steps in
 // the reference's order (sx_ref.cc), so every output's bits equal ref's. Tile kernels: Q4_K and Q6_K (a
-// Q4_K_M file's weights) and Q8_0; every other type, and column tails of fewer than 16, run the VNNI or AVX2
-// kernels (the same bits). sx_amx.h: the tiles, their configuration, the pipelined driver.
+// Q4_K_M file's weights), Q8_0, Q4_0 and Q4_1 (SmolLM2's file); every other type, and column tails of fewer
+// than 16, run the VNNI or AVX2 kernels (the same bits). sx_amx.h: the tiles, their configuration, the pipelined driver.
 // SX_EMULATE_AMX (a test library, compiled with AVX2 flags only): the tile instructions computed in C with
 // their exact integer semantics and the steps around them in scalar C on the same layouts, so a CPU without
 // AMX checks the tiles' layouts, the activations' packing and the scale handling against the reference.
@@ -258,27 +258,37 @@ struct Q6K_AMX {
   }
 };
 
+// ---- The 32-weight types' activations for the tiles, once a call: B per block (8 rows x 64 bytes: row i
+// holds activations 4i..4i+3 of the block's 32, for each token), each block's scale per token (da) and its
+// activation sum (the min term of Q4_1).
+
+struct Packed32 {
+  std::vector<int8_t> B;      // [blocks][8][64]
+  std::vector<float> da;      // [blocks][16]
+  std::vector<int32_t> sum;   // [blocks][16]
+};
+
+void pack32(const ActRow* rows, int64_t M, int64_t K, Packed32& p) {
+  const int64_t nb = K / 32;
+  p.B.assign((size_t)(nb * 512), 0);
+  p.da.assign((size_t)(nb * TN), 0.f);
+  p.sum.assign((size_t)(nb * TN), 0);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int i = 0; i < 8; ++i)
+        std::memcpy(&p.B[(size_t)((b * 8 + i) * 64 + 4 * m)], rows[m].q + b * 32 + 4 * i, 4);
+      p.da[(size_t)(b * TN + m)] = rows[m].d[b];
+      p.sum[(size_t)(b * TN + m)] = (int32_t)rows[m].s16[2 * b] + rows[m].s16[2 * b + 1];
+    }
+}
+
 // ---- Q8_0: the file's int8 values are A tiles as they lie (a tile load at the row stride): nothing unpacked
 
 struct Q8_0_AMX {
   static constexpr int PAIRS = 1, KB = 32, STEP_K = 64;  // a step: two 32-weight blocks
+  using Packed = Packed32;
 
-  struct Packed {
-    std::vector<int8_t> B;      // [blocks][8][64]
-    std::vector<float> da;      // [blocks][16]
-  };
-
-  static void pack(const ActRow* rows, int64_t M, int64_t K, int qk, Packed& p) {
-    const int64_t nb = K / qk;
-    p.B.assign((size_t)(nb * 512), 0);
-    p.da.assign((size_t)(nb * TN), 0.f);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < nb; ++b) {
-        for (int i = 0; i < 8; ++i)
-          std::memcpy(&p.B[(size_t)((b * 8 + i) * 64 + 4 * m)], rows[m].q + b * 32 + 4 * i, 4);
-        p.da[(size_t)(b * TN + m)] = rows[m].d[b];
-      }
-  }
+  static void pack(const ActRow* rows, int64_t M, int64_t K, int, Packed& p) { pack32(rows, M, K, p); }
 
   struct Step {
     const uint8_t* base;                  // row n's step: its first block
@@ -328,6 +338,94 @@ struct Q8_0_AMX {
   }
 };
 
+// ---- Q4_0 / Q4_1: two blocks a step, each block's nibbles unpacked into an A tile of 32 codes a row (Q4_0's
+// centered: code - 8), the block's integer from the tile, then the reference's steps (Q4_1: its min term
+// on the block's activation sum).
+
+template <int T>
+struct Q4x_AMX {
+  static constexpr int PAIRS = 1, KB = 32, STEP_K = 64;
+  static constexpr int BYTES = T == Q4_0 ? 18 : 20, QS = T == Q4_0 ? 2 : 4;
+  static constexpr bool MIN = T == Q4_1;
+  using Packed = Packed32;
+
+  static void pack(const ActRow* rows, int64_t M, int64_t K, int, Packed& p) { pack32(rows, M, K, p); }
+
+  struct Step {
+    alignas(64) int8_t A[2][TM][32];      // [block][row]: its 32 codes in weight order
+    alignas(64) float dd[TM][2], mm[TM][2];
+  };
+
+  using Sums = int32_t[2][TM][TN];
+
+#ifdef SX_EMULATE_AMX
+  template <class Tiles>
+  static void unpack(const uint8_t* W, size_t rb, int64_t n, int64_t s, Step& st, Tiles&& tiles) {
+    tiles(0);
+    Unpacked u;
+    for (int i = 0; i < TM; ++i)
+      for (int j = 0; j < 2; ++j) {
+        sx::unpack(T, W + (size_t)(n + i) * rb + (size_t)(2 * s + j) * BYTES, u);
+        for (int k = 0; k < 32; ++k) st.A[j][i][k] = u.v[k];
+        st.dd[i][j] = u.d;
+        st.mm[i][j] = u.m;
+      }
+  }
+
+  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t s, Acc& acc) {
+    for (int j = 0; j < 2; ++j) {
+      const float* da = pk.da.data() + (2 * s + j) * TN;
+      const int32_t* sum = pk.sum.data() + (2 * s + j) * TN;
+      for (int i = 0; i < TM; ++i)
+        for (int m = 0; m < TN; ++m) {
+          acc.v[i][m] = std::fmaf((float)C[j][i][m], st.dd[i][j] * da[m], acc.v[i][m]);
+          if (MIN) acc.v[i][m] = std::fmaf((float)sum[m], st.mm[i][j] * da[m], acc.v[i][m]);
+        }
+    }
+  }
+#else
+  template <class Tiles>
+  static void unpack(const uint8_t* W, size_t rb, int64_t n, int64_t s, Step& st, Tiles&& tiles) {
+    tiles(0);                             // the step before's tile products run while this one unpacks
+    const __m128i m4 = _mm_set1_epi8(0xF), z = _mm_set1_epi8(T == Q4_0 ? 8 : 0);
+    for (int i = 0; i < TM; ++i) {
+      const uint8_t* blk = W + (size_t)(n + i) * rb + (size_t)s * 2 * BYTES;
+      _mm_prefetch((const char*)(blk + TM * rb), _MM_HINT_T0);   // the next group's row, as in Q4_K's
+      for (int j = 0; j < 2; ++j) {
+        const uint8_t* b = blk + j * BYTES;
+        const __m128i x = _mm_loadu_si128((const __m128i*)(b + QS));
+        _mm_store_si128((__m128i*)st.A[j][i], _mm_sub_epi8(_mm_and_si128(x, m4), z));
+        _mm_store_si128((__m128i*)(st.A[j][i] + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m4), z));
+        st.dd[i][j] = half(b);
+        st.mm[i][j] = MIN ? half(b + 2) : 0.f;
+      }
+    }
+  }
+
+  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t s, Acc& acc) {
+    __m512 da[2], sum[2];
+    for (int j = 0; j < 2; ++j) {
+      da[j] = _mm512_loadu_ps(pk.da.data() + (2 * s + j) * TN);
+      sum[j] = _mm512_cvtepi32_ps(_mm512_loadu_si512(pk.sum.data() + (2 * s + j) * TN));
+    }
+    for (int i = 0; i < TM; ++i) {
+      __m512 v = _mm512_load_ps(acc.v[i]);
+      for (int j = 0; j < 2; ++j) {
+        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(C[j][i])),
+                            _mm512_mul_ps(_mm512_set1_ps(st.dd[i][j]), da[j]), v);
+        if (MIN) v = _mm512_fmadd_ps(sum[j], _mm512_mul_ps(_mm512_set1_ps(st.mm[i][j]), da[j]), v);
+      }
+      _mm512_store_ps(acc.v[i], v);
+    }
+  }
+#endif
+
+  static void pair(const Step& st, const Packed& pk, int64_t s, Sums& C, int t) {
+    const int8_t* B = pk.B.data() + (size_t)s * 2 * 512;
+    tile_pair(&st.A[0][0][0], &st.A[1][0][0], 32, B, B + 512, t, PAIRS, C[0][0], C[1][0]);
+  }
+};
+
 template <class Kern>
 void run(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
          int64_t ldy) {
@@ -355,6 +453,10 @@ void sx_amx_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t*
     case Q6_K: return run<Q6K_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
     case Q8_0:  // steps of two blocks
       return K % 64 ? fallback(type, act, M, K, W, n0, n1, Y, ldy) : run<Q8_0_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_0:
+      return K % 64 ? fallback(type, act, M, K, W, n0, n1, Y, ldy) : run<Q4x_AMX<Q4_0>>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_1:
+      return K % 64 ? fallback(type, act, M, K, W, n0, n1, Y, ldy) : run<Q4x_AMX<Q4_1>>(type, ti, act, M, K, W, n0, n1, Y, ldy);
     default: return fallback(type, act, M, K, W, n0, n1, Y, ldy);
   }
 }
