@@ -17,6 +17,7 @@ namespace {
 
 struct Q4K_AMX {
   static constexpr int PAIRS = 4, KB = 32, STEP_K = 256;
+  static constexpr int LANES = TN;
   // A Q4_K block's eight 32-weight chunks in pairs: pair t holds chunks CHUNK[t][0] and [1] side by side (a load
   // of 64 code bytes gives the low nibbles of chunks 2t, 2t + 2 and the high ones of 2t + 1, 2t + 3).
   static constexpr int CHUNK[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
@@ -173,6 +174,7 @@ struct Q4K_AMX {
 
 struct Q6K_AMX {
   static constexpr int PAIRS = 8, KB = 16, STEP_K = 256;
+  static constexpr int LANES = TN;
 
   // B per sub-block (4 rows x 64 bytes: row i holds activations 4i..4i+3 of its 16, for each token), the
   // tokens' scales per block.
@@ -282,21 +284,92 @@ void pack32(const ActRow* rows, int64_t M, int64_t K, Packed32& p) {
     }
 }
 
+// ---- The 32-weight types' steps: two blocks a step, each block's 16 x M sums from one tile product; the
+// epilogue packs R weight rows into a vector (R = 16 / LANES, for passes of at most LANES activation rows):
+// the C tiles are stored with rows LANES int32 apart, so one vector load takes R rows' sums; R = 4 at
+// M <= 4 does a quarter of R = 1's float steps (those steps, two a block and row, are what bound these tiles).
+
+template <int R>
+struct Lanes32 {
+  static constexpr int LANES = TN / R, SHIFT = R == 1 ? 4 : R == 2 ? 3 : 2;
+};
+
+struct Scales32 {
+  alignas(64) float dd[2][TM], mm[2][TM];   // [block][row]: d, and m (Q4_1)
+};
+
+using Sums32 = int32_t[2][TM][TN];           // [block][row * LANES + activation row] (flat)
+
+#ifdef SX_EMULATE_AMX
+template <int R, bool MIN>
+void epilogue32(const Scales32& st, const Sums32& C, const Packed32& pk, int64_t s, Acc& acc) {
+  constexpr int LANES = Lanes32<R>::LANES;
+  float* a = &acc.v[0][0];
+  for (int j = 0; j < 2; ++j) {
+    const float* da = pk.da.data() + (2 * s + j) * TN;
+    const int32_t* sum = pk.sum.data() + (2 * s + j) * TN;
+    const int32_t* c = &C[j][0][0];
+    for (int i = 0; i < TM; ++i)
+      for (int m = 0; m < LANES; ++m) {
+        float& v = a[i * LANES + m];
+        v = std::fmaf((float)c[i * LANES + m], st.dd[j][i] * da[m], v);
+        if (MIN) v = std::fmaf((float)sum[m], st.mm[j][i] * da[m], v);
+      }
+  }
+}
+#else
+template <int R, bool MIN>
+void epilogue32(const Scales32& st, const Sums32& C, const Packed32& pk, int64_t s, Acc& acc) {
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i tok = _mm512_and_si512(lane, _mm512_set1_epi32(Lanes32<R>::LANES - 1));   // the activation row
+  const __m512i row = _mm512_srli_epi32(lane, Lanes32<R>::SHIFT);                         // the row in the vector
+  __m512 da[2], sum[2], dd[2], mm[2];
+  for (int j = 0; j < 2; ++j) {
+    da[j] = _mm512_permutexvar_ps(tok, _mm512_loadu_ps(pk.da.data() + (2 * s + j) * TN));
+    sum[j] = _mm512_permutexvar_ps(tok, _mm512_cvtepi32_ps(_mm512_loadu_si512(pk.sum.data() + (2 * s + j) * TN)));
+    dd[j] = _mm512_load_ps(st.dd[j]);
+    mm[j] = _mm512_load_ps(st.mm[j]);
+  }
+  float* a = &acc.v[0][0];
+  for (int k = 0; k < TM / R; ++k) {      // weight rows R k .. R k + R - 1
+    const __m512i at = _mm512_add_epi32(row, _mm512_set1_epi32(R * k));
+    __m512 v = _mm512_load_ps(a + 16 * k);
+    for (int j = 0; j < 2; ++j) {
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&C[j][0][0] + 16 * k)),
+                          _mm512_mul_ps(_mm512_permutexvar_ps(at, dd[j]), da[j]), v);
+      if (MIN) v = _mm512_fmadd_ps(sum[j], _mm512_mul_ps(_mm512_permutexvar_ps(at, mm[j]), da[j]), v);
+    }
+    _mm512_store_ps(a + 16 * k, v);
+  }
+}
+
+// Each block's d (and m) of the 16 rows: one gather of their first four bytes, converted 16 at once.
+template <int BYTES, bool MIN>
+void gather_scales(const uint8_t* base, size_t rb, Scales32& st) {
+  const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32((int)rb));
+  for (int j = 0; j < 2; ++j) {
+    const __m512i dm = _mm512_i32gather_epi32(rows, base + j * BYTES, 1);
+    _mm512_store_ps(st.dd[j], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
+    if (MIN) _mm512_store_ps(st.mm[j], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
+  }
+}
+#endif
+
 // ---- Q8_0: the file's int8 values are A tiles as they lie (a tile load at the row stride): nothing unpacked
 
-struct Q8_0_AMX {
+template <int R>
+struct Q8_0_AMX : Lanes32<R> {
   static constexpr int PAIRS = 1, KB = 32, STEP_K = 64;  // a step: two 32-weight blocks
   using Packed = Packed32;
+  using Sums = Sums32;
 
   static void pack(const ActRow* rows, int64_t M, int64_t K, int, Packed& p) { pack32(rows, M, K, p); }
 
-  struct Step {
+  struct Step : Scales32 {
     const uint8_t* base;                  // row n's step: its first block
     size_t rb;
-    alignas(64) float dd[TM][2];
   };
-
-  using Sums = int32_t[2][TM][TN];
 
   template <class Tiles>
   static void unpack(const uint8_t* W, size_t rb, int64_t n, int64_t s, Step& st, Tiles&& tiles) {
@@ -307,56 +380,43 @@ struct Q8_0_AMX {
       const uint8_t* blk = st.base + (size_t)i * rb;
       _mm_prefetch((const char*)(blk + TM * rb), _MM_HINT_T0);   // the next group's row, as in Q4_K's
       _mm_prefetch((const char*)(blk + TM * rb + 64), _MM_HINT_T0);
-      st.dd[i][0] = half(blk);
-      st.dd[i][1] = half(blk + 34);
+#ifdef SX_EMULATE_AMX
+      st.dd[0][i] = half(blk);
+      st.dd[1][i] = half(blk + 34);
+#endif
     }
+#ifndef SX_EMULATE_AMX
+    gather_scales<34, false>(st.base, rb, st);
+#endif
   }
 
-#ifdef SX_EMULATE_AMX
   static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t s, Acc& acc) {
-    for (int j = 0; j < 2; ++j) {
-      const float* da = pk.da.data() + (2 * s + j) * TN;
-      for (int i = 0; i < TM; ++i)
-        for (int m = 0; m < TN; ++m) acc.v[i][m] = std::fmaf((float)C[j][i][m], st.dd[i][j] * da[m], acc.v[i][m]);
-    }
+    epilogue32<R, false>(st, C, pk, s, acc);
   }
-#else
-  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t s, Acc& acc) {
-    const __m512 da0 = _mm512_loadu_ps(pk.da.data() + 2 * s * TN), da1 = _mm512_loadu_ps(pk.da.data() + (2 * s + 1) * TN);
-    for (int i = 0; i < TM; ++i) {
-      __m512 v = _mm512_load_ps(acc.v[i]);
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(C[0][i])), _mm512_mul_ps(_mm512_set1_ps(st.dd[i][0]), da0), v);
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(C[1][i])), _mm512_mul_ps(_mm512_set1_ps(st.dd[i][1]), da1), v);
-      _mm512_store_ps(acc.v[i], v);
-    }
-  }
-#endif
 
   static void pair(const Step& st, const Packed& pk, int64_t s, Sums& C, int t) {
     const int8_t* B = pk.B.data() + (size_t)s * 2 * 512;
-    tile_pair(st.base + 2, st.base + 36, st.rb, B, B + 512, t, PAIRS, C[0][0], C[1][0]);
+    tile_pair(st.base + 2, st.base + 36, st.rb, B, B + 512, t, PAIRS, C[0][0], C[1][0], 4 * Lanes32<R>::LANES);
   }
 };
 
-// ---- Q4_0 / Q4_1: two blocks a step, each block's nibbles unpacked into an A tile of 32 codes a row (Q4_0's
-// centered: code - 8), the block's integer from the tile, then the reference's steps (Q4_1: its min term
-// on the block's activation sum).
+// ---- Q4_0 / Q4_1: each block's nibbles unpacked into an A tile of 32 codes a row (Q4_0's centered: code - 8),
+// the block's integer from the tile, then the reference's steps (Q4_1: its min term on the block's activation
+// sum).
 
-template <int T>
-struct Q4x_AMX {
+template <int T, int R>
+struct Q4x_AMX : Lanes32<R> {
   static constexpr int PAIRS = 1, KB = 32, STEP_K = 64;
   static constexpr int BYTES = T == Q4_0 ? 18 : 20, QS = T == Q4_0 ? 2 : 4;
   static constexpr bool MIN = T == Q4_1;
   using Packed = Packed32;
+  using Sums = Sums32;
 
   static void pack(const ActRow* rows, int64_t M, int64_t K, int, Packed& p) { pack32(rows, M, K, p); }
 
-  struct Step {
+  struct Step : Scales32 {
     alignas(64) int8_t A[2][TM][32];      // [block][row]: its 32 codes in weight order
-    alignas(64) float dd[2][TM], mm[2][TM];
   };
-
-  using Sums = int32_t[2][TM][TN];
 
 #ifdef SX_EMULATE_AMX
   template <class Tiles>
@@ -370,18 +430,6 @@ struct Q4x_AMX {
         st.dd[j][i] = u.d;
         st.mm[j][i] = u.m;
       }
-  }
-
-  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t s, Acc& acc) {
-    for (int j = 0; j < 2; ++j) {
-      const float* da = pk.da.data() + (2 * s + j) * TN;
-      const int32_t* sum = pk.sum.data() + (2 * s + j) * TN;
-      for (int i = 0; i < TM; ++i)
-        for (int m = 0; m < TN; ++m) {
-          acc.v[i][m] = std::fmaf((float)C[j][i][m], st.dd[j][i] * da[m], acc.v[i][m]);
-          if (MIN) acc.v[i][m] = std::fmaf((float)sum[m], st.mm[j][i] * da[m], acc.v[i][m]);
-        }
-    }
   }
 #else
   template <class Tiles>
@@ -398,39 +446,29 @@ struct Q4x_AMX {
         _mm_store_si128((__m128i*)(st.A[j][i] + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(x, 4), m4), z));
       }
     }
-    // each block's d (and m) of the 16 rows: one gather of their first four bytes, converted 16 at once
-    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                            _mm512_set1_epi32((int)rb));
-    for (int j = 0; j < 2; ++j) {
-      const __m512i dm = _mm512_i32gather_epi32(rows, base + j * BYTES, 1);
-      _mm512_store_ps(st.dd[j], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
-      if (MIN) _mm512_store_ps(st.mm[j], _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
-    }
-  }
-
-  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t s, Acc& acc) {
-    __m512 da[2], sum[2];
-    for (int j = 0; j < 2; ++j) {
-      da[j] = _mm512_loadu_ps(pk.da.data() + (2 * s + j) * TN);
-      sum[j] = _mm512_cvtepi32_ps(_mm512_loadu_si512(pk.sum.data() + (2 * s + j) * TN));
-    }
-    for (int i = 0; i < TM; ++i) {
-      __m512 v = _mm512_load_ps(acc.v[i]);
-      for (int j = 0; j < 2; ++j) {
-        v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(C[j][i])),
-                            _mm512_mul_ps(_mm512_set1_ps(st.dd[j][i]), da[j]), v);
-        if (MIN) v = _mm512_fmadd_ps(sum[j], _mm512_mul_ps(_mm512_set1_ps(st.mm[j][i]), da[j]), v);
-      }
-      _mm512_store_ps(acc.v[i], v);
-    }
+    gather_scales<BYTES, MIN>(base, rb, st);
   }
 #endif
 
+  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t s, Acc& acc) {
+    epilogue32<R, MIN>(st, C, pk, s, acc);
+  }
+
   static void pair(const Step& st, const Packed& pk, int64_t s, Sums& C, int t) {
     const int8_t* B = pk.B.data() + (size_t)s * 2 * 512;
-    tile_pair(&st.A[0][0][0], &st.A[1][0][0], 32, B, B + 512, t, PAIRS, C[0][0], C[1][0]);
+    tile_pair(&st.A[0][0][0], &st.A[1][0][0], 32, B, B + 512, t, PAIRS, C[0][0], C[1][0], 4 * Lanes32<R>::LANES);
   }
 };
+
+// A 32-weight type's call: as many weight rows a vector as its activation rows allow.
+template <template <int> class Kern>
+void run32(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
+           int64_t n1, float* Y, int64_t ldy);
+
+template <int R>
+using Q4_0_AMX = Q4x_AMX<Q4_0, R>;
+template <int R>
+using Q4_1_AMX = Q4x_AMX<Q4_1, R>;
 
 template <class Kern>
 void run(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
@@ -448,6 +486,15 @@ void run(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, co
   fallback(type, act, M, K, W, n0 + TM * groups, n1, Y, ldy);
 }
 
+template <template <int> class Kern>
+void run32(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
+           int64_t n1, float* Y, int64_t ldy) {
+  if (K % 64) return fallback(type, act, M, K, W, n0, n1, Y, ldy);   // steps of two blocks
+  if (M <= 4) return run<Kern<4>>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+  if (M <= 8) return run<Kern<2>>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+  run<Kern<1>>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+}
+
 }  // namespace
 
 void sx_amx_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
@@ -457,12 +504,9 @@ void sx_amx_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t*
   switch (type) {
     case Q4_K: return run<Q4K_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
     case Q6_K: return run<Q6K_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q8_0:  // steps of two blocks
-      return K % 64 ? fallback(type, act, M, K, W, n0, n1, Y, ldy) : run<Q8_0_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q4_0:
-      return K % 64 ? fallback(type, act, M, K, W, n0, n1, Y, ldy) : run<Q4x_AMX<Q4_0>>(type, ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q4_1:
-      return K % 64 ? fallback(type, act, M, K, W, n0, n1, Y, ldy) : run<Q4x_AMX<Q4_1>>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q8_0: return run32<Q8_0_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_0: return run32<Q4_0_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_1: return run32<Q4_1_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
     default: return fallback(type, act, M, K, W, n0, n1, Y, ldy);
   }
 }

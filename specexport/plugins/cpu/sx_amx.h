@@ -77,7 +77,9 @@ void configure(int64_t M, int KB) {
 #endif
 }
 
-// The accumulators of 16 weight rows x 16 activation rows, as the reference's float chains.
+// The accumulators of 16 weight rows x 16 activation rows, as the reference's float chains: weight row i,
+// activation row m at i * Kern::LANES + m (LANES = 16; a kernel with fewer activation rows may pack
+// 16 / LANES weight rows into one vector).
 struct alignas(64) Acc {
   float v[TM][TN];
 };
@@ -130,17 +132,17 @@ void run_groups(const uint8_t* W, size_t rb, int64_t nb, const typename Kern::Pa
     if (b == nb - 1) {                 // the group's outputs
       const int64_t n = n0 + TM * g;
       for (int64_t m = 0; m < M; ++m)
-        for (int i = 0; i < TM; ++i) Y[m * ldy + n + i] = acc.v[i][m];
+        for (int i = 0; i < TM; ++i) Y[m * ldy + n + i] = (&acc.v[0][0])[i * Kern::LANES + m];
       std::memset(&acc, 0, sizeof acc);
     }
   }
 }
 
 // A pair t of tile products into C tiles 4, 5 (t even) or 6, 7 (t odd), and the previous pair's C stored
-// while this one multiplies (t = pairs: the last store alone). A0/A1 and B2/B3: the pair's two sub-blocks.
-// Tile numbers are literals (GCC's macros).
+// while this one multiplies (t = pairs: the last store alone), its rows c_stride bytes apart. A0/A1 and B2/B3:
+// the pair's two sub-blocks. Tile numbers are literals (GCC's macros).
 inline void tile_pair(const void* a0, const void* a1, size_t a_stride, const void* b0, const void* b1, int t,
-                      int pairs, int32_t* c_prev0, int32_t* c_prev1) {
+                      int pairs, int32_t* c_prev0, int32_t* c_prev1, size_t c_stride = 64) {
   asm volatile("" ::: "memory");  // the tile loads read A: GCC's _tile_loadd declares no memory input
   if (t < pairs) {
     TILE_LOAD(0, a0, a_stride);
@@ -156,8 +158,8 @@ inline void tile_pair(const void* a0, const void* a1, size_t a_stride, const voi
       TILE_DPBSSD(5, 1, 3);
     }
     if (t > 0) {
-      TILE_STORE(6, c_prev0, 64);
-      TILE_STORE(7, c_prev1, 64);
+      TILE_STORE(6, c_prev0, c_stride);
+      TILE_STORE(7, c_prev1, c_stride);
     }
   } else {
     if (t < pairs) {
@@ -166,8 +168,8 @@ inline void tile_pair(const void* a0, const void* a1, size_t a_stride, const voi
       TILE_DPBSSD(6, 0, 2);
       TILE_DPBSSD(7, 1, 3);
     }
-    TILE_STORE(4, c_prev0, 64);
-    TILE_STORE(5, c_prev1, 64);
+    TILE_STORE(4, c_prev0, c_stride);
+    TILE_STORE(5, c_prev1, c_stride);
   }
 }
 
