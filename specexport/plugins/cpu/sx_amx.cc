@@ -13,11 +13,19 @@
 
 namespace {
 
+// R weight rows share a vector in a kernel's epilogue (R = 16 / LANES, for passes of at most LANES activation
+// rows): the C tiles are stored with rows LANES int32 apart, so one vector load takes R rows' sums.
+template <int R>
+struct Rows {
+  static constexpr int LANES = TN / R, SHIFT = R == 1 ? 4 : R == 2 ? 3 : 2;
+};
+
 // ---- Q4_K: a tile a 32-weight chunk, eight products a block ---------------------------------------------
 
-struct Q4K_AMX {
+template <int R>
+struct Q4K_AMX : Rows<R> {
   static constexpr int PAIRS = 4, KB = 32, STEP_K = 256;
-  static constexpr int LANES = TN;
+  static constexpr int LANES = Rows<R>::LANES;
   // A Q4_K block's eight 32-weight chunks in pairs: pair t holds chunks CHUNK[t][0] and [1] side by side (a load
   // of 64 code bytes gives the low nibbles of chunks 2t, 2t + 2 and the high ones of 2t + 1, 2t + 3).
   static constexpr int CHUNK[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
@@ -97,17 +105,19 @@ struct Q4K_AMX {
   static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t blk_i, Acc& acc) {
     const float* da = pk.da.data() + blk_i * TN;
     const int32_t* a32 = pk.a32.data() + blk_i * 4 * TN;
+    float* out = &acc.v[0][0];
     for (int i = 0; i < TM; ++i)
-      for (int m = 0; m < TN; ++m) {
+      for (int m = 0; m < LANES; ++m) {
         int32_t I = 0, Mn = 0;
         for (int p = 0; p < 4; ++p) {
           const uint32_t a = (uint32_t)a32[p * TN + m];
-          I += dot_pairs(pair16(C[2 * p][i][m], C[2 * p + 1][i][m]), (uint32_t)st.s[i][p]);
+          const int at = i * LANES + m;
+          I += dot_pairs(pair16((&C[2 * p][0][0])[at], (&C[2 * p + 1][0][0])[at]), (uint32_t)st.s[i][p]);
           I += dot_pairs((uint32_t)st.s8[i][p], a);
           Mn += dot_pairs((uint32_t)st.mn[i][p], a);
         }
-        acc.v[i][m] = std::fmaf((float)I, st.dd[i] * da[m], acc.v[i][m]);
-        acc.v[i][m] = std::fmaf((float)Mn, st.mm[i] * da[m], acc.v[i][m]);
+        out[i * LANES + m] = std::fmaf((float)I, st.dd[i] * da[m], out[i * LANES + m]);
+        out[i * LANES + m] = std::fmaf((float)Mn, st.mm[i] * da[m], out[i * LANES + m]);
       }
   }
 #else
@@ -136,8 +146,8 @@ struct Q4K_AMX {
     }
   }
 
-  // The block's integers from the chunks' sums, then the reference's two float steps, 16 activation rows at once.
-  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t blk_i, Acc& acc) {
+  // R = 1: a vector a weight row, its scales broadcast (cheaper than R > 1's permutes when they buy nothing).
+  static void epilogue_rows(const Step& st, const Sums& C, const Packed& pk, int64_t blk_i, Acc& acc) {
     const __m512 da = _mm512_loadu_ps(pk.da.data() + blk_i * TN);
     const int32_t* a32 = pk.a32.data() + blk_i * 4 * TN;
     __m512i a[4];
@@ -157,6 +167,41 @@ struct Q4K_AMX {
       _mm512_store_ps(acc.v[i], v);
     }
   }
+
+  // The block's integers from the chunks' sums, then the reference's two float steps; a vector holds R weight
+  // rows x LANES activation rows (Rows), each lane's scales taken from its row by a permute.
+  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t blk_i, Acc& acc) {
+    if constexpr (R == 1) return epilogue_rows(st, C, pk, blk_i, acc);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i tok = _mm512_and_si512(lane, _mm512_set1_epi32(LANES - 1));
+    const __m512i row = _mm512_srli_epi32(lane, Rows<R>::SHIFT);
+    const __m512 da = _mm512_permutexvar_ps(tok, _mm512_loadu_ps(pk.da.data() + blk_i * TN));
+    const int32_t* a32 = pk.a32.data() + blk_i * 4 * TN;
+    __m512i a[4];
+    for (int p = 0; p < 4; ++p) a[p] = _mm512_permutexvar_epi32(tok, _mm512_loadu_si512(a32 + p * TN));
+    const __m512 dd = _mm512_load_ps(st.dd), mm = _mm512_load_ps(st.mm);
+    float* out = &acc.v[0][0];
+    for (int k = 0; k < TM / R; ++k) {
+      const __m512i at = _mm512_add_epi32(row, _mm512_set1_epi32(R * k));     // each lane's weight row
+      const int g = 4 * (R * k / 4);                                            // the four rows holding them
+      const __m512i pos = _mm512_slli_epi32(_mm512_sub_epi32(at, _mm512_set1_epi32(g)), 2);
+      const __m512i S = _mm512_load_si512(st.s[g]), S8 = _mm512_load_si512(st.s8[g]), MN = _mm512_load_si512(st.mn[g]);
+      __m512i I = _mm512_setzero_si512(), Mn = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        const __m512i idx = _mm512_add_epi32(pos, _mm512_set1_epi32(p));      // row's scale pair p
+        const __m512i pairs = _mm512_mask_blend_epi16(
+            0xAAAAAAAA, _mm512_load_si512(&C[2 * p][0][0] + 16 * k),
+            _mm512_slli_epi32(_mm512_load_si512(&C[2 * p + 1][0][0] + 16 * k), 16));
+        I = _mm512_dpwssd_epi32(I, pairs, _mm512_permutexvar_epi32(idx, S));
+        I = _mm512_dpwssd_epi32(I, _mm512_permutexvar_epi32(idx, S8), a[p]);
+        Mn = _mm512_dpwssd_epi32(Mn, _mm512_permutexvar_epi32(idx, MN), a[p]);
+      }
+      __m512 v = _mm512_load_ps(out + 16 * k);
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(_mm512_permutexvar_ps(at, dd), da), v);
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Mn), _mm512_mul_ps(_mm512_permutexvar_ps(at, mm), da), v);
+      _mm512_store_ps(out + 16 * k, v);
+    }
+  }
 #endif
 
 
@@ -164,7 +209,7 @@ struct Q4K_AMX {
       const int8_t* B = pk.B.data() + (size_t)b * 8 * 512;
       const int tt = t < PAIRS ? t : t - 1, prev = t > 0 ? t - 1 : 0;
       tile_pair(&st.A[tt][0][0], &st.A[tt][0][32], 64, B + CHUNK[tt][0] * 512, B + CHUNK[tt][1] * 512, t, PAIRS,
-                C[CHUNK[prev][0]][0], C[CHUNK[prev][1]][0]);
+                C[CHUNK[prev][0]][0], C[CHUNK[prev][1]][0], 4 * LANES);
     }
 };
 
@@ -289,11 +334,6 @@ void pack32(const ActRow* rows, int64_t M, int64_t K, Packed32& p) {
 // the C tiles are stored with rows LANES int32 apart, so one vector load takes R rows' sums; R = 4 at
 // M <= 4 does a quarter of R = 1's float steps (those steps, two a block and row, are what bound these tiles).
 
-template <int R>
-struct Lanes32 {
-  static constexpr int LANES = TN / R, SHIFT = R == 1 ? 4 : R == 2 ? 3 : 2;
-};
-
 struct Scales32 {
   alignas(64) float dd[2][TM], mm[2][TM];   // [block][row]: d, and m (Q4_1)
 };
@@ -303,7 +343,7 @@ using Sums32 = int32_t[2][TM][TN];           // [block][row * LANES + activation
 #ifdef SX_EMULATE_AMX
 template <int R, bool MIN>
 void epilogue32(const Scales32& st, const Sums32& C, const Packed32& pk, int64_t s, Acc& acc) {
-  constexpr int LANES = Lanes32<R>::LANES;
+  constexpr int LANES = Rows<R>::LANES;
   float* a = &acc.v[0][0];
   for (int j = 0; j < 2; ++j) {
     const float* da = pk.da.data() + (2 * s + j) * TN;
@@ -321,8 +361,8 @@ void epilogue32(const Scales32& st, const Sums32& C, const Packed32& pk, int64_t
 template <int R, bool MIN>
 void epilogue32(const Scales32& st, const Sums32& C, const Packed32& pk, int64_t s, Acc& acc) {
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i tok = _mm512_and_si512(lane, _mm512_set1_epi32(Lanes32<R>::LANES - 1));   // the activation row
-  const __m512i row = _mm512_srli_epi32(lane, Lanes32<R>::SHIFT);                         // the row in the vector
+  const __m512i tok = _mm512_and_si512(lane, _mm512_set1_epi32(Rows<R>::LANES - 1));   // the activation row
+  const __m512i row = _mm512_srli_epi32(lane, Rows<R>::SHIFT);                         // the row in the vector
   __m512 da[2], sum[2], dd[2], mm[2];
   for (int j = 0; j < 2; ++j) {
     da[j] = _mm512_permutexvar_ps(tok, _mm512_loadu_ps(pk.da.data() + (2 * s + j) * TN));
@@ -359,7 +399,7 @@ void gather_scales(const uint8_t* base, size_t rb, Scales32& st) {
 // ---- Q8_0: the file's int8 values are A tiles as they lie (a tile load at the row stride): nothing unpacked
 
 template <int R>
-struct Q8_0_AMX : Lanes32<R> {
+struct Q8_0_AMX : Rows<R> {
   static constexpr int PAIRS = 1, KB = 32, STEP_K = 64;  // a step: two 32-weight blocks
   using Packed = Packed32;
   using Sums = Sums32;
@@ -396,7 +436,7 @@ struct Q8_0_AMX : Lanes32<R> {
 
   static void pair(const Step& st, const Packed& pk, int64_t s, Sums& C, int t) {
     const int8_t* B = pk.B.data() + (size_t)s * 2 * 512;
-    tile_pair(st.base + 2, st.base + 36, st.rb, B, B + 512, t, PAIRS, C[0][0], C[1][0], 4 * Lanes32<R>::LANES);
+    tile_pair(st.base + 2, st.base + 36, st.rb, B, B + 512, t, PAIRS, C[0][0], C[1][0], 4 * Rows<R>::LANES);
   }
 };
 
@@ -405,7 +445,7 @@ struct Q8_0_AMX : Lanes32<R> {
 // sum).
 
 template <int T, int R>
-struct Q4x_AMX : Lanes32<R> {
+struct Q4x_AMX : Rows<R> {
   static constexpr int PAIRS = 1, KB = 32, STEP_K = 64;
   static constexpr int BYTES = T == Q4_0 ? 18 : 20, QS = T == Q4_0 ? 2 : 4;
   static constexpr bool MIN = T == Q4_1;
@@ -456,14 +496,14 @@ struct Q4x_AMX : Lanes32<R> {
 
   static void pair(const Step& st, const Packed& pk, int64_t s, Sums& C, int t) {
     const int8_t* B = pk.B.data() + (size_t)s * 2 * 512;
-    tile_pair(&st.A[0][0][0], &st.A[1][0][0], 32, B, B + 512, t, PAIRS, C[0][0], C[1][0], 4 * Lanes32<R>::LANES);
+    tile_pair(&st.A[0][0][0], &st.A[1][0][0], 32, B, B + 512, t, PAIRS, C[0][0], C[1][0], 4 * Rows<R>::LANES);
   }
 };
 
 // A 32-weight type's call: as many weight rows a vector as its activation rows allow.
 template <template <int> class Kern>
-void run32(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
-           int64_t n1, float* Y, int64_t ldy);
+void run_by_rows(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
+                 int64_t n1, float* Y, int64_t ldy);
 
 template <int R>
 using Q4_0_AMX = Q4x_AMX<Q4_0, R>;
@@ -487,9 +527,8 @@ void run(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, co
 }
 
 template <template <int> class Kern>
-void run32(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
-           int64_t n1, float* Y, int64_t ldy) {
-  if (K % 64) return fallback(type, act, M, K, W, n0, n1, Y, ldy);   // steps of two blocks
+void run_by_rows(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
+                 int64_t n1, float* Y, int64_t ldy) {
   if (M <= 4) return run<Kern<4>>(type, ti, act, M, K, W, n0, n1, Y, ldy);
   if (M <= 8) return run<Kern<2>>(type, ti, act, M, K, W, n0, n1, Y, ldy);
   run<Kern<1>>(type, ti, act, M, K, W, n0, n1, Y, ldy);
@@ -502,11 +541,14 @@ void sx_amx_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t*
   const TypeInfo ti = type_info(type);
   if (M > TN) return fallback(type, act, M, K, W, n0, n1, Y, ldy);
   switch (type) {
-    case Q4_K: return run<Q4K_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_K: return run_by_rows<Q4K_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
     case Q6_K: return run<Q6K_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q8_0: return run32<Q8_0_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q4_0: return run32<Q4_0_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q4_1: return run32<Q4_1_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q8_0:  // the 32-weight types: steps of two blocks
+      return K % 64 ? fallback(type, act, M, K, W, n0, n1, Y, ldy) : run_by_rows<Q8_0_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_0:
+      return K % 64 ? fallback(type, act, M, K, W, n0, n1, Y, ldy) : run_by_rows<Q4_0_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q4_1:
+      return K % 64 ? fallback(type, act, M, K, W, n0, n1, Y, ldy) : run_by_rows<Q4_1_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
     default: return fallback(type, act, M, K, W, n0, n1, Y, ldy);
   }
 }
