@@ -10,7 +10,6 @@ from specexport.errors import SpecexportError
 from specexport.prompts import read_prompts
 
 
-
 def _csv(value, cast=str):
     return tuple(cast(v) for v in value.split(",") if v.strip()) if value else None
 

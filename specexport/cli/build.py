@@ -10,7 +10,6 @@ from specexport.config import load_config
 from specexport.errors import SpecexportError
 
 
-
 @click.command()
 @click.argument("config", type=click.Path(dir_okay=False))
 @click.option("--dry-run", is_flag=True, help="Validate the config and print the plan; build nothing.")

@@ -8,7 +8,6 @@ import click
 from specexport._console import console as make_console
 
 
-
 def checkpoint_folder(target: str, console=None) -> Path:
     """TARGET as a checkpoint folder: a GGUF file is converted once (cached; export/gguf.py)."""
     path = Path(target).resolve()

@@ -7,7 +7,6 @@ from specexport._console import console, progress
 from specexport.errors import SpecexportError
 
 
-
 @click.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.argument("prompt")

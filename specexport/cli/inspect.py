@@ -8,7 +8,6 @@ from specexport.errors import SpecexportError
 from specexport.manifest import file_problems, listed_files, read_manifest
 
 
-
 @click.command()
 @click.argument("output_dir", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the raw manifest.")

@@ -189,7 +189,6 @@ def vocab_ids(cfg, data: dict, target) -> tuple[int, ...] | None:
     return most_frequent_ids(tokens, cfg.draft_vocab, vocab_size, always=eos_ids(target))
 
 
-
 #----
 
 
@@ -219,7 +218,6 @@ def text_batch(train, step: int, cfg, device):
     return pad_batch([train[i] for i in batch_rows(len(train), step, cfg)], device)
 
 
-
 #----
 
 
@@ -229,7 +227,6 @@ def lr_at(cfg, step: int) -> float:
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
     return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, cfg.steps - warmup)))
-
 
 
 #----

@@ -189,8 +189,8 @@ def graph_module(weights: MedusaWeights, lm_head: np.ndarray | None, top_k: int)
             super().__init__()
             self.w = nn.ParameterList([frozen(w) for blocks in weights.blocks for w, _ in blocks])     # [H, H] each
             self.b = nn.ParameterList([frozen(b) for blocks in weights.blocks for _, b in blocks])
-            shared = weights.projections[0] is None
-            self.proj = nn.ParameterList([frozen(lm_head)] if shared else [frozen(p) for p in weights.projections])
+            self.shared = weights.projections[0] is None          # the target's lm_head for every head
+            self.proj = nn.ParameterList([frozen(lm_head)] if self.shared else [frozen(p) for p in weights.projections])
 
         def forward(self, hidden):
             L, outs = weights.num_layers, []
@@ -198,8 +198,8 @@ def graph_module(weights: MedusaWeights, lm_head: np.ndarray | None, top_k: int)
                 x = hidden
                 for j in range(L):
                     x = x + F.silu(F.linear(x, self.w[h * L + j], self.b[h * L + j]))
-                outs.append(x if len(self.proj) == 1 else F.linear(x, self.proj[h]))
-            logits = F.linear(torch.stack(outs, 2), self.proj[0]) if len(self.proj) == 1 else torch.stack(outs, 2)
+                outs.append(x if self.shared else F.linear(x, self.proj[h]))
+            logits = F.linear(torch.stack(outs, 2), self.proj[0]) if self.shared else torch.stack(outs, 2)
             values, ids = torch.topk(torch.log_softmax(logits, dim=-1), top_k, dim=-1)          # [B, T, N, K]
             return ids, values
 

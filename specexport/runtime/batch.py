@@ -24,6 +24,7 @@ import queue
 import threading
 
 from specexport.errors import SpecexportError
+from specexport.runtime.backends import on_our_kernels
 from specexport.runtime.backends.head_slots import EagleSlots, rows_exact
 from specexport.runtime.backends.slots import SlotModel
 from specexport.runtime.proposer_table import make_proposer
@@ -263,10 +264,9 @@ def row_exact(pipe, role: str = "target", precision: str | None = None) -> tuple
     on specexport's own CPU kernels."""
     precision = precision or pipe.precision
     entry = pipe.manifest["models"][role]["precisions"][precision]
-    ops = (entry.get("quantization") or {}).get("kernels", {}).get("ops")
     dependence = entry.get("row_dependence") or {}
     graph = precision if role == "target" else f"{role}'s {precision}"
-    if ops != "specexport.cpu":
+    if not on_our_kernels(entry):
         return False, f"the {graph} graph runs on ONNX Runtime's own kernels, whose rows depend on the pass"
     if any(v != 0.0 for v in dependence.values()) or not dependence:
         return False, f"the build measured the {graph} graph's rows dependent ({dependence})"

@@ -45,7 +45,6 @@ MEDUSA_TREES = {
 }
 
 
-
 DEFAULT_GAMMA = 4      # γ when neither the caller nor a bench of this build chose one
 
 

@@ -33,7 +33,6 @@ AUTO_PROMPTS, AUTO_PREFIX, AUTO_TOKENS = 4, 16, 48
 SCRATCH_ROWS = 512            # head cache rows beyond max_seq_len for a round's draft levels (runtime too)
 
 
-
 @dataclass(frozen=True)
 class EagleStage(HeadsStage):
     def run(self, ctx) -> dict:

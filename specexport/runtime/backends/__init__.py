@@ -158,8 +158,12 @@ def open_eagle(out_dir, manifest: dict, *, kind: str, capacity: int, max_tokens:
 
 
 def _on_kernels(manifest: dict, target_precision: str) -> bool:
-    target = manifest["models"]["target"]["precisions"].get(target_precision) or {}
-    return ((target.get("quantization") or {}).get("kernels") or {}).get("ops") == DOMAIN
+    return on_our_kernels(manifest["models"]["target"]["precisions"].get(target_precision) or {})
+
+
+def on_our_kernels(stage: dict) -> bool:
+    """Whether a precision's graph (its manifest entry) runs on specexport's CPU kernels."""
+    return ((stage.get("quantization") or {}).get("kernels") or {}).get("ops") == DOMAIN
 
 
 def _heads_stage(entry: dict, manifest: dict, kind: str, target_precision: str) -> dict:

@@ -146,7 +146,6 @@ class Slots:
         return max(slots) - min(slots) + 1, min(slots)
 
 
-
 class SlotModel(Slots):
     """A target or draft graph's slots over its OrtBackend's session (the weights are not loaded twice)."""
 
