@@ -500,11 +500,6 @@ struct Q4x_AMX : Rows<R> {
   }
 };
 
-// A 32-weight type's call: as many weight rows a vector as its activation rows allow.
-template <template <int> class Kern>
-void run_by_rows(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
-                 int64_t n1, float* Y, int64_t ldy);
-
 template <int R>
 using Q4_0_AMX = Q4x_AMX<Q4_0, R>;
 template <int R>
@@ -526,6 +521,7 @@ void run(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, co
   fallback(type, act, M, K, W, n0 + TM * groups, n1, Y, ldy);
 }
 
+// A call of a kernel whose epilogue packs rows (Rows): as many weight rows a vector as its activation rows allow.
 template <template <int> class Kern>
 void run_by_rows(int type, const TypeInfo& ti, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
                  int64_t n1, float* Y, int64_t ldy) {
