@@ -20,42 +20,47 @@ struct Rows {
   static constexpr int LANES = TN / R, SHIFT = R == 1 ? 4 : R == 2 ? 3 : 2;
 };
 
-// ---- Q4_K: a tile a 32-weight chunk, eight products a block ---------------------------------------------
+// ---- Q4_K: a block's codes scaled by their chunks' scales, whole-block sums ------------------------------
+// Each weight's integer s * v (v the 4-bit code, s its 32-weight chunk's 6-bit scale: <= 945) is split into
+// its two bytes, lo and hi (0..3), two A tiles a 64-weight step (tdpbusd: A unsigned, the activations signed),
+// accumulated over the block's four steps in one C tile each: the block's integer 256 hi + lo is the
+// reference's sum of s * sum v a; the mins' term from the chunks' activation sums (vpdpwssd), then the
+// reference's two float steps. (Before: a tile product per chunk, eight C tiles a block, each chunk's sums
+// scaled after them: 87 ps a weight at 16 rows against this layout's fewer stores.)
 
 template <int R>
 struct Q4K_AMX : Rows<R> {
-  static constexpr int PAIRS = 4, KB = 32, STEP_K = 256;
+  static constexpr int PAIRS = 4, KB = 64, STEP_K = 256;
   static constexpr int LANES = Rows<R>::LANES;
-  // A Q4_K block's eight 32-weight chunks in pairs: pair t holds chunks CHUNK[t][0] and [1] side by side (a load
-  // of 64 code bytes gives the low nibbles of chunks 2t, 2t + 2 and the high ones of 2t + 1, 2t + 3).
+  // Step t holds chunks CHUNK[t][0] and [1] side by side (a load of 64 code bytes gives the low nibbles of
+  // chunks 2t, 2t + 2 and the high ones of 2t + 1, 2t + 3).
   static constexpr int CHUNK[4][2] = {{0, 2}, {1, 3}, {4, 6}, {5, 7}};
 
-  // The pass's activations for the tiles, once a call: B per chunk (8 rows x 64 bytes: row i holds activations
-  // 4i..4i+3 of the chunk's 32, for each token), the tokens' scales per block (da) and their sums per chunk as
-  // int16 pairs (two chunks' sums in one int32 lane: vpdpwssd's operand).
+  // B per step (16 rows x 64 bytes: row i holds activations 4i..4i+3 of the step's two chunks, for each token),
+  // the tokens' scales per block (da) and their sums per chunk as int16 pairs (two chunks' sums in one int32
+  // lane: vpdpwssd's operand).
   struct Packed {
-    std::vector<int8_t> B;      // [nb][8][8][64]
+    std::vector<int8_t> B;      // [nb][4][16][64]
     std::vector<float> da;      // [nb][16]
     std::vector<int32_t> a32;   // [nb][4][16] int16 pairs (chunk 2p, 2p + 1)
   };
 
   static void pack(const ActRow* rows, int64_t M, int64_t K, int qk, Packed& p) {
     const int64_t nb = K / qk;
-    p.B.assign((size_t)(nb * 8 * 512), 0);
+    p.B.resize((size_t)(nb * 4 * 1024));
     p.da.assign((size_t)(nb * TN), 0.f);
     p.a32.assign((size_t)(nb * 4 * TN), 0);
+    pack_words(rows, M, K, qk, [](int64_t w) {   // B row w: step w / 16 of its block, row w % 16
+      const int64_t b = w / 64, t = w / 16 % 4, i = w % 16;
+#ifdef SX_PLANT_AMX_PACK  // a planted bug the tests must catch: each chunk's activations from its neighbour
+      return b * 64 + 8 * (CHUNK[t][i / 8] ^ 1) + i % 8;
+#else
+      return b * 64 + 8 * CHUNK[t][i / 8] + i % 8;
+#endif
+    }, p.B.data());
     for (int64_t m = 0; m < M; ++m) {
       const ActRow& r = rows[m];
       for (int64_t b = 0; b < nb; ++b) {
-        for (int j = 0; j < 8; ++j)
-          for (int i = 0; i < 8; ++i) {
-#ifdef SX_PLANT_AMX_PACK  // a planted bug the tests must catch: each chunk's activations from its neighbour
-            const int8_t* q = r.q + b * 256 + 32 * (j ^ 1) + 4 * i;
-#else
-            const int8_t* q = r.q + b * 256 + 32 * j + 4 * i;
-#endif
-            std::memcpy(&p.B[(size_t)(((b * 8 + j) * 8 + i) * 64 + 4 * m)], q, 4);
-          }
         p.da[(size_t)(b * TN + m)] = r.d[b];
         for (int j = 0; j < 4; ++j) {
           const int16_t* s = r.s16 + b * (qk / 16) + 4 * j;  // chunks 2j, 2j+1: four sums of 16
@@ -66,33 +71,25 @@ struct Q4K_AMX : Rows<R> {
     }
   }
 
-  // One step's weights, unpacked: A tiles and the integers and floats the epilogue needs, for 16 weight rows x
-  // one block. Q4_K's codes are centered (v - 8, in -8..7) so that a chunk's sum |sum (v - 8) q| <= 8 * 127 * 32
-  // fits an int16: two chunks' sums go through one vpdpwssd with their two scales, and 8 * s * (the chunk's
-  // activation sum) puts the centering back, exactly.
   struct Step {
-    alignas(64) int8_t A[4][TM][64];      // [chunk pair][row]: chunks CHUNK[t][0], [1] side by side
-    alignas(64) int32_t s[TM][4];         // scales as int16 pairs (chunk 2p, 2p + 1)
-    alignas(64) int32_t s8[TM][4];        // 8 x the same
-    alignas(64) int32_t mn[TM][4];        // mins as int16 pairs
+    alignas(64) int8_t A[4][2][TM][64];   // [step][lo, hi][row]
+    alignas(64) int32_t mn[TM][4];        // mins as int16 pairs (chunk 2p, 2p + 1)
     alignas(64) float dd[TM], mm[TM];     // d and -dmin
   };
 
-  // Each chunk's sums C[chunk][weight row][activation row] of one step.
-  using Sums = int32_t[8][TM][TN];
+  using Sums = int32_t[2][TM][TN];        // lo, hi: [row * LANES + token] (flat)
 
 #ifdef SX_EMULATE_AMX
-  // The steps around the tiles in scalar C, on the same layouts (sx_blocks.h's unpack gives the codes).
   template <class Tiles>
   static void unpack(const uint8_t* W, size_t rb, int64_t n, int64_t b, Step& st, Tiles&& tiles) {
     emu_rows<PAIRS>(Q4_K, W, rb, n, b, tiles, [&](int i, const Unpacked& u) {
       for (int t = 0; t < 4; ++t)
-        for (int k = 0; k < 64; ++k) st.A[t][i][k] = (int8_t)(u.v[32 * CHUNK[t][k / 32] + k % 32] - 8);
-      for (int p = 0; p < 4; ++p) {  // u.s, u.mn: per 16 weights; chunk j is 2j, 2j + 1
-        st.s[i][p] = (int32_t)pair16(u.s[4 * p], u.s[4 * p + 2]);
-        st.s8[i][p] = (int32_t)pair16(8 * u.s[4 * p], 8 * u.s[4 * p + 2]);
-        st.mn[i][p] = (int32_t)pair16(u.mn[4 * p], u.mn[4 * p + 2]);
-      }
+        for (int k = 0; k < 64; ++k) {
+          const int c = CHUNK[t][k / 32], w = u.s[2 * c] * u.v[32 * c + k % 32];   // u.s, u.mn: per 16 weights
+          st.A[t][0][i][k] = (int8_t)(uint8_t)(w & 0xFF);
+          st.A[t][1][i][k] = (int8_t)(w >> 8);
+        }
+      for (int p = 0; p < 4; ++p) st.mn[i][p] = (int32_t)pair16(u.mn[4 * p], u.mn[4 * p + 2]);
       st.dd[i] = u.d;
       st.mm[i] = -u.m;
     });
@@ -108,16 +105,12 @@ struct Q4K_AMX : Rows<R> {
     float* out = &acc.v[0][0];
     for (int i = 0; i < TM; ++i)
       for (int m = 0; m < LANES; ++m) {
-        int32_t I = 0, Mn = 0;
-        for (int p = 0; p < 4; ++p) {
-          const uint32_t a = (uint32_t)a32[p * TN + m];
-          const int at = i * LANES + m;
-          I += dot_pairs(pair16((&C[2 * p][0][0])[at], (&C[2 * p + 1][0][0])[at]), (uint32_t)st.s[i][p]);
-          I += dot_pairs((uint32_t)st.s8[i][p], a);
-          Mn += dot_pairs((uint32_t)st.mn[i][p], a);
-        }
-        out[i * LANES + m] = std::fmaf((float)I, st.dd[i] * da[m], out[i * LANES + m]);
-        out[i * LANES + m] = std::fmaf((float)Mn, st.mm[i] * da[m], out[i * LANES + m]);
+        const int at = i * LANES + m;
+        const int32_t I = (&C[1][0][0])[at] * 256 + (&C[0][0][0])[at];
+        int32_t Mn = 0;
+        for (int p = 0; p < 4; ++p) Mn += dot_pairs((uint32_t)st.mn[i][p], (uint32_t)a32[p * TN + m]);
+        out[at] = std::fmaf((float)I, st.dd[i] * da[m], out[at]);
+        out[at] = std::fmaf((float)Mn, st.mm[i] * da[m], out[at]);
       }
   }
 #else
@@ -125,53 +118,47 @@ struct Q4K_AMX : Rows<R> {
   // unit works while the vector units unpack.
   template <class Tiles>
   static void unpack(const uint8_t* W, size_t rb, int64_t n, int64_t b, Step& st, Tiles&& tiles) {
-    const __m512i m4 = _mm512_set1_epi8(0xF), eight = _mm512_set1_epi8(8);
+    // byte shuffles giving, in each half of step t's 64 codes, its chunk's scale at the even (E) or odd (O)
+    // bytes and zero at the others: vpmaddubsw's operand for one weight of each pair
+    alignas(64) static const auto idx = [] {
+      struct { int8_t e[4][64], o[4][64]; } x{};
+      for (int t = 0; t < 4; ++t)
+        for (int k = 0; k < 64; ++k) {
+          x.e[t][k] = k % 2 ? (int8_t)0x80 : (int8_t)CHUNK[t][k / 32];
+          x.o[t][k] = k % 2 ? (int8_t)CHUNK[t][k / 32] : (int8_t)0x80;
+        }
+      return x;
+    }();
+    const __m512i m4 = _mm512_set1_epi8(0xF);
+    const __mmask64 odd = 0xAAAAAAAAAAAAAAAAull;
     for (int i = 0; i < TM; ++i) {
       if (i % (TM / PAIRS) == 0) tiles(i / (TM / PAIRS));
       const uint8_t* blk = W + (size_t)(n + i) * rb + (size_t)b * 144;
       // the same block of the next group's row: a group's 16 rows are 16 short streams the hardware prefetcher
       // does not follow (Qwen's K = 1536: 6 blocks a row)
       for (int l = 0; l < 144; l += 64) _mm_prefetch((const char*)(blk + TM * rb + l), _MM_HINT_T0);
-      for (int half2 = 0; half2 < 2; ++half2) {                       // 64 code bytes: pairs 2 half2, 2 half2 + 1
-        const __m512i x = _mm512_loadu_si512(blk + 16 + 64 * half2);
-        _mm512_store_si512(st.A[2 * half2][i], _mm512_sub_epi8(_mm512_and_si512(x, m4), eight));
-        _mm512_store_si512(st.A[2 * half2 + 1][i], _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(x, 4), m4), eight));
+      const __m128i sm = k4_scales(blk + 4);                          // s0..s7, m0..m7
+      const __m512i sc = _mm512_broadcast_i32x4(sm);
+      for (int h = 0; h < 2; ++h) {                                   // 64 code bytes: steps 2h, 2h + 1
+        const __m512i x = _mm512_loadu_si512(blk + 16 + 64 * h);
+        for (int nib = 0; nib < 2; ++nib) {
+          const int t = 2 * h + nib;
+          const __m512i v = _mm512_and_si512(nib ? _mm512_srli_epi16(x, 4) : x, m4);
+          const __m512i we = _mm512_maddubs_epi16(v, _mm512_shuffle_epi8(sc, _mm512_load_si512(idx.e[t])));
+          const __m512i wo = _mm512_maddubs_epi16(v, _mm512_shuffle_epi8(sc, _mm512_load_si512(idx.o[t])));
+          _mm512_store_si512(st.A[t][0][i], _mm512_mask_blend_epi8(odd, we, _mm512_slli_epi16(wo, 8)));
+          _mm512_store_si512(st.A[t][1][i], _mm512_mask_blend_epi8(odd, _mm512_srli_epi16(we, 8), wo));
+        }
       }
-      const __m256i sm = _mm256_cvtepu8_epi16(k4_scales(blk + 4));    // s0..s7, m0..m7 as int16
-      _mm_store_si128((__m128i*)st.s[i], _mm256_castsi256_si128(sm));
-      _mm_store_si128((__m128i*)st.s8[i], _mm_slli_epi16(_mm256_castsi256_si128(sm), 3));
-      _mm_store_si128((__m128i*)st.mn[i], _mm256_extracti128_si256(sm, 1));
+      _mm_store_si128((__m128i*)st.mn[i], _mm256_extracti128_si256(_mm256_cvtepu8_epi16(sm), 1));
       st.dd[i] = half(blk);
       st.mm[i] = -half(blk + 2);
     }
   }
 
-  // R = 1: a vector a weight row, its scales broadcast (cheaper than R > 1's permutes when they buy nothing).
-  static void epilogue_rows(const Step& st, const Sums& C, const Packed& pk, int64_t blk_i, Acc& acc) {
-    const __m512 da = _mm512_loadu_ps(pk.da.data() + blk_i * TN);
-    const int32_t* a32 = pk.a32.data() + blk_i * 4 * TN;
-    __m512i a[4];
-    for (int p = 0; p < 4; ++p) a[p] = _mm512_loadu_si512(a32 + p * TN);
-    for (int i = 0; i < TM; ++i) {
-      __m512i I = _mm512_setzero_si512(), Mn = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) {
-        const __m512i pairs = _mm512_mask_blend_epi16(0xAAAAAAAA, _mm512_load_si512(C[2 * p][i]),
-                                                      _mm512_slli_epi32(_mm512_load_si512(C[2 * p + 1][i]), 16));
-        I = _mm512_dpwssd_epi32(I, pairs, _mm512_set1_epi32(st.s[i][p]));
-        I = _mm512_dpwssd_epi32(I, _mm512_set1_epi32(st.s8[i][p]), a[p]);
-        Mn = _mm512_dpwssd_epi32(Mn, _mm512_set1_epi32(st.mn[i][p]), a[p]);
-      }
-      __m512 v = _mm512_load_ps(acc.v[i]);
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(_mm512_set1_ps(st.dd[i]), da), v);
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Mn), _mm512_mul_ps(_mm512_set1_ps(st.mm[i]), da), v);
-      _mm512_store_ps(acc.v[i], v);
-    }
-  }
-
-  // The block's integers from the chunks' sums, then the reference's two float steps; a vector holds R weight
-  // rows x LANES activation rows (Rows), each lane's scales taken from its row by a permute.
+  // The block's integer 256 hi + lo and the mins' term, then the reference's two float steps; a vector holds
+  // R weight rows x LANES activation rows (Rows), each lane's scales taken from its row by a permute.
   static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t blk_i, Acc& acc) {
-    if constexpr (R == 1) return epilogue_rows(st, C, pk, blk_i, acc);
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i tok = _mm512_and_si512(lane, _mm512_set1_epi32(LANES - 1));
     const __m512i row = _mm512_srli_epi32(lane, Rows<R>::SHIFT);
@@ -183,18 +170,17 @@ struct Q4K_AMX : Rows<R> {
     float* out = &acc.v[0][0];
     for (int k = 0; k < TM / R; ++k) {
       const __m512i at = _mm512_add_epi32(row, _mm512_set1_epi32(R * k));     // each lane's weight row
-      const int g = 4 * (R * k / 4);                                            // the four rows holding them
-      const __m512i pos = _mm512_slli_epi32(_mm512_sub_epi32(at, _mm512_set1_epi32(g)), 2);
-      const __m512i S = _mm512_load_si512(st.s[g]), S8 = _mm512_load_si512(st.s8[g]), MN = _mm512_load_si512(st.mn[g]);
-      __m512i I = _mm512_setzero_si512(), Mn = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) {
-        const __m512i idx = _mm512_add_epi32(pos, _mm512_set1_epi32(p));      // row's scale pair p
-        const __m512i pairs = _mm512_mask_blend_epi16(
-            0xAAAAAAAA, _mm512_load_si512(&C[2 * p][0][0] + 16 * k),
-            _mm512_slli_epi32(_mm512_load_si512(&C[2 * p + 1][0][0] + 16 * k), 16));
-        I = _mm512_dpwssd_epi32(I, pairs, _mm512_permutexvar_epi32(idx, S));
-        I = _mm512_dpwssd_epi32(I, _mm512_permutexvar_epi32(idx, S8), a[p]);
-        Mn = _mm512_dpwssd_epi32(Mn, _mm512_permutexvar_epi32(idx, MN), a[p]);
+      const __m512i I = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(&C[1][0][0] + 16 * k), 8),
+                                         _mm512_load_si512(&C[0][0][0] + 16 * k));
+      __m512i Mn = _mm512_setzero_si512();
+      if constexpr (R == 1) {
+        for (int p = 0; p < 4; ++p) Mn = _mm512_dpwssd_epi32(Mn, _mm512_set1_epi32(st.mn[k][p]), a[p]);
+      } else {
+        const int g = 4 * (R * k / 4);                                          // the four rows holding them
+        const __m512i pos = _mm512_slli_epi32(_mm512_sub_epi32(at, _mm512_set1_epi32(g)), 2);
+        const __m512i MN = _mm512_load_si512(st.mn[g]);
+        for (int p = 0; p < 4; ++p)
+          Mn = _mm512_dpwssd_epi32(Mn, _mm512_permutexvar_epi32(_mm512_add_epi32(pos, _mm512_set1_epi32(p)), MN), a[p]);
       }
       __m512 v = _mm512_load_ps(out + 16 * k);
       v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(_mm512_permutexvar_ps(at, dd), da), v);
@@ -204,104 +190,130 @@ struct Q4K_AMX : Rows<R> {
   }
 #endif
 
-
   static void pair(const Step& st, const Packed& pk, int64_t b, Sums& C, int t) {
-      const int8_t* B = pk.B.data() + (size_t)b * 8 * 512;
-      const int tt = t < PAIRS ? t : t - 1, prev = t > 0 ? t - 1 : 0;
-      tile_pair(&st.A[tt][0][0], &st.A[tt][0][32], 64, B + CHUNK[tt][0] * 512, B + CHUNK[tt][1] * 512, t, PAIRS,
-                C[CHUNK[prev][0]][0], C[CHUNK[prev][1]][0], 4 * LANES);
-    }
+    block_step(&st.A[0][0][0][0], pk.B.data() + (size_t)b * 4 * 1024, C, t, PAIRS, LANES);
+  }
 };
 
-// ---- Q6_K: a tile a 16-weight sub-block, sixteen products a block ----------------------------------------
-// Its int8 scales multiply 6-bit codes (up to 128 x 32): no split into bytes short of three or four tiles, and
-// a sub-block's sum (up to 16 x 32 x 127) is no int16; so each sub-block's sums are scaled by vpmulld.
+// ---- Q6_K: a block's weights scaled by their sub-blocks' scales, whole-block sums ------------------------
+// Each weight's integer w = s * (code - 32) (|w| <= 4096: an int16) is split into its two bytes, lo (0..255)
+// and hi (-16..16), two A tiles a 64-weight step: lo by tdpbusd, hi by tdpbssd, each accumulated over the
+// block's four steps in one C tile, so the block's integer is 256 hi + lo, exactly the reference's sum of
+// s * sum (code - 32) a. Two tile stores a block instead of sixteen, and no per-sub-block products after them.
+// (Before: a tile product per 16-weight sub-block and vpmulld by its scale: 131 ps a weight at every M.)
 
-struct Q6K_AMX {
-  static constexpr int PAIRS = 8, KB = 16, STEP_K = 256;
-  static constexpr int LANES = TN;
+// Activations for tiles of 64-weight steps: B per step (16 rows x 64 bytes: row i holds activations 4i..4i+3
+// of the step's 64, for each token), the tokens' scales per block.
+struct Packed64 {
+  std::vector<int8_t> B;      // [nb][4][16][64]
+  std::vector<float> da;      // [nb][16]
+};
 
-  // B per sub-block (4 rows x 64 bytes: row i holds activations 4i..4i+3 of its 16, for each token), the
-  // tokens' scales per block.
-  struct Packed {
-    std::vector<int8_t> B;      // [nb][16][4][64]
-    std::vector<float> da;      // [nb][16]
-  };
+void pack64(const ActRow* rows, int64_t M, int64_t K, Packed64& p) {
+  const int64_t nb = K / 256;
+  p.B.resize((size_t)(nb * 4 * 1024));
+  pack_words(rows, M, K, 256, [](int64_t w) { return w; }, p.B.data());
+  p.da.assign((size_t)(nb * TN), 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) p.da[(size_t)(b * TN + m)] = rows[m].d[b];
+}
 
-  static void pack(const ActRow* rows, int64_t M, int64_t K, int qk, Packed& p) {
-    const int64_t nb = K / qk;
-    p.B.assign((size_t)(nb * 16 * 256), 0);
-    p.da.assign((size_t)(nb * TN), 0.f);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t b = 0; b < nb; ++b) {
-        for (int g = 0; g < 16; ++g)
-          for (int i = 0; i < 4; ++i)
-            std::memcpy(&p.B[(size_t)(((b * 16 + g) * 4 + i) * 64 + 4 * m)], rows[m].q + b * 256 + 16 * g + 4 * i, 4);
-        p.da[(size_t)(b * TN + m)] = rows[m].d[b];
-      }
-  }
+template <int R>
+struct Q6K_AMX : Rows<R> {
+  static constexpr int PAIRS = 4, KB = 64, STEP_K = 256;
+  static constexpr int LANES = Rows<R>::LANES;
+  using Packed = Packed64;
 
-  // 16 weight rows x one block: codes v = code - 32 (signed), sub-blocks 2t and 2t + 1 side by side in A[t].
+  static void pack(const ActRow* rows, int64_t M, int64_t K, int, Packed& p) { pack64(rows, M, K, p); }
+
   struct Step {
-    alignas(64) int8_t A[8][TM][32];
-    alignas(64) int32_t s[TM][16];      // sub-block scales
+    alignas(64) int8_t A[4][2][TM][64];   // [step][lo, hi][row]
     alignas(64) float dd[TM];
   };
 
-  using Sums = int32_t[16][TM][TN];
+  using Sums = int32_t[2][TM][TN];        // lo, hi: [row * LANES + token] (flat)
 
 #ifdef SX_EMULATE_AMX
   template <class Tiles>
   static void unpack(const uint8_t* W, size_t rb, int64_t n, int64_t b, Step& st, Tiles&& tiles) {
     emu_rows<PAIRS>(Q6_K, W, rb, n, b, tiles, [&](int i, const Unpacked& u) {
-      for (int t = 0; t < 8; ++t)
-        for (int k = 0; k < 32; ++k) st.A[t][i][k] = u.v[32 * t + k];
-      for (int g = 0; g < 16; ++g) st.s[i][g] = u.s[g];
+      for (int k = 0; k < 256; ++k) {
+        const int w = u.s[k / 16] * u.v[k];
+        st.A[k / 64][0][i][k % 64] = (int8_t)(uint8_t)(w & 0xFF);
+        st.A[k / 64][1][i][k % 64] = (int8_t)(w >> 8);
+      }
       st.dd[i] = u.d;
     });
-  }
-
-  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t blk_i, Acc& acc) {
-    const float* da = pk.da.data() + blk_i * TN;
-    for (int i = 0; i < TM; ++i)
-      for (int m = 0; m < TN; ++m) {
-        int32_t I = 0;
-        for (int g = 0; g < 16; ++g) I += st.s[i][g] * C[g][i][m];
-        acc.v[i][m] = std::fmaf((float)I, st.dd[i] * da[m], acc.v[i][m]);
-      }
   }
 #else
   template <class Tiles>
   static void unpack(const uint8_t* W, size_t rb, int64_t n, int64_t b, Step& st, Tiles&& tiles) {
-    const __m256i z = _mm256_set1_epi8(32);
+    // byte shuffles giving, in each 16-byte lane L of step t (sub-block 4t + L), its scale at the even (E) or
+    // odd (O) bytes and zero at the others: vpmaddubsw's operand for one weight of each pair
+    alignas(64) static const auto idx = [] {
+      struct { int8_t e[4][64], o[4][64]; } x{};
+      for (int t = 0; t < 4; ++t)
+        for (int k = 0; k < 64; ++k) {
+          x.e[t][k] = k % 2 ? (int8_t)0x80 : (int8_t)(4 * t + k / 16);
+          x.o[t][k] = k % 2 ? (int8_t)(4 * t + k / 16) : (int8_t)0x80;
+        }
+      return x;
+    }();
+    const __m512i c32 = _mm512_set1_epi8(32);
+    const __mmask64 odd = 0xAAAAAAAAAAAAAAAAull;
     for (int i = 0; i < TM; ++i) {
       if (i % (TM / PAIRS) == 0) tiles(i / (TM / PAIRS));
       const uint8_t* blk = W + (size_t)(n + i) * rb + (size_t)b * 210;
       for (int l = 0; l < 210; l += 64) _mm_prefetch((const char*)(blk + TM * rb + l), _MM_HINT_T0);
       const Q6K q(blk);
-      q.chunks([&](int j, __m256i w) { _mm256_store_si256((__m256i*)st.A[j][i], _mm256_sub_epi8(w, z)); });
-      _mm512_store_si512(st.s[i], _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 192))));
+      const __m512i sc = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(blk + 192)));
+      __m256i first = _mm256_setzero_si256();
+      q.chunks([&](int j, __m256i c) {   // codes 0..63; chunks 2t, 2t + 1 make step t
+        if (j % 2 == 0) return void(first = c);
+        const int t = j / 2;
+        const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(first), c, 1);
+        const __m512i se = _mm512_shuffle_epi8(sc, _mm512_load_si512(idx.e[t]));
+        const __m512i so = _mm512_shuffle_epi8(sc, _mm512_load_si512(idx.o[t]));
+        const __m512i z = _mm512_maddubs_epi16(c32, se);                          // 32 s
+        const __m512i we = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, se), z);  // s (code - 32), even weights
+        const __m512i wo = _mm512_sub_epi16(_mm512_maddubs_epi16(codes, so), z);  // odd weights
+        _mm512_store_si512(st.A[t][0][i], _mm512_mask_blend_epi8(odd, we, _mm512_slli_epi16(wo, 8)));
+        _mm512_store_si512(st.A[t][1][i], _mm512_mask_blend_epi8(odd, _mm512_srli_epi16(we, 8), wo));
+      });
       st.dd[i] = q.d;
-    }
-  }
-
-  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t blk_i, Acc& acc) {
-    const __m512 da = _mm512_loadu_ps(pk.da.data() + blk_i * TN);
-    for (int i = 0; i < TM; ++i) {
-      __m512i I = _mm512_mullo_epi32(_mm512_load_si512(C[0][i]), _mm512_set1_epi32(st.s[i][0]));
-      for (int g = 1; g < 16; ++g)
-        I = _mm512_add_epi32(I, _mm512_mullo_epi32(_mm512_load_si512(C[g][i]), _mm512_set1_epi32(st.s[i][g])));
-      const __m512 v = _mm512_load_ps(acc.v[i]);
-      _mm512_store_ps(acc.v[i], _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(_mm512_set1_ps(st.dd[i]), da), v));
     }
   }
 #endif
 
+  // The block's integer 256 hi + lo, then the reference's float step; R weight rows a vector (Rows).
+  static void epilogue(const Step& st, const Sums& C, const Packed& pk, int64_t blk_i, Acc& acc) {
+    float* out = &acc.v[0][0];
+#ifdef SX_EMULATE_AMX
+    const float* da = pk.da.data() + blk_i * TN;
+    for (int i = 0; i < TM; ++i)
+      for (int m = 0; m < LANES; ++m) {
+        const int at = i * LANES + m;
+        const int32_t I = (&C[1][0][0])[at] * 256 + (&C[0][0][0])[at];
+        out[at] = std::fmaf((float)I, st.dd[i] * da[m], out[at]);
+      }
+#else
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i tok = _mm512_and_si512(lane, _mm512_set1_epi32(LANES - 1));
+    const __m512i row = _mm512_srli_epi32(lane, Rows<R>::SHIFT);
+    const __m512 da = _mm512_permutexvar_ps(tok, _mm512_loadu_ps(pk.da.data() + blk_i * TN));
+    const __m512 dd = _mm512_load_ps(st.dd);
+    for (int k = 0; k < TM / R; ++k) {
+      const __m512i I = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(&C[1][0][0] + 16 * k), 8),
+                                         _mm512_load_si512(&C[0][0][0] + 16 * k));
+      const __m512 d = R == 1 ? _mm512_set1_ps(st.dd[k]) : _mm512_permutexvar_ps(_mm512_add_epi32(row, _mm512_set1_epi32(R * k)), dd);
+      const __m512 v = _mm512_load_ps(out + 16 * k);
+      _mm512_store_ps(out + 16 * k, _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(d, da), v));
+    }
+#endif
+  }
+
   static void pair(const Step& st, const Packed& pk, int64_t b, Sums& C, int t) {
-    const int8_t* B = pk.B.data() + (size_t)b * 16 * 256;
-    const int tt = t < PAIRS ? t : t - 1, prev = t > 0 ? t - 1 : 0;
-    tile_pair(&st.A[tt][0][0], &st.A[tt][0][16], 32, B + 2 * tt * 256, B + (2 * tt + 1) * 256, t, PAIRS,
-              C[2 * prev][0], C[2 * prev + 1][0]);
+    block_step(&st.A[0][0][0][0], pk.B.data() + (size_t)b * 4 * 1024, C, t, PAIRS, LANES);
   }
 };
 
@@ -317,13 +329,12 @@ struct Packed32 {
 
 void pack32(const ActRow* rows, int64_t M, int64_t K, Packed32& p) {
   const int64_t nb = K / 32;
-  p.B.assign((size_t)(nb * 512), 0);
+  p.B.resize((size_t)(nb * 512));
+  pack_words(rows, M, K, 32, [](int64_t w) { return w; }, p.B.data());
   p.da.assign((size_t)(nb * TN), 0.f);
   p.sum.assign((size_t)(nb * TN), 0);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
-      for (int i = 0; i < 8; ++i)
-        std::memcpy(&p.B[(size_t)((b * 8 + i) * 64 + 4 * m)], rows[m].q + b * 32 + 4 * i, 4);
       p.da[(size_t)(b * TN + m)] = rows[m].d[b];
       p.sum[(size_t)(b * TN + m)] = (int32_t)rows[m].s16[2 * b] + rows[m].s16[2 * b + 1];
     }
@@ -538,7 +549,7 @@ void sx_amx_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t*
   if (M > TN) return fallback(type, act, M, K, W, n0, n1, Y, ldy);
   switch (type) {
     case Q4_K: return run_by_rows<Q4K_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
-    case Q6_K: return run<Q6K_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
+    case Q6_K: return run_by_rows<Q6K_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
     case Q8_0:  // the 32-weight types: steps of two blocks
       return K % 64 ? fallback(type, act, M, K, W, n0, n1, Y, ldy) : run_by_rows<Q8_0_AMX>(type, ti, act, M, K, W, n0, n1, Y, ldy);
     case Q4_0:

@@ -39,7 +39,18 @@ void emu_dpbssd(int c, int a, int b) {  // C[m][n] += sum_k s8 A[m][k] * s8 B[k 
       std::memcpy(&C.d[m][4 * n], &acc, 4);
     }
 }
+void emu_dpbusd(int c, int a, int b) {  // the same with A's bytes unsigned
+  Tile &C = tmm[c], &A = tmm[a], &B = tmm[b];
+  for (int m = 0; m < C.rows; ++m)
+    for (int n = 0; n < C.colsb / 4; ++n) {
+      int32_t acc;
+      std::memcpy(&acc, &C.d[m][4 * n], 4);
+      for (int k = 0; k < A.colsb; ++k) acc += (int32_t)A.d[m][k] * (int8_t)B.d[k / 4][4 * n + k % 4];
+      std::memcpy(&C.d[m][4 * n], &acc, 4);
+    }
+}
 #define TILE_DPBSSD(c, a, b) emu_dpbssd(c, a, b)
+#define TILE_DPBUSD(c, a, b) emu_dpbusd(c, a, b)
 #define TILE_ZERO(t) emu_zero(t)
 #define TILE_LOAD(t, base, stride) emu_load(t, base, stride)
 #define TILE_STORE(t, base, stride) emu_store(t, base, stride)
@@ -49,6 +60,7 @@ void emu_dpbssd(int c, int a, int b) {  // C[m][n] += sum_k s8 A[m][k] * s8 B[k 
 #define TILE_LOAD(t, base, stride) _tile_loadd(t, base, stride)
 #define TILE_STORE(t, base, stride) _tile_stored(t, base, stride)
 #define TILE_DPBSSD(c, a, b) _tile_dpbssd(c, a, b)
+#define TILE_DPBUSD(c, a, b) _tile_dpbusd(c, a, b)
 #define TILE_RELEASE() _tile_release()
 #endif
 
@@ -171,6 +183,48 @@ inline void tile_pair(const void* a0, const void* a1, size_t a_stride, const voi
     TILE_STORE(4, c_prev0, c_stride);
     TILE_STORE(5, c_prev1, c_stride);
   }
+}
+
+// The pass's int8 activations as B tiles (VNNI layout), once a call: B row r (64 bytes) holds word(r), the
+// four values K 4 word(r)..+3, of each token m at bytes 4m..4m+3 (zero past M). Rows are act_row's, a fixed
+// stride apart: one gather a B row (the scalar copy it replaces took a fifth of a 16-row call at K = 4096).
+template <class Word>
+void pack_words(const ActRow* rows, int64_t M, int64_t K, int qk, Word&& word, int8_t* B) {
+#ifdef SX_EMULATE_AMX
+  (void)qk;
+  std::memset(B, 0, (size_t)(K / 4) * 64);
+  for (int64_t r = 0; r < K / 4; ++r)
+    for (int64_t m = 0; m < M; ++m) std::memcpy(B + r * 64 + 4 * m, rows[m].q + 4 * word(r), 4);
+#else
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32((int)act_row_bytes(K, qk)));
+  const __mmask16 live = (__mmask16)((1u << M) - 1);
+  for (int64_t r = 0; r < K / 4; ++r) {
+    const __m512i at = _mm512_add_epi32(idx, _mm512_set1_epi32((int)(4 * word(r))));
+    _mm512_storeu_si512(B + r * 64, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live, at, rows[0].q, 1));
+  }
+#endif
+}
+
+// The split kernels' (Q4_K, Q6_K) step t of a block: A tiles lo, hi (16 rows x 64 bytes each, at
+// A + (2 t + 0/1) * 1024) times B (at B + t * 1024) into C tiles 4 (lo, unsigned bytes: tdpbusd) and 5 (hi),
+// zeroed at the block's first step; t = steps: their store into C (rows `lanes` int32 apart).
+inline void block_step(const int8_t* A, const int8_t* B, int32_t (&C)[2][TM][TN], int t, int steps, int lanes) {
+  asm volatile("" ::: "memory");  // the tile loads read A: GCC's _tile_loadd declares no memory input
+  if (t == steps) {
+    TILE_STORE(4, C[0], 4 * lanes);
+    TILE_STORE(5, C[1], 4 * lanes);
+    return;
+  }
+  TILE_LOAD(0, A + 2 * t * 1024, 64);
+  TILE_LOAD(1, A + (2 * t + 1) * 1024, 64);
+  TILE_LOAD(2, B + t * 1024, 64);
+  if (t == 0) {
+    TILE_ZERO(4);
+    TILE_ZERO(5);
+  }
+  TILE_DPBUSD(4, 0, 2);
+  TILE_DPBSSD(5, 1, 2);
 }
 
 void fallback(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
