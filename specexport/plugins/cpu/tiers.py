@@ -3,10 +3,11 @@
 Every path gives the reference's bits, so the choice is a matter of speed only: each weight type's matmul is
 timed on every SIMD path this CPU runs, one thread, at M = 1..16 rows (the passes speculation makes: a draft
 step, a verify of a chain or a tree), interleaved, the fastest of five runs each (the least disturbed by
-whatever else the machine runs), and each M goes to the fastest; a path displaces the one
+whatever else the machine runs), and each M goes to the fastest; a vector path displaces the one
 before it in the library's order (the best vector path first) only when MARGIN faster, so paths that run
-the same kernel (a tier without its own kernel for a type, VNNI in two encodings) never trade places on
-noise. Measured once per CPU and library and cached beside the library (tiers-<cpu>.json); never assumed.
+the same kernel (VNNI in two encodings) never trade places on noise; a matrix tier (AMX, i8mm: kernels of
+another structure) needs only MATRIX_MARGIN (at 0.85, AMX's 13% at Q4_K M 4 went unused). Measured once
+per CPU and library and cached beside the library (tiers-<cpu>.json); never assumed.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)     # measured; M between two of them t
 MAX_ROWS = 17                                # the table's last row: more than 16
 SHAPE = (512, 4096)                           # N, K: L2-sized (1.7 MB of Q6_K); K as a layer's (16 blocks)
 REPS = 5
-MARGIN = 0.85                                 # another path is taken when it needs at most 85% of the time
+MARGIN = 0.85                                 # another vector path is taken when it needs at most 85% of the time
+MATRIX_MARGIN = 0.93                          # a matrix tier, at most 93%
+MATRIX = ("amx", "i8mm")
 ORDER = ("avx512vnni", "avxvnni", "avx2", "neon", "avx512", "amx", "i8mm")   # the proven vector path first
 
 
@@ -42,7 +45,7 @@ def cpu_id() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-RULE = 3                                      # the measurement's version: a new rule measures anew
+RULE = 4                                      # the measurement's version: a new rule measures anew
 
 
 def table_file(lib: Path) -> Path:
@@ -97,7 +100,8 @@ def measure(kernels) -> dict[str, list[str]]:
         for m in ROWS:
             best[m] = candidates[0]
             for p in candidates[1:]:
-                if min(times[(m, p)]) <= MARGIN * min(times[(m, best[m])]):     # min: what each can do
+                margin = MATRIX_MARGIN if p in MATRIX else MARGIN
+                if min(times[(m, p)]) <= margin * min(times[(m, best[m])]):     # min: what each can do
                     best[m] = p
         table[qtype] = [best[max(r for r in ROWS if r <= m)] for m in range(1, MAX_ROWS + 1)]
     return table
