@@ -1,11 +1,12 @@
 // The AMX tier (x86 with AMX-INT8; compiled with -mamx-tile -mamx-int8 and AVX-512 for the steps around the
-// tiles). The weights are the A tile, unpacked from the file's blocks straight into 16 weight rows x one
-// chunk or sub-block of K (no second copy of the weights); the pass's int8 activation rows are the B tile
-// (VNNI layout: four K values of a row side by side), packed once a call; each chunk's or sub-block's exact
-// int32 sums are scaled by its integer scale into the block's integer, then the reference's float steps in
-// the reference's order (sx_ref.cc), so every output's bits equal ref's. Tile kernels: Q4_K and Q6_K (a
-// Q4_K_M file's weights), Q8_0, Q4_0 and Q4_1 (SmolLM2's file); every other type, and column tails of fewer
-// than 16, run the VNNI or AVX2 kernels (the same bits). sx_amx.h: the tiles, their configuration, the pipelined driver.
+// tiles). The weights are the A tile, unpacked from the file's blocks straight into 16 weight rows x 64
+// weights of a block, or one 32-weight block (no second copy of the weights); the pass's int8 activation rows
+// are the B tile (VNNI layout: four K values of a row side by side), packed once a call. The K types' integers
+// (code x sub-block scale) are split into two byte tiles summed over the whole block; the 32-weight types'
+// sums are a block's; then the reference's float steps in the reference's order (sx_ref.cc), so every
+// output's bits equal ref's. Tile kernels: Q4_K and Q6_K (a Q4_K_M file's weights), Q8_0, Q4_0 and Q4_1
+// (SmolLM2's file); every other type, and column tails of fewer than 16, run the VNNI or AVX2 kernels (the
+// same bits). sx_amx.h: the tiles, their configuration, the pipelined driver.
 // SX_EMULATE_AMX (a test library, compiled with AVX2 flags only): the tile instructions computed in C with
 // their exact integer semantics and the steps around them in scalar C on the same layouts, so a CPU without
 // AMX checks the tiles' layouts, the activations' packing and the scale handling against the reference.
@@ -182,9 +183,11 @@ struct Q4K_AMX : Rows<R> {
         for (int p = 0; p < 4; ++p)
           Mn = _mm512_dpwssd_epi32(Mn, _mm512_permutexvar_epi32(_mm512_add_epi32(pos, _mm512_set1_epi32(p)), MN), a[p]);
       }
+      const __m512 d = R == 1 ? _mm512_set1_ps(st.dd[k]) : _mm512_permutexvar_ps(at, dd);
+      const __m512 m = R == 1 ? _mm512_set1_ps(st.mm[k]) : _mm512_permutexvar_ps(at, mm);
       __m512 v = _mm512_load_ps(out + 16 * k);
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(_mm512_permutexvar_ps(at, dd), da), v);
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Mn), _mm512_mul_ps(_mm512_permutexvar_ps(at, mm), da), v);
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(d, da), v);
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(Mn), _mm512_mul_ps(m, da), v);
       _mm512_store_ps(out + 16 * k, v);
     }
   }
@@ -385,10 +388,13 @@ void epilogue32(const Scales32& st, const Sums32& C, const Packed32& pk, int64_t
   for (int k = 0; k < TM / R; ++k) {      // weight rows R k .. R k + R - 1
     const __m512i at = _mm512_add_epi32(row, _mm512_set1_epi32(R * k));
     __m512 v = _mm512_load_ps(a + 16 * k);
-    for (int j = 0; j < 2; ++j) {
-      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&C[j][0][0] + 16 * k)),
-                          _mm512_mul_ps(_mm512_permutexvar_ps(at, dd[j]), da[j]), v);
-      if (MIN) v = _mm512_fmadd_ps(sum[j], _mm512_mul_ps(_mm512_permutexvar_ps(at, mm[j]), da[j]), v);
+    for (int j = 0; j < 2; ++j) {   // R = 1: the row's scales broadcast from memory (a load, not a permute)
+      const __m512 d = R == 1 ? _mm512_set1_ps(st.dd[j][k]) : _mm512_permutexvar_ps(at, dd[j]);
+      v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(&C[j][0][0] + 16 * k)), _mm512_mul_ps(d, da[j]), v);
+      if (MIN) {
+        const __m512 m = R == 1 ? _mm512_set1_ps(st.mm[j][k]) : _mm512_permutexvar_ps(at, mm[j]);
+        v = _mm512_fmadd_ps(sum[j], _mm512_mul_ps(m, da[j]), v);
+      }
     }
     _mm512_store_ps(a + 16 * k, v);
   }

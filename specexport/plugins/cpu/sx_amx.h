@@ -73,9 +73,9 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles: 0, 1 A (16 weight rows x KB bytes: one sub-block's or chunk's codes each); 2, 3 B (KB / 4 x 4M: its
-// activations of M rows, four at a time); 4..7 C (16 x M int32: two pairs, one pair in flight while the other
-// is stored). (Tried for Q4_K: a chunk pair in one 16 x 64 A tile against a block-diagonal B, half the
+// Tiles: 0, 1 A (16 weight rows x KB bytes: two blocks' codes, or a K type's lo and hi bytes); 2, 3 B (KB / 4 x
+// 4M: its activations of M rows, four at a time); 4..7 C (16 x M int32: the 32-weight types' two pairs, one in
+// flight while the other is stored; the K types' lo and hi sums in 4 and 5). (Tried for Q4_K: a chunk pair in one 16 x 64 A tile against a block-diagonal B, half the
 // products and loads, with its own sums layout: 120 ps a weight against these tiles' 80.)
 void configure(int64_t M, int KB) {
   TileConfig c;
