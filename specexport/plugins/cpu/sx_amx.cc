@@ -135,9 +135,9 @@ struct Q4K_AMX : Rows<R> {
     for (int i = 0; i < TM; ++i) {
       if (i % (TM / PAIRS) == 0) tiles(i / (TM / PAIRS));
       const uint8_t* blk = W + (size_t)(n + i) * rb + (size_t)b * 144;
-      // the same block of the next group's row: a group's 16 rows are 16 short streams the hardware prefetcher
-      // does not follow (Qwen's K = 1536: 6 blocks a row)
-      for (int l = 0; l < 144; l += 64) _mm_prefetch((const char*)(blk + TM * rb + l), _MM_HINT_T0);
+      // a group's 16 rows are 16 short streams the hardware prefetcher does not follow (Qwen's K = 1536: 6
+      // blocks a row): the step AHEAD steps on, by hand
+      for (int l = 0; l < 144; l += 64) _mm_prefetch(ahead(W, rb, n, b, i, 144) + l, _MM_HINT_T0);
       const __m128i sm = k4_scales(blk + 4);                          // s0..s7, m0..m7
       const __m512i sc = _mm512_broadcast_i32x4(sm);
       for (int h = 0; h < 2; ++h) {                                   // 64 code bytes: steps 2h, 2h + 1
@@ -267,7 +267,7 @@ struct Q6K_AMX : Rows<R> {
     for (int i = 0; i < TM; ++i) {
       if (i % (TM / PAIRS) == 0) tiles(i / (TM / PAIRS));
       const uint8_t* blk = W + (size_t)(n + i) * rb + (size_t)b * 210;
-      for (int l = 0; l < 210; l += 64) _mm_prefetch((const char*)(blk + TM * rb + l), _MM_HINT_T0);
+      for (int l = 0; l < 210; l += 64) _mm_prefetch(ahead(W, rb, n, b, i, 210) + l, _MM_HINT_T0);
       const Q6K q(blk);
       const __m512i sc = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(blk + 192)));
       __m256i first = _mm256_setzero_si256();
@@ -435,8 +435,8 @@ struct Q8_0_AMX : Rows<R> {
     st.rb = rb;
     for (int i = 0; i < TM; ++i) {
       const uint8_t* blk = st.base + (size_t)i * rb;
-      _mm_prefetch((const char*)(blk + TM * rb), _MM_HINT_T0);   // the next group's row, as in Q4_K's
-      _mm_prefetch((const char*)(blk + TM * rb + 64), _MM_HINT_T0);
+      _mm_prefetch(ahead(W, rb, n, s, i, 68), _MM_HINT_T0);   // as in Q4_K's
+      _mm_prefetch(ahead(W, rb, n, s, i, 68) + 64, _MM_HINT_T0);
 #ifdef SX_EMULATE_AMX
       st.dd[0][i] = half(blk);
       st.dd[1][i] = half(blk + 34);
@@ -496,7 +496,7 @@ struct Q4x_AMX : Rows<R> {
     const uint8_t* base = W + (size_t)n * rb + (size_t)s * 2 * BYTES;
     for (int i = 0; i < TM; ++i) {
       const uint8_t* blk = base + (size_t)i * rb;
-      _mm_prefetch((const char*)(blk + TM * rb), _MM_HINT_T0);   // the next group's row, as in Q4_K's
+      for (int l = 0; l < 2 * BYTES; l += 64) _mm_prefetch(ahead(W, rb, n, s, i, 2 * BYTES) + l, _MM_HINT_T0);
       for (int j = 0; j < 2; ++j) {
         const __m128i x = _mm_loadu_si128((const __m128i*)(blk + j * BYTES + QS));
         _mm_store_si128((__m128i*)st.A[j][i], _mm_sub_epi8(_mm_and_si128(x, m4), z));

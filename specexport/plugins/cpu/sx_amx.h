@@ -206,6 +206,16 @@ void pack_words(const ActRow* rows, int64_t M, int64_t K, int qk, Word&& word, i
 #endif
 }
 
+// Row i's bytes of the step AHEAD steps after (row group n, step b), a step `step` bytes of each of a
+// group's 16 rows (rows rb apart; steps go along the group's rows, then to the next group): what the
+// unpacking prefetches. A fixed distance in the weights' own order, which Q6_K's ffn_down (K = 8960: 35
+// steps a group, 117 KB) needs: one group ahead, as before, left its lines in L2 only, not L1.
+constexpr int64_t AHEAD = 2;
+inline const char* ahead(const uint8_t* W, size_t rb, int64_t n, int64_t b, int i, size_t step) {
+  const int64_t nb = (int64_t)(rb / step), s = b + AHEAD;
+  return (const char*)(W + (size_t)(n + TM * (s / nb) + i) * rb + (size_t)(s % nb) * step);
+}
+
 // The split kernels' (Q4_K, Q6_K) step t of a block: A tiles lo, hi (16 rows x 64 bytes each, at
 // A + (2 t + 0/1) * 1024) times B (at B + t * 1024) into C tiles 4 (lo, unsigned bytes: tdpbusd) and 5 (hi),
 // zeroed at the block's first step; t = steps: their store into C (rows `lanes` int32 apart).
