@@ -44,18 +44,22 @@ def _csv(value, cast=str):
               help="Also time peers on the same checkpoints and prompt tokens: transformers greedy and "
                    "assisted generation, onnxruntime-genai greedy and n-gram (each where installed).")
 @click.option("--peer", "peer_families", multiple=True,
-              help="Time only these peer families (repeatable): transformers, onnxruntime-genai, llama.cpp "
-                   "(default: every one that can run here).")
+              help="Time only these peer families (repeatable): transformers, onnxruntime-genai, llama.cpp, "
+                   "ik_llama.cpp (default: every one that can run here; ik_llama.cpp with --ik-llama-cpp).")
 @click.option("--llama-cpp", "llama_cpp", default=None, type=click.Path(file_okay=False),
               help="Folder with llama.cpp's llama-server (benchmarks/build_llama_cpp.py builds it; default: PATH): "
                    "its vanilla and its own speculative decoding on the build's GGUF files, as peers.")
 @click.option("--llama-cpp-n-max", default=5, show_default=True, type=int,
-              help="llama.cpp's speculative row: --spec-draft-n-max.")
+              help="llama.cpp's (and ik_llama.cpp's) speculative row: the draft's n-max.")
+@click.option("--ik-llama-cpp", "ik_llama_cpp", default=None, type=click.Path(file_okay=False),
+              help="Folder with ik_llama.cpp's llama-server (benchmarks/build_ik_llama_cpp.py builds it): its "
+                   "vanilla and speculation with -rtr on the build's GGUF files, as peers.")
 @click.option("--out", default=None, type=click.Path(file_okay=False), help="Report folder (default: OUTPUT_DIR/bench).")
 @click.option("-v", "--verbose", is_flag=True)
 def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_trees, eagle_trees, prompts_file,
           workload_file, chat,
-          max_new_tokens, temperature, rounds, threads, peers, peer_families, llama_cpp, llama_cpp_n_max, out, verbose):
+          max_new_tokens, temperature, rounds, threads, peers, peer_families, llama_cpp, llama_cpp_n_max, ik_llama_cpp,
+          out, verbose):
     """Measure tokens/s, TTFT, TPOT, acceptance and speedup; write report.json, report.md and plots."""
     from specexport.report.bench import BenchConfig, run_bench
 
@@ -92,6 +96,7 @@ def bench(output_dir, precisions, methods, gammas, draft_stops, trees, medusa_tr
                       temperature=temperature, chat=chat,
                       rounds=rounds, out=Path(out) if out else None, threads=threads, peers=peers,
                       llama_cpp=Path(llama_cpp) if llama_cpp else None, llama_cpp_n_max=llama_cpp_n_max,
+                      ik_llama_cpp=Path(ik_llama_cpp) if ik_llama_cpp else None,
                       peer_families=_peer_families(peer_families), workload=workload)
     from specexport.report.render import render_markdown
 

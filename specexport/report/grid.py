@@ -62,7 +62,8 @@ class BenchConfig:
     plots: bool = True
     peer_families: tuple[str, ...] | None = None    # None: every family that can run here
     llama_cpp: Path | None = None                   # llama.cpp's binaries (None: llama-server on PATH)
-    llama_cpp_n_max: int = 5                        # its speculative row's --spec-draft-n-max
+    llama_cpp_n_max: int = 5                        # its (and ik_llama.cpp's) speculative row's draft n-max
+    ik_llama_cpp: Path | None = None                # ik_llama.cpp's binaries (None: that peer not run)
     workload: tuple | None = None                   # requests replayed in order (workload.py); prompts then come
                                                     #   from it, and suffix rows share one cache per round
 

@@ -74,7 +74,8 @@ def _suffix_figures(runs) -> dict:
 
 
 # -- peers and memory ----------------------------------------------------------------------------------
-PEER_FAMILIES = ("transformers", "onnxruntime-genai", "llama.cpp")
+PEER_FAMILIES = ("transformers", "onnxruntime-genai", "llama.cpp", "ik_llama.cpp")
+SERVERS = ("llama.cpp", "ik_llama.cpp")          # report/llama_cpp.py's families
 
 
 def _open_peers(manifest, precisions, cfg, log):
@@ -86,18 +87,22 @@ def _open_peers(manifest, precisions, cfg, log):
 
     wanted = set(cfg.peer_families or PEER_FAMILIES)
     specs, skipped = peer_specs(manifest, precisions, work_dir=Path(cfg.out or cfg.output_dir / "bench") / "peers",
-                                log=log, families=tuple(wanted - {"llama.cpp"}))
+                                log=log, families=tuple(wanted - set(SERVERS)))
     peers = []
     for spec in specs:
         try:
             peers.append(PeerProcess(spec))
         except RuntimeError as err:
             skipped.append({"peer": f"{spec.family} {spec.precision}", "skipped": str(err)})
-    if "llama.cpp" in wanted:
-        from specexport.report.llama_cpp import open_llama_cpp
+    if cfg.peer_families is None and cfg.ik_llama_cpp is None:
+        wanted.discard("ik_llama.cpp")          # only where asked for: its binary is never looked up on PATH
+    for family, bin_dir in (("llama.cpp", cfg.llama_cpp), ("ik_llama.cpp", cfg.ik_llama_cpp)):
+        if family not in wanted:
+            continue
+        from specexport.report.llama_cpp import FLAVOURS, open_llama_cpp
 
-        more, more_skipped = open_llama_cpp(manifest, cfg.llama_cpp, threads=cfg.threads, n_max=cfg.llama_cpp_n_max,
-                                            out=cfg.output_dir, precisions=precisions)
+        more, more_skipped = open_llama_cpp(manifest, bin_dir, threads=cfg.threads, n_max=cfg.llama_cpp_n_max,
+                                            out=cfg.output_dir, precisions=precisions, flavour=FLAVOURS[family])
         peers, skipped = peers + more, skipped + more_skipped
     log(f"peers: {', '.join(n for p in peers for n in p.names) or 'none'} (each in its own process)")
     return peers, skipped
