@@ -98,7 +98,9 @@ class LlamaServerPeer:
         cmd = server_command(flavour, server, target, port=self.port, draft=draft, n_max=n_max, threads=threads,
                              ctx=ctx)
         self._log = open(Path("/tmp") / f"llama-server-{self.port}.log", "wb")
-        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # run beside its log: ik_llama.cpp's server writes a llama.log into its working folder
+        self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      cwd=Path(self._log.name).parent)
         self._wait_ready(start_timeout_s)
 
     def _wait_ready(self, timeout_s: float) -> None:
