@@ -1,8 +1,9 @@
 """The target pass by its rows, c(M), on each kernel path (SPECEXPORT_KERNEL_PATH forced, one process each,
-the paths alternated), beside llama.cpp's `llama-bench -p M -n 0` on the same file.
+the paths alternated), beside llama.cpp's `llama-bench -p M -n 0` on the same file (and ik_llama.cpp's with
+`-rtr 1`, where built: benchmarks/build_ik_llama_cpp.py).
 
     python benchmarks/pass_curve.py engines/qwen --paths tiers,avx512vnni,avx2 --rounds 2 \\
-        [--llama-cpp "$(python benchmarks/build_llama_cpp.py)"]
+        [--llama-cpp "$(python benchmarks/build_llama_cpp.py)"] [--ik-llama-cpp DIR]
 
 Each process: one 64-token prefill, then M-row forwards (M = 1, 2, 4, 8, 16) interleaved, 9 each, nothing
 committed (report/timing.py's _pass_curve, what `specexport bench` prints); medians over rounds; the CPU named.
@@ -31,9 +32,9 @@ def one(build: str, path: str, threads: int) -> dict:
     return {int(k): v for k, v in json.loads(out.stdout.strip().splitlines()[-1]).items()}
 
 
-def llama(bin_dir: Path, gguf: Path, threads: int) -> dict:
+def llama(bin_dir: Path, gguf: Path, threads: int, extra: tuple[str, ...] = ()) -> dict:
     out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", ",".join(map(str, ROWS)), "-n", "0",
-                          "-t", str(threads), "-r", "9", "-o", "json"], capture_output=True, text=True, check=True)
+                          "-t", str(threads), "-r", "9", "-o", "json", *extra], capture_output=True, text=True, check=True)
     return {r["n_prompt"]: 1e3 * r["n_prompt"] / r["avg_ts"] for r in json.loads(out.stdout)}
 
 
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-cpp", type=Path, default=None, help="the folder with llama-bench")
+    ap.add_argument("--ik-llama-cpp", type=Path, default=None, help="the folder with ik_llama.cpp's llama-bench")
     args = ap.parse_args()
     manifest = json.loads((Path(args.build) / "manifest.json").read_text())
     gguf = Path(manifest["models"]["target"]["precisions"]["gguf"]["quantization"]["source"])
@@ -53,6 +55,8 @@ def main() -> None:
             runs.setdefault(p, []).append(one(args.build, p, args.threads))
         if args.llama_cpp:
             runs.setdefault("llama.cpp", []).append(llama(args.llama_cpp, gguf, args.threads))
+        if args.ik_llama_cpp:
+            runs.setdefault("ik_llama.cpp -rtr", []).append(llama(args.ik_llama_cpp, gguf, args.threads, ("-rtr", "1")))
     from specexport.plugins.cpu.tiers import cpu_id
 
     model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
