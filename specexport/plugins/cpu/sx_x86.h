@@ -270,7 +270,9 @@ inline void kcolumns1(const TypeInfo& ti, const uint8_t* col, size_t rb, int64_t
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) {
       const uint8_t* p = col + c * rb + b * ti.bytes;
-      for (int64_t l = 0; l < ti.bytes; l += 64) _mm_prefetch((const char*)(p + 8 * ti.bytes + l), _MM_HINT_T0);
+      // the next NC columns' bytes (contiguous after these), swept in step with this group's: one group ahead
+      const uint8_t* next = col + NC * rb + (size_t)(b * NC + c) * ti.bytes;
+      for (int64_t l = 0; l < ti.bytes; l += 64) _mm_prefetch((const char*)(next + l), _MM_HINT_T0);
       const L blk(p);
       block_rows<L, D, 1>(blk, rows, b, &ints[c], &ints[4 + c]);
       d[c] = blk.d;
