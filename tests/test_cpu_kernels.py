@@ -109,7 +109,7 @@ def test_every_path_equals_the_reference_bit_for_bit(kernels, qtype):
 @pytest.fixture(scope="module")
 def emulated_vnni():
     try:
-        k = cpu.Kernels(cpu.build(with_ort=False, emulate_vnni=True, emulate_amx=True))
+        k = cpu.Kernels(cpu.build(with_ort=False, emulate_vnni=True, emulate_amx=True, emulate_avx512=True))
     except cpu.KernelsUnavailable as err:
         kernels_missing(f"the CPU kernels do not build here: {err}")
     if "avx2" not in (cpu.expected_paths() or set()):
@@ -118,14 +118,16 @@ def emulated_vnni():
 
 
 @pytest.mark.parametrize("qtype", SUPPORTED)
-def test_the_vnni_and_amx_paths_equal_the_reference_emulated(emulated_vnni, qtype):
-    """The VNNI and AMX paths on a CPU without them: the VNNI kernels as built with the two VNNI instructions
-    computed by AVX2 exactly; the AMX tier's layouts (the A tiles, the activations' packing, the scale split)
-    with the tile instructions computed in C. On a CPU with them the test above runs the instructions
-    themselves (and so does the library's own self-check, on every machine, before a path runs)."""
-    assert {"avxvnni", "avx512vnni", "amx"} <= set(emulated_vnni.paths()), \
+def test_the_vnni_avx512_and_amx_paths_equal_the_reference_emulated(emulated_vnni, qtype):
+    """The VNNI, AVX-512 and AMX paths on a CPU without them: the VNNI kernels as built with the two VNNI
+    instructions computed by AVX2 exactly; the 512-bit tier's columns-in-lanes kernels (transposes, sub-block
+    scales, zero points, mins) with each zmm operation on two AVX2 registers; the AMX tier's layouts (the A
+    tiles, the activations' packing, the scale split) with the tile instructions computed in C. On a CPU with
+    them the test above runs the instructions themselves (and so does the library's own self-check, on every
+    machine, before a path runs)."""
+    assert {"avxvnni", "avx512vnni", "avx512", "amx"} <= set(emulated_vnni.paths()), \
         f"refused by the self-check: {emulated_vnni.refused_why()}"
-    _paths_equal_the_reference(emulated_vnni, qtype, ["avxvnni", "avx512vnni", "amx"])
+    _paths_equal_the_reference(emulated_vnni, qtype, ["avxvnni", "avx512vnni", "avx512", "amx"])
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
@@ -342,9 +344,10 @@ def test_model_yaml_chooses_the_kernels(monkeypatch):
 
 # -- planted bugs: the checks above must fail on them ------------------------------------------------
 
-def _planted(name: str, emulate_vnni: bool = False, emulate_amx: bool = False):
+def _planted(name: str, emulate_vnni: bool = False, emulate_amx: bool = False, emulate_avx512: bool = False):
     try:
-        return cpu.Kernels(cpu.build(with_ort=False, plant=name, emulate_vnni=emulate_vnni, emulate_amx=emulate_amx))
+        return cpu.Kernels(cpu.build(with_ort=False, plant=name, emulate_vnni=emulate_vnni, emulate_amx=emulate_amx,
+                                     emulate_avx512=emulate_avx512))
     except cpu.KernelsUnavailable as err:
         kernels_missing(f"the CPU kernels do not build here: {err}")
 
@@ -447,6 +450,19 @@ def test_a_planted_amx_layout_bug_is_refused_and_caught_in_the_emulated_tiles():
     assert refused == "amx" and "amx: Q4_K K=256 M=1: int8 matmul" in why, (refused, why)
     paths, _, _, equal = _planted_in_a_fresh_process(lib, "Q4_K", "amx", check=False)
     assert "amx" in paths.split(",") and not equal
+
+
+def test_a_planted_avx512_scale_bug_is_refused_and_caught_in_the_emulated_lanes():
+    """Q4_K's upper sub-block scales given their top bits from the wrong place, in the 512-bit tier's own code
+    (emulated, so every CI machine runs it): the self-check refuses the tier naming the case; with the check
+    off its Q4_K bits differ from the reference's."""
+    if "avx2" not in (cpu.expected_paths() or set()):
+        pytest.skip("the 512-bit tier is emulated with AVX2, which this CPU lacks")
+    lib = _planted("avx512_lanes", emulate_vnni=True, emulate_avx512=True).lib
+    _, refused, why, _ = _planted_in_a_fresh_process(lib, "Q4_K", "avx2", check=True)
+    assert refused == "avx512" and "avx512: Q4_K K=256 M=1: int8 matmul" in why, (refused, why)
+    paths, _, _, equal = _planted_in_a_fresh_process(lib, "Q4_K", "avx512", check=False)
+    assert "avx512" in paths.split(",") and not equal
 
 
 def test_the_self_check_is_reported_and_so_is_turning_it_off(kernels):

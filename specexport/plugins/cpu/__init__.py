@@ -63,7 +63,7 @@ def flags(source: str, defines: list[str] = ()) -> list[str]:
     if source in ("sx_avx2.cc", "sx_vnni.cc", "sx_avx512.cc", "sx_amx.cc"):
         out += ["-mavx2", "-mfma", "-mf16c"]
     avx512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
-    if source == "sx_avx512.cc":   # runs only where the CPU has them (sx_dispatch.cc's cpu_has)
+    if source == "sx_avx512.cc" and "-DSX_EMULATE_AVX512" not in defines:   # runs only where the CPU has them
         out += avx512
     if source == "sx_amx.cc" and "-DSX_EMULATE_AMX" not in defines:   # runs only where the CPU has them
         out += [*avx512, "-mavx512vbmi", "-mamx-tile", "-mamx-int8"]
@@ -134,18 +134,19 @@ def cache_key(cxx: list[str], srcs: list[str], include: Path | None, defines: li
 
 
 def build(with_ort: bool = True, *, plant: str | None = None, emulate_vnni: bool = False,
-          emulate_amx: bool = False) -> Path:
+          emulate_amx: bool = False, emulate_avx512: bool = False) -> Path:
     """Compile (once per key) and return the shared library's path. with_ort: the ONNX Runtime ops too
     (needs the headers); without them: the C interface only. plant: a -DSX_PLANT_<name> build with a
     deliberate bug, for the tests that must catch it. emulate_vnni: a test library whose VNNI paths run on
     any AVX2 CPU, their dot-product instructions computed exactly with AVX2 (sx_vnni.cc's VnniDot); emulate_amx:
-    its AMX path too, the tile instructions in C (sx_amx.cc). A unit in
+    its AMX path too, the tile instructions in C (sx_amx.cc); emulate_avx512: the 512-bit tier's vector
+    operations on pairs of AVX2 registers (sx_v512.h). A unit in
     OPTIONAL that does not compile is left out (left_out() says which and why)."""
     cxx = compiler()
     srcs = sources() + ([ORT_SOURCE] if with_ort else [])
     include = ort_include() if with_ort else None
     defines = ([f"-DSX_PLANT_{plant.upper()}"] if plant else []) + (["-DSX_EMULATE_VNNI"] if emulate_vnni else []) + \
-        (["-DSX_EMULATE_AMX"] if emulate_amx else [])
+        (["-DSX_EMULATE_AMX"] if emulate_amx else []) + (["-DSX_EMULATE_AVX512"] if emulate_avx512 else [])
     name = "libspecexport_cpu.so" if with_ort else "libspecexport_kernels.so"
     folder = kernels_dir() / cache_key(cxx, srcs, include, defines)
     lib = folder / name
@@ -211,7 +212,7 @@ def expected_paths() -> set[str] | None:
             out.add("avxvnni")
         if {"avx512_vnni", "avx512vl"} <= words:
             out.add("avx512vnni")
-            if {"avx512f", "avx512bw"} <= words:
+            if {"avx512f", "avx512bw", "avx512dq"} <= words:
                 out.add("avx512")
             if {"amx_int8", "amx_tile", "avx512bw", "avx512vbmi"} <= words:   # listed only where the OS saves tiles
                 out.add("amx")

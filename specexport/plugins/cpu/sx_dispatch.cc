@@ -122,10 +122,14 @@ bool cpu_has(int path) {
       return cpu_has(SX_AVX2) && sx_avx512vnni_gemm && __builtin_cpu_supports("avx512vnni") &&
              __builtin_cpu_supports("avx512vl");
 #endif
+#ifdef SX_EMULATE_AVX512  // a test library: the 512-bit tier's operations on AVX2 register pairs (sx_v512.h)
+    case SX_AVX512: return sx_avx512_gemm && cpu_has(SX_AVX2);
+#else
     case SX_AVX512:  // zmm registers: the OS must save them (__builtin_cpu_supports checks XCR0 too)
       return sx_avx512_gemm && cpu_has(SX_AVX2) && __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("avx512vnni");
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+#endif
 #ifdef SX_EMULATE_AMX  // a test library: the tiles computed in C, the steps around them in scalar C
     case SX_AMX: return sx_amx_gemm && cpu_has(SX_AVX2);
 #else
