@@ -30,9 +30,10 @@ constexpr int LC = 16;       // weight columns a group: the lanes
 constexpr int MAX_NR = 16;   // rows a sweep (registers: 16 block integers, a sub-block's codes, its sums)
 
 // One block of a group's 16 columns, as every row of the pass reads it: the code bytes' dwords transposed
-// (lane c: column c; the row loop takes each sub-block's codes from them), the sub-block scales as int32
+// (lane 4L + k: column 4k + L, sx_v512.h; the row loop takes each sub-block's codes from them), the sub-block scales as int32
 // lanes, Q4_K's min pairs, the block's d and -m.
 struct Group {
+  V at;  // each lane's column: its offset from lane 0's (load_dword)
   V t[48];
   V s[16];
   V mp[4];
@@ -45,7 +46,7 @@ struct LanesQ4K {
   static constexpr int BYTES = 144, NSUB = 8, SW = 8, TAB = 4;
   static void unpack(const uint8_t* const* p, Group& g) {
     V h[4];
-    gather4(p, 0, h);  // d | dmin, then the 12 scale bytes
+    load_lanes<1>(p, 0, h);  // d | dmin, then the 12 scale bytes
     g.d = halves_lo(h[0]);
     g.nm = fneg(halves_hi(h[0]));
     const V m6 = vset1(0x3F3F3F3F), m4 = vset1(0x0F0F0F0F), m30 = vset1(0x30303030), ff = vset1(0xFF);
@@ -65,18 +66,13 @@ struct LanesQ4K {
     g.mp[1] = vor(vand(vsrl<16>(m03), ff), vand(vsrl<8>(m03), hi16));
     g.mp[2] = vor(vand(m47, ff), vand(vsll<8>(m47), hi16));
     g.mp[3] = vor(vand(vsrl<16>(m47), ff), vand(vsrl<8>(m47), hi16));
-    for (int half = 0; half < 2; ++half) {  // the 128 code bytes: 32 dwords
-      V x[16];
-#pragma GCC unroll 16
-      for (int c = 0; c < LC; ++c) x[c] = vload(p[c] + 16 + 64 * half);
-      transpose16(x);
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) g.t[16 * half + i] = x[i];
-    }
+    load_lanes<4>(p, 16, g.t);  // the 128 code bytes: 32 dwords
+    load_lanes<4>(p, 80, g.t + 16);
   }
-  static V code(const Group& g, int j, int t) {  // sub-block j, weights 4t..4t+3
-    const V x = g.t[8 * (j / 2) + t], m4 = vset1(0x0F0F0F0F);
-    return j % 2 ? vand(vsrl<4>(x), m4) : vand(x, m4);
+  static constexpr int PERIOD = 2;  // sub-blocks j0 + jj, j0 even: chunk j0 / 2's low (jj 0) or high nibbles
+  static V code(const Group& g, int j0, int jj, int t) {  // weights 4t..4t+3
+    const V x = g.t[4 * j0 + t], m4 = vset1(0x0F0F0F0F);
+    return jj ? vand(vsrl<4>(x), m4) : vand(x, m4);
   }
   static V start(const int32_t*, int) { return vzero(); }
   // per row and block: the activations' sums per 32 as int16 pairs (sub-blocks 2p, 2p + 1)
@@ -102,7 +98,7 @@ struct LanesQ6K {
   static constexpr int BYTES = 210, NSUB = 16, SW = 4, TAB = 16;
   static void unpack(const uint8_t* const* p, Group& g) {
     V h[4];
-    gather4(p, 192, h);  // the 16 int8 scales
+    load_lanes<1>(p, 192, h);  // the 16 int8 scales
 #pragma GCC unroll 4
     for (int e = 0; e < 4; ++e) {
       g.s[4 * e] = vsra<24>(vsll<24>(h[e]));
@@ -110,22 +106,17 @@ struct LanesQ6K {
       g.s[4 * e + 2] = vsra<24>(vsll<8>(h[e]));
       g.s[4 * e + 3] = vsra<24>(h[e]);
     }
-    gather4(p, 194, h);  // bytes 194..209: d is the last dword's high half
-    g.d = halves_hi(h[3]);
-    for (int part = 0; part < 3; ++part) {  // ql's 32 dwords, then qh's 16
-      V x[16];
-#pragma GCC unroll 16
-      for (int c = 0; c < LC; ++c) x[c] = vload(p[c] + 64 * part);
-      transpose16(x);
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) g.t[16 * part + i] = x[i];
-    }
+    g.d = halves_hi(load_dword(p, g.at, 206));  // d: bytes 208-209
+    load_lanes<4>(p, 0, g.t);  // ql's 32 dwords, then qh's 16
+    load_lanes<4>(p, 64, g.t + 16);
+    load_lanes<4>(p, 128, g.t + 32);
   }
-  // sub-block j, weights 4t..4t+3: half h = j / 8, in it quarter q (sx_blocks.h's v[l], v[l + 32], v[l + 64],
+  // sub-block j = j0 + jj, weights 4t..4t+3: half h = j / 8, in it quarter q (sx_blocks.h's v[l], v[l + 32], v[l + 64],
   // v[l + 96]) at l = 16 (j % 2) + 4t: ql's low (q 0, 1) or high (q 2, 3) nibbles of byte l (q even) or l + 32,
   // qh's bits 2q, 2q + 1 of byte l as bits 4-5
-  static V code(const Group& g, int j, int t) {
-    const int h = j / 8, q = j % 8 / 2, u = 4 * (j % 2) + t;
+  static constexpr int PERIOD = 8;  // sub-blocks j0 + jj, j0 = 8h
+  static V code(const Group& g, int j0, int jj, int t) {
+    const int h = j0 / 8, q = jj / 2, u = 4 * (jj % 2) + t;
     const V L = g.t[16 * h + (q % 2 ? 8 : 0) + u], H = g.t[32 + 8 * h + u];
     const V m4 = vset1(0x0F0F0F0F), m30 = vset1(0x30303030);
     const V lo = q < 2 ? vand(L, m4) : vand(vsrl<4>(L), m4);
@@ -171,18 +162,22 @@ inline void rows_block(const Group& g, const int8_t* q, const int32_t* tab, cons
   V I[NR];
 #pragma GCC unroll 16
   for (int r = 0; r < NR; ++r) I[r] = vzero();
-  for (int j = 0; j < L::NSUB; ++j) {
-    V w[L::SW];
+  for (int j0 = 0; j0 < L::NSUB; j0 += L::PERIOD) {
 #pragma GCC unroll 8
-    for (int t = 0; t < L::SW; ++t) w[t] = L::code(g, j, t);
-    const V s = g.s[j];
+    for (int jj = 0; jj < L::PERIOD; ++jj) {  // unrolled: each sub-block's code layout known when compiled
+      const int j = j0 + jj;
+      V w[L::SW];
+#pragma GCC unroll 8
+      for (int t = 0; t < L::SW; ++t) w[t] = L::code(g, j0, jj, t);
+      const V s = g.s[j];
 #pragma GCC unroll 16
-    for (int r = 0; r < NR; ++r) {
-      V a = L::start(tab + L::TAB * r, j);
-      const int8_t* x = q + 256 * r + 4 * L::SW * j;
+      for (int r = 0; r < NR; ++r) {
+        V a = L::start(tab + L::TAB * r, j);
+        const int8_t* x = q + 256 * r + 4 * L::SW * j;
 #pragma GCC unroll 8
-      for (int t = 0; t < L::SW; ++t) a = dpbusd(a, w[t], x + 4 * t);
-      I[r] = vadd(I[r], vmullo(a, s));
+        for (int t = 0; t < L::SW; ++t) a = dpbusd(a, w[t], x + 4 * t);
+        I[r] = vadd(I[r], vmullo(a, s));
+      }
     }
   }
 #pragma GCC unroll 16
@@ -199,7 +194,10 @@ void lanes_rows(const uint8_t* W, size_t rb, int64_t nb, const Pass<L>& pass, in
   for (int64_t n = n0; n < n1; n += LC) {
     const int valid = (int)std::min<int64_t>(LC, n1 - n);
     const uint8_t* col[LC];
+    alignas(64) int32_t at[LC];
     for (int c = 0; c < LC; ++c) col[c] = W + (size_t)(n + std::min(c, valid - 1)) * rb;
+    for (int lane = 0; lane < LC; ++lane) at[lane] = (int32_t)(col[4 * (lane % 4) + lane / 4] - col[0]);
+    g.at = vload(at);
     for (int r = 0; r < NR; ++r) fstore(acc[r], fzero());
     for (int64_t b = 0; b < nb; ++b) {
       // the next group's bytes (contiguous: its 16 rows of W), a 1 / nb of them a block, into L2: one linear
@@ -213,7 +211,7 @@ void lanes_rows(const uint8_t* W, size_t rb, int64_t nb, const Pass<L>& pass, in
       rows_block<L, NR>(g, &pass.q[at_row * 256], &pass.tab[at_row * L::TAB], &pass.da[at_row], &acc[0][0]);
     }
     for (int r = 0; r < NR; ++r) {
-      VF v = fload(acc[r]);
+      const VF v = unpermute(fload(acc[r]));
       if (valid == LC)
         fstore(Y + r * ldy + n, v);
       else

@@ -9,7 +9,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <utility>
 
 namespace {
 
@@ -55,47 +54,37 @@ inline VF fmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VF halves_lo(V a) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(a)); }  // each lane's low fp16
 inline VF halves_hi(V a) { return halves_lo(_mm512_srli_epi32(a, 16)); }      // each lane's high fp16
 
-// r[i] lane j <- r[j] lane i: 16 x 16 dwords, off-diagonal blocks of 8, 4, 2, 1 swapped (one two-source
-// permute per register and stage).
-inline void transpose16(V* r) {
+// The lanes' column order: lane 4L + k holds column 4k + L (what four 128-bit loads and two in-lane
+// interleaves give; the outputs are put back in order once a row, unpermute).
+inline VF unpermute(VF a) {
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), a);
+}
+
+// 4E dwords at p[c] + off for the 16 columns c, transposed: out[d] lane 4L + k = dword d of column 4k + L.
+// Each 16 bytes of four columns by one load and three inserts, then two in-lane interleaves.
+template <int E>
+inline void load_lanes(const uint8_t* const* p, int off, V* out) {
 #pragma GCC unroll 4
-  for (int s = 8; s >= 1; s /= 2) {
-    alignas(64) int32_t ia[16], ib[16];
-    for (int j = 0; j < 16; ++j) {
-      ia[j] = (j & s) ? 16 + j - s : j;
-      ib[j] = (j & s) ? 16 + j : j + s;
+  for (int e = 0; e < E; ++e) {
+    V z[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      V x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(p[4 * k] + off + 16 * e)));
+      x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i*)(p[4 * k + 1] + off + 16 * e)), 1);
+      x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i*)(p[4 * k + 2] + off + 16 * e)), 2);
+      z[k] = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i*)(p[4 * k + 3] + off + 16 * e)), 3);
     }
-    const V a = vload(ia), b = vload(ib);
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i)
-      if (!(i & s)) {
-        const V lo = _mm512_permutex2var_epi32(r[i], a, r[i + s]);
-        r[i + s] = _mm512_permutex2var_epi32(r[i], b, r[i + s]);
-        r[i] = lo;
-      }
+    const V t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    const V t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[4 * e] = _mm512_unpacklo_epi64(t0, t2);
+    out[4 * e + 1] = _mm512_unpackhi_epi64(t0, t2);
+    out[4 * e + 2] = _mm512_unpacklo_epi64(t1, t3);
+    out[4 * e + 3] = _mm512_unpackhi_epi64(t1, t3);
   }
 }
 
-// Four dwords at p[c] + off for the 16 columns c, lanes = columns: out[e] lane c = dword e of column c.
-inline void gather4(const uint8_t* const* p, int off, V* out) {
-  V z[4];
-#pragma GCC unroll 4
-  for (int k = 0; k < 4; ++k) {
-    V x = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(p[4 * k] + off)));
-    x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i*)(p[4 * k + 1] + off)), 1);
-    x = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i*)(p[4 * k + 2] + off)), 2);
-    z[k] = _mm512_inserti32x4(x, _mm_loadu_si128((const __m128i*)(p[4 * k + 3] + off)), 3);
-  }
-  // lanes 0..7: dword e of columns 0..7 (z0, z1); lanes 8..15: dword e + 1 of them
-  const V i01 = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29);
-  const V i23 = _mm512_setr_epi32(2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31);
-  const V a = _mm512_permutex2var_epi32(z[0], i01, z[1]), b = _mm512_permutex2var_epi32(z[0], i23, z[1]);
-  const V c = _mm512_permutex2var_epi32(z[2], i01, z[3]), d = _mm512_permutex2var_epi32(z[2], i23, z[3]);
-  out[0] = _mm512_shuffle_i64x2(a, c, 0x44);
-  out[1] = _mm512_shuffle_i64x2(a, c, 0xEE);
-  out[2] = _mm512_shuffle_i64x2(b, d, 0x44);
-  out[3] = _mm512_shuffle_i64x2(b, d, 0xEE);
-}
+// The dword at p[c] + off of each column, in the lanes' order (one gather; at = p[lane's column] - p[0]).
+inline V load_dword(const uint8_t* const* p, V at, int off) { return _mm512_i32gather_epi32(at, p[0] + off, 1); }
 
 #else  // SX_EMULATE_AVX512: lanes 0..7 in lo, 8..15 in hi
 
@@ -163,19 +152,25 @@ inline __m256 halves8(__m256i a) {  // each lane's low fp16 (F16C: exact)
 inline VF halves_lo(V a) { return {halves8(a.lo), halves8(a.hi)}; }
 inline VF halves_hi(V a) { return halves_lo(vsrl<16>(a)); }
 
-inline void transpose16(V* r) {
-  alignas(64) int32_t m[16][16];
-  for (int i = 0; i < 16; ++i) vstore(m[i], r[i]);
-  for (int i = 0; i < 16; ++i)
-    for (int j = i + 1; j < 16; ++j) std::swap(m[i][j], m[j][i]);
-  for (int i = 0; i < 16; ++i) r[i] = vload(m[i]);
+inline VF unpermute(VF a) {
+  alignas(64) float in[16], out[16];
+  fstore(in, a);
+  for (int c = 0; c < 16; ++c) out[c] = in[4 * (c % 4) + c / 4];
+  return fload(out);
 }
 
-inline void gather4(const uint8_t* const* p, int off, V* out) {
-  alignas(64) int32_t m[4][16];
-  for (int c = 0; c < 16; ++c)
-    for (int e = 0; e < 4; ++e) std::memcpy(&m[e][c], p[c] + off + 4 * e, 4);
-  for (int e = 0; e < 4; ++e) out[e] = vload(m[e]);
+template <int E>
+inline void load_lanes(const uint8_t* const* p, int off, V* out) {
+  alignas(64) int32_t m[4 * E][16];
+  for (int lane = 0; lane < 16; ++lane)
+    for (int d = 0; d < 4 * E; ++d) std::memcpy(&m[d][lane], p[4 * (lane % 4) + lane / 4] + off + 4 * d, 4);
+  for (int d = 0; d < 4 * E; ++d) out[d] = vload(m[d]);
+}
+
+inline V load_dword(const uint8_t* const* p, V, int off) {
+  alignas(64) int32_t m[16];
+  for (int lane = 0; lane < 16; ++lane) std::memcpy(&m[lane], p[4 * (lane % 4) + lane / 4] + off, 4);
+  return vload(m);
 }
 
 #endif
