@@ -635,3 +635,11 @@ def test_the_measurement_gives_every_type_a_path_for_every_row_count(kernels):
     assert set(table) == set(cpu.TYPES) and all(len(v) == cpu.tiers.MAX_ROWS for v in table.values())
     assert all(set(v) <= set(kernels.paths()) - ({"ref"} if len(kernels.paths()) > 1 else set())
                for v in table.values()), table
+    # a path that lends another's kernel for a type is never its tier (two timings of one kernel: noise)
+    assert all(kernels.own_kernel(p, t) for t, v in table.items() for p in v), table
+    built = {"avx512", "amx"} - {p for unit in cpu.left_out(kernels.lib).values() for p in unit["paths"]}
+    if "avx512" in built:
+        assert not kernels.own_kernel("avx512", "Q8_0") and kernels.own_kernel("avx512", "Q4_K")
+    if "amx" in built:
+        assert not kernels.own_kernel("amx", "Q5_K") and kernels.own_kernel("amx", "Q4_1")
+    assert kernels.own_kernel("avx2", "Q5_K")

@@ -27,6 +27,7 @@ def _load(lib: Path):
     c.sx_resolve.argtypes = [i]
     c.sx_set_tier.argtypes = [i, i, i]
     c.sx_tier.argtypes = [i, i]
+    c.sx_own_kernel.argtypes = [i, i]
     c.sx_row_bytes.restype = ctypes.c_size_t
     c.sx_row_bytes.argtypes = [i, i64]
     c.sx_matmul.argtypes = [i, i, i, P, i64, i64, P, i64, P]
@@ -63,6 +64,10 @@ class Kernels:
 
     def selfcheck(self) -> str:
         return self.c.sx_selfcheck().decode()
+
+    def own_kernel(self, path: str, qtype: str) -> bool:
+        """Whether `path` runs a kernel of its own for `qtype` (else another path's, the same bits)."""
+        return bool(self.c.sx_own_kernel(PATHS[path], TYPES[qtype]))
 
     def row_bytes(self, qtype: str, K: int) -> int:
         return int(self.c.sx_row_bytes(TYPES[qtype], K))

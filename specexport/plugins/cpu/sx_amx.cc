@@ -549,6 +549,9 @@ void run_by_rows(int type, const TypeInfo& ti, const void* act, int64_t M, int64
 
 }  // namespace
 
+// The types with tile kernels (sx_amx_gemm's cases; the tier table times the tier on these only).
+int sx_amx_owns(int type) { return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q4_0 || type == Q4_1; }
+
 void sx_amx_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
                  int64_t ldy) {
   const TypeInfo ti = type_info(type);

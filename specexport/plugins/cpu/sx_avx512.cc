@@ -247,10 +247,13 @@ void lanes_gemm(const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t
 
 }  // namespace
 
+// The types this tier has kernels of its own for (the tier table times it on these only).
+int sx_avx512_owns(int type) { return type == Q4_K || type == Q6_K; }
+
 void sx_avx512_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
                     float* Y, int64_t ldy) {
-  if (type == Q4_K && M >= 1) return lanes_gemm<LanesQ4K>(act, M, K, W, n0, n1, Y, ldy);
-  if (type == Q6_K && M >= 1) return lanes_gemm<LanesQ6K>(act, M, K, W, n0, n1, Y, ldy);
+  if (type == Q4_K) return lanes_gemm<LanesQ4K>(act, M, K, W, n0, n1, Y, ldy);
+  if (type == Q6_K) return lanes_gemm<LanesQ6K>(act, M, K, W, n0, n1, Y, ldy);
   // avx512vnni's unit may have been left out (an old assembler): AVX2's, the same bits
   return sx_avx512vnni_gemm ? sx_avx512vnni_gemm(type, act, M, K, W, n0, n1, Y, ldy)
                             : sx_avx2_gemm(type, act, M, K, W, n0, n1, Y, ldy);

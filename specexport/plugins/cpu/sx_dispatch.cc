@@ -47,6 +47,8 @@ __attribute__((weak)) void sx_amx_gemm(int, const void*, int64_t, int64_t, const
                                        int64_t);
 __attribute__((weak)) void sx_avx512_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
                                           int64_t);
+__attribute__((weak)) int sx_avx512_owns(int);
+__attribute__((weak)) int sx_amx_owns(int);
 #endif
 void sx_ref_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 #if defined(__aarch64__)
@@ -269,6 +271,14 @@ extern "C" int sx_set_tier(int type, int M, int path) {
 }
 
 extern "C" int sx_tier(int type, int M) { return sx::type_info(type).qk ? tier_of(type, M) : -1; }
+
+extern "C" int sx_own_kernel(int path, int type) {
+#if defined(__x86_64__)
+  if (path == SX_AVX512) return sx_avx512_owns && sx_avx512_owns(type);
+  if (path == SX_AMX) return sx_amx_owns && sx_amx_owns(type);
+#endif
+  return sx::type_info(type).qk != 0;
+}
 
 extern "C" int sx_version(void) { return 5; }  // 5: one integer and one float step per block (sx_ref.cc)
 

@@ -38,6 +38,9 @@ SX_API int sx_resolve(int forced);
 // path). Returns 0, or 1 for an unknown type, row count or path. Until set: the best path for every M.
 SX_API int sx_set_tier(int type, int M, int path);
 SX_API int sx_tier(int type, int M);
+// 1 where `path` runs a kernel of its own for `type`; 0 where it hands the type to another path's (the 512-bit
+// tier's 32-weight types, AMX's Q5 types): timing it there would time that path's kernel twice.
+SX_API int sx_own_kernel(int path, int type);
 // Bytes per row of W for `type` and K; 0 if the type is unknown or K not a multiple of its block.
 SX_API size_t sx_row_bytes(int type, int64_t K);
 // Activation buffer bytes for M rows (int8 mode).

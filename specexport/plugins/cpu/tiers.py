@@ -7,7 +7,9 @@ whatever else the machine runs), and each M goes to the fastest; a vector path d
 before it in the library's order (the best vector path first) only when MARGIN faster, so paths that run
 the same kernel (VNNI in two encodings) never trade places on noise; a matrix tier (AMX, i8mm: kernels of
 another structure) needs only MATRIX_MARGIN (at 0.85, AMX's 13% at Q4_K M 4 went unused). Measured once
-per CPU and library and cached beside the library (tiers-<cpu>.json); never assumed.
+per CPU and library and cached beside the library (tiers-<cpu>.json); never assumed. A path that hands a type
+to another path's kernel (the 512-bit tier's 32-weight types, AMX's Q5 types) is not timed for it: two
+timings of one kernel would trade places on noise.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ def cpu_id() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-RULE = 4                                      # the measurement's version: a new rule measures anew
+RULE = 5                                      # the measurement's version: a new rule measures anew
 
 
 def table_file(lib: Path) -> Path:
@@ -84,22 +86,23 @@ def measure(kernels) -> dict[str, list[str]]:
     N, K = SHAPE
     table = {}
     for qtype in TYPES:
-        if len(candidates) < 2:
-            table[qtype] = [candidates[0] if candidates else "ref"] * MAX_ROWS
+        here = [p for p in candidates if kernels.own_kernel(p, qtype)]   # a path lending another's kernel: not timed
+        if len(here) < 2:
+            table[qtype] = [here[0] if here else "ref"] * MAX_ROWS
             continue
         w = _blocks(rng, kernels.row_bytes(qtype, K), qtype, N)
         x = rng.standard_normal((max(ROWS), K)).astype(np.float32)
-        times = {(m, p): [] for m in ROWS for p in candidates}
+        times = {(m, p): [] for m in ROWS for p in here}
         for _ in range(REPS):
             for m in ROWS:
-                for p in candidates:
+                for p in here:
                     t = time.perf_counter()
                     kernels.matmul(qtype, x[:m], w, path=p)
                     times[(m, p)].append(time.perf_counter() - t)
         best = {}
         for m in ROWS:
-            best[m] = candidates[0]
-            for p in candidates[1:]:
+            best[m] = here[0]
+            for p in here[1:]:
                 margin = MATRIX_MARGIN if p in MATRIX else MARGIN
                 if min(times[(m, p)]) <= margin * min(times[(m, best[m])]):     # min: what each can do
                     best[m] = p
