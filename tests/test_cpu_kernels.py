@@ -433,8 +433,10 @@ def test_a_planted_vnni_bug_is_refused_by_the_self_check_and_caught_by_the_tests
         pytest.skip("the VNNI paths are emulated with AVX2, which this CPU lacks")
     lib = _planted("vnni_quads", emulate_vnni=True).lib
     paths, refused, why, _ = _planted_in_a_fresh_process(lib, "Q8_0", "avx2", check=True)
-    # the AMX tier (where the CPU has it) runs the VNNI kernels for what it has no tiles for: refused too
-    assert paths == "ref,avx2" and {"avxvnni", "avx512vnni"} <= set(refused.split(",")), (paths, refused)
+    # the AMX tier (where the CPU has it) runs the VNNI kernels for what it has no tiles for: refused too; the
+    # 512-bit tier's own kernels (every type but Q5_K, whose VNNI kernel has no 4-byte step) may stay
+    assert {"ref", "avx2"} <= set(paths.split(",")) <= {"ref", "avx2", "avx512"}, (paths, refused)
+    assert {"avxvnni", "avx512vnni"} <= set(refused.split(",")), (paths, refused)
     assert "avxvnni: Q4_0 K=32 M=1: int8 matmul" in why, why
     paths, refused, _, equal = _planted_in_a_fresh_process(lib, "Q8_0", "avxvnni", check=False)
     assert paths.startswith("ref,avx2,avxvnni,avx512vnni") and not refused and not equal
@@ -639,7 +641,7 @@ def test_the_measurement_gives_every_type_a_path_for_every_row_count(kernels):
     assert all(kernels.own_kernel(p, t) for t, v in table.items() for p in v), table
     built = {"avx512", "amx"} - {p for unit in cpu.left_out(kernels.lib).values() for p in unit["paths"]}
     if "avx512" in built:
-        assert not kernels.own_kernel("avx512", "Q8_0") and kernels.own_kernel("avx512", "Q4_K")
+        assert not kernels.own_kernel("avx512", "Q5_K") and kernels.own_kernel("avx512", "Q8_0")
     if "amx" in built:
         assert not kernels.own_kernel("amx", "Q5_K") and kernels.own_kernel("amx", "Q4_1")
     assert kernels.own_kernel("avx2", "Q5_K")

@@ -39,7 +39,7 @@ SX_API int sx_resolve(int forced);
 SX_API int sx_set_tier(int type, int M, int path);
 SX_API int sx_tier(int type, int M);
 // 1 where `path` runs a kernel of its own for `type`; 0 where it hands the type to another path's (the 512-bit
-// tier's 32-weight types, AMX's Q5 types): timing it there would time that path's kernel twice.
+// tier's Q5_K, AMX's Q5 types): timing it there would time that path's kernel twice.
 SX_API int sx_own_kernel(int path, int type);
 // Bytes per row of W for `type` and K; 0 if the type is unknown or K not a multiple of its block.
 SX_API size_t sx_row_bytes(int type, int64_t K);

@@ -25,6 +25,8 @@ typedef int32_t __attribute__((may_alias, aligned(1))) word;  // a dword at any 
 inline V vbcast(const void* p) { return _mm512_set1_epi32(*(const word*)p); }  // one dword in every lane
 inline V vand(V a, V b) { return _mm512_and_si512(a, b); }
 inline V vor(V a, V b) { return _mm512_or_si512(a, b); }
+inline V vxor(V a, V b) { return _mm512_xor_si512(a, b); }
+inline V vsrl_c(V a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }  // n: any count
 inline V vadd(V a, V b) { return _mm512_add_epi32(a, b); }
 template <int S> inline V vsrl(V a) { return _mm512_srli_epi32(a, S); }
 template <int S> inline V vsll(V a) { return _mm512_slli_epi32(a, S); }
@@ -105,6 +107,11 @@ inline V vbcast(const void* p) {
 }
 inline V vand(V a, V b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
 inline V vor(V a, V b) { return {_mm256_or_si256(a.lo, b.lo), _mm256_or_si256(a.hi, b.hi)}; }
+inline V vxor(V a, V b) { return {_mm256_xor_si256(a.lo, b.lo), _mm256_xor_si256(a.hi, b.hi)}; }
+inline V vsrl_c(V a, int n) {
+  const __m128i c = _mm_cvtsi32_si128(n);
+  return {_mm256_srl_epi32(a.lo, c), _mm256_srl_epi32(a.hi, c)};
+}
 inline V vadd(V a, V b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 template <int S> inline V vsrl(V a) { return {_mm256_srli_epi32(a.lo, S), _mm256_srli_epi32(a.hi, S)}; }
 template <int S> inline V vsll(V a) { return {_mm256_slli_epi32(a.lo, S), _mm256_slli_epi32(a.hi, S)}; }

@@ -8,7 +8,7 @@ before it in the library's order (the best vector path first) only when MARGIN f
 the same kernel (VNNI in two encodings) never trade places on noise; a matrix tier (AMX, i8mm: kernels of
 another structure) needs only MATRIX_MARGIN (at 0.85, AMX's 13% at Q4_K M 4 went unused). Measured once
 per CPU and library and cached beside the library (tiers-<cpu>.json); never assumed. A path that hands a type
-to another path's kernel (the 512-bit tier's 32-weight types, AMX's Q5 types) is not timed for it: two
+to another path's kernel (the 512-bit tier's Q5_K, AMX's Q5 types) is not timed for it: two
 timings of one kernel would trade places on noise.
 """
 from __future__ import annotations
