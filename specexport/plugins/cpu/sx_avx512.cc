@@ -19,10 +19,11 @@ __attribute__((weak)) void sx_avx512vnni_gemm(int, const void*, int64_t, int64_t
 
 namespace {
 
-// A K type's block against NR rows (q, tab, da: row 0's, the next rows' follow): each row's block integer in
+// A K type's block against NR rows (q: row 0's activations, row r's qs bytes on; tab, da: row 0's, the next
+// rows' follow): each row's block integer in
 // its 16 lanes (one per column), a sub-block at a time, then the float steps into acc[r].
 template <class L, int NR>
-inline void krows(const Group& g, const int8_t* q, const int32_t* tab, const float* da, float* acc) {
+inline void krows(const Group& g, const int8_t* q, int64_t qs, const int32_t* tab, const float* da, float* acc) {
   V I[NR];
 #pragma GCC unroll 16
   for (int r = 0; r < NR; ++r) I[r] = vzero();
@@ -37,7 +38,7 @@ inline void krows(const Group& g, const int8_t* q, const int32_t* tab, const flo
 #pragma GCC unroll 16
       for (int r = 0; r < NR; ++r) {
         V a = L::start(tab + L::TAB * r, j);
-        const int8_t* x = q + 256 * r + 4 * L::SW * j;
+        const int8_t* x = q + qs * r + 4 * L::SW * j;
 #pragma GCC unroll 8
         for (int t = 0; t < L::SW; ++t) a = dpbusd(a, w[t], x + 4 * t);
         I[r] = vadd(I[r], vmullo(a, s));
@@ -53,8 +54,9 @@ template <class L>
 struct KType {
   static constexpr int QK = 256, UNIT = 1, DA = 1;
   template <int NR>
-  static void rows(const Group& g, int, const int8_t* q, const int32_t* tab, const float* da, float* acc) {
-    krows<L, NR>(g, q, tab, da, acc);
+  static void rows(const Group& g, int, const int8_t* q, int64_t qs, const int32_t* tab, const float* da,
+                   float* acc) {
+    krows<L, NR>(g, q, qs, tab, da, acc);
   }
 };
 
@@ -171,7 +173,7 @@ struct LanesSmall {
         load_lanes<2>(p, b * BYTES + CODES, g.t + 8 * b);
       } else {
         load_lanes<1>(p, b * BYTES + CODES, g.t + 8 * b);  // 16 bytes: low nibbles weights 0..15, high 16..31
-        if constexpr (five) g.s[b] = load_dword(p, g.at, b * BYTES + QH);
+        if constexpr (five) g.qh[b] = load_dword(p, g.at, b * BYTES + QH);
       }
     }
   }
@@ -181,7 +183,7 @@ struct LanesSmall {
     const V x = g.t[8 * b + t % 4], m4 = vset1(0x0F0F0F0F);
     V c = t < 4 ? vand(x, m4) : vand(vsrl<4>(x), m4);
     if constexpr (five) {  // bits 4t..4t+3 of qh to bit 4 of the four bytes (a multiply spreads them 8 apart)
-      const V h = vand(vsrl_c(g.s[b], 4 * t), vset1(0xF));
+      const V h = vand(vsrl_c(g.qh[b], 4 * t), vset1(0xF));
       c = vor(c, vsll<4>(vand(vmullo(h, vset1(0x00204081)), vset1(0x01010101))));
     }
     return c;
@@ -195,7 +197,8 @@ struct LanesSmall {
     }
   }
   template <int NR>
-  static void rows(const Group& g, int nblk, const int8_t* q, const int32_t* tab, const float* da, float* acc) {
+  static void rows(const Group& g, int nblk, const int8_t* q, int64_t qs, const int32_t* tab, const float* da,
+                   float* acc) {
     VF f[NR];
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) f[r] = fload(acc + LC * r);
@@ -206,7 +209,7 @@ struct LanesSmall {
 #pragma GCC unroll 16
       for (int r = 0; r < NR; ++r) {
         V a = vbcast(tab + TAB * r + b);
-        const int8_t* x = q + 256 * r + 32 * b;
+        const int8_t* x = q + qs * r + 32 * b;
 #pragma GCC unroll 8
         for (int t = 0; t < 8; ++t) a = dpbusd(a, w[t], x + 4 * t);
         const VF s = fbcast(da + DA * r + b);
@@ -219,22 +222,30 @@ struct LanesSmall {
   }
 };
 
+using GemmFn = void (*)(const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+
+// This tier's kernel for `type` (null: none of its own; the one list both the gemm and the tier table read).
+GemmFn lanes_kernel(int type) {
+  switch (type) {
+    case Q4_K: return lanes_gemm<LanesQ4K>;
+    case Q6_K: return lanes_gemm<LanesQ6K>;
+    case Q8_0: return lanes_gemm<LanesSmall<Q8_0>>;
+    case Q4_0: return lanes_gemm<LanesSmall<Q4_0>>;
+    case Q4_1: return lanes_gemm<LanesSmall<Q4_1>>;
+    case Q5_0: return lanes_gemm<LanesSmall<Q5_0>>;
+    case Q5_1: return lanes_gemm<LanesSmall<Q5_1>>;
+    default: return nullptr;
+  }
+}
+
 }  // namespace
 
 // The types this tier has kernels of its own for (the tier table times it on these only).
-int sx_avx512_owns(int type) { return type != Q5_K && type_info(type).qk != 0; }
+int sx_avx512_owns(int type) { return lanes_kernel(type) != nullptr; }
 
 void sx_avx512_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1,
                     float* Y, int64_t ldy) {
-  switch (type) {
-    case Q4_K: return lanes_gemm<LanesQ4K>(act, M, K, W, n0, n1, Y, ldy);
-    case Q6_K: return lanes_gemm<LanesQ6K>(act, M, K, W, n0, n1, Y, ldy);
-    case Q8_0: return lanes_gemm<LanesSmall<Q8_0>>(act, M, K, W, n0, n1, Y, ldy);
-    case Q4_0: return lanes_gemm<LanesSmall<Q4_0>>(act, M, K, W, n0, n1, Y, ldy);
-    case Q4_1: return lanes_gemm<LanesSmall<Q4_1>>(act, M, K, W, n0, n1, Y, ldy);
-    case Q5_0: return lanes_gemm<LanesSmall<Q5_0>>(act, M, K, W, n0, n1, Y, ldy);
-    case Q5_1: return lanes_gemm<LanesSmall<Q5_1>>(act, M, K, W, n0, n1, Y, ldy);
-  }
+  if (const GemmFn run = lanes_kernel(type)) return run(act, M, K, W, n0, n1, Y, ldy);
   // avx512vnni's unit may have been left out (an old assembler): AVX2's, the same bits
   return sx_avx512vnni_gemm ? sx_avx512vnni_gemm(type, act, M, K, W, n0, n1, Y, ldy)
                             : sx_avx2_gemm(type, act, M, K, W, n0, n1, Y, ldy);

@@ -1,10 +1,9 @@
 // The 512-bit tier's driver (sx_avx512.cc's kernels): 16 weight columns a group, one per lane, walked in
 // units of 256 weights (a K type's block, or eight 32-weight blocks); each unit of the group unpacked once
-// (the type's `unpack`) and every row of the pass run on it (the type's `rows`), the rows' activations
-// packed once a call so that a unit's rows are one base address and constant offsets.
+// (the type's `unpack`) and every row of the pass run on it (the type's `rows`), each row's activations read
+// where sx_quantize wrote them (one base address and the rows' stride: nothing copied per call).
 #pragma once
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 #include "sx_act.h"
@@ -24,30 +23,33 @@ constexpr int MAX_NR = 16;  // rows a sweep: each unit unpacked once for them
 struct Group {
   V at;  // each lane's column: its offset from lane 0's (load_dword)
   V t[64];
-  V s[16];
-  V mp[8];
+  V s[16];   // the K types' sub-block scales
+  V mp[4];   // Q4_K's min pairs
+  V qh[8];   // Q5_0 / Q5_1: each block's fifth bits
   VF d[8], m[8];
 };
 
-// The pass's rows per unit u and row r: the unit's 256 activations (zeros past a last unit's blocks), the
-// type's table (TAB int32) and floats (DA: each block's scale, and what else the type takes), packed once.
+// The pass's rows: their int8 activations where sx_quantize wrote them (row r's at q + r * stride), and per
+// unit u and row r the type's table (TAB int32) and floats (DA: each block's scale, and what else the type
+// takes), made once a call.
 template <class L>
 struct Pass {
-  std::vector<int8_t> q;     // [units][M][256]
+  const int8_t* q;
+  int64_t stride;
   std::vector<int32_t> tab;  // [units][M][TAB]
   std::vector<float> da;     // [units][M][DA]
   void pack(const void* act, int64_t M, int64_t K) {
     const int64_t nb = K / L::QK, units = (nb + L::UNIT - 1) / L::UNIT;
-    q.assign((size_t)(units * M * 256), 0);
+    q = act_row(act, 0, K, L::QK).q;
+    stride = (int64_t)act_row_bytes(K, L::QK);
     tab.assign((size_t)(units * M * L::TAB), 0);
     da.assign((size_t)(units * M * L::DA), 0.f);
     for (int64_t m = 0; m < M; ++m) {
       const ActRow a = act_row(act, m, K, L::QK);
       for (int64_t u = 0; u < units; ++u) {
         const size_t at = (size_t)(u * M + m);
-        const int nblk = (int)std::min<int64_t>(L::UNIT, nb - u * L::UNIT);
-        std::memcpy(&q[at * 256], a.q + 256 * u, (size_t)nblk * L::QK);
-        L::table(a, u * L::UNIT, nblk, &tab[at * L::TAB], &da[at * L::DA]);
+        L::table(a, u * L::UNIT, (int)std::min<int64_t>(L::UNIT, nb - u * L::UNIT), &tab[at * L::TAB],
+                 &da[at * L::DA]);
       }
     }
   }
@@ -80,7 +82,8 @@ void lanes_rows(const uint8_t* W, size_t rb, int64_t nb, const Pass<L>& pass, in
       for (int c = 0; c < LC; ++c) p[c] = col[c] + (size_t)u * UB;
       L::unpack(p, nblk, g);
       const size_t row = (size_t)(u * M + r0);
-      L::template rows<NR>(g, nblk, &pass.q[row * 256], &pass.tab[row * L::TAB], &pass.da[row * L::DA], &acc[0][0]);
+      L::template rows<NR>(g, nblk, pass.q + r0 * pass.stride + 256 * u, pass.stride, &pass.tab[row * L::TAB],
+                           &pass.da[row * L::DA], &acc[0][0]);
     }
     for (int r = 0; r < NR; ++r) {
       const VF v = unpermute(fload(acc[r]));
