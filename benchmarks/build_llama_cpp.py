@@ -21,7 +21,8 @@ from pathlib import Path
 
 VERSION = "0.3.36"           # llama-cpp-python; its vendor/llama.cpp is the llama.cpp that runs
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"   # its sdist, pinned
-TARGETS = ("llama-server", "llama-completion", "llama-speculative-simple", "llama-bench")
+TARGETS = ("llama-server", "llama-completion", "llama-speculative-simple", "llama-bench",
+           "llama-quantize", "llama-imatrix")     # the last two: benchmarks/imatrix_vs_llama.py
 BY = "benchmarks/build_llama_cpp.py"
 # -march=native turns on ggml's AMX kernels where the CPU has AMX; on these machines (Xeon with AMX, under
 # a hypervisor) its first matmul segfaults in ggml_backend_amx_mul_mat, so AMX is left out: AVX-512 and

@@ -2,7 +2,7 @@
 not here: neither is built on CI)."""
 from pathlib import Path
 
-from specexport.report.llama_cpp import IK_LLAMA_CPP, LLAMA_CPP, open_llama_cpp, server_command
+from specexport.report.llama_cpp import IK_LLAMA_CPP, LLAMA_CPP, _gguf_files, open_llama_cpp, server_command
 
 MANIFEST = {"models": {"target": {"gguf": "/m/target.gguf", "precisions": {}},
                        "draft": {"gguf": "/m/draft.gguf", "precisions": {}}}}
@@ -37,3 +37,17 @@ def test_ik_llama_cpp_is_never_taken_from_path(tmp_path, monkeypatch):
     assert "no folder given" in skipped[0]["skipped"] and "--ik-llama-cpp" in skipped[0]["skipped"]
     peers, skipped = open_llama_cpp(MANIFEST, tmp_path / "nowhere", threads=2, flavour=IK_LLAMA_CPP)
     assert peers == [] and "nowhere" in skipped[0]["skipped"]
+
+
+def test_the_peer_runs_the_bytes_of_the_precision_benched():
+    """A checkpoint that came as a GGUF file and was quantized again (scheme blocks): benching int4 runs
+    llama.cpp on int4's own model.gguf files, not on the file the checkpoint was converted from."""
+    written = {"int4": {"gguf_file": {"path": "target/int4-1/model.gguf"}}}
+    models = {"target": {"gguf": "/m/target.gguf", "precisions": {"fp32": {}, **written}},
+              "draft": {"gguf": "/m/draft.gguf", "precisions": {"int4": {"gguf_file": {"path": "draft/int4-2/model.gguf"}}}}}
+    assert _gguf_files(models, Path("/out"), ["int4"]) == ("int4", "/out/target/int4-1/model.gguf",
+                                                             "/out/draft/int4-2/model.gguf")
+    assert _gguf_files(models, Path("/out"), ["gguf", "int4"]) == ("gguf", "/m/target.gguf", "/m/draft.gguf")
+    assert _gguf_files(models, Path("/out"), ["fp32"]) == ("gguf", "/m/target.gguf", "/m/draft.gguf")
+    plain = {"target": {"precisions": {"fp32": {}}}}
+    assert _gguf_files(plain, Path("/out"), ["fp32"]) == ("gguf", None, None)

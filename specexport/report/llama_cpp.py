@@ -85,12 +85,12 @@ class LlamaServerPeer:
 
     def __init__(self, server: Path, target: Path, *, name: str, draft: Path | None = None, n_max: int = 5,
                  threads: int | None = None, ctx: int = 4096, start_timeout_s: float = 300,
-                 flavour: Flavour = LLAMA_CPP):
+                 flavour: Flavour = LLAMA_CPP, precision: str = "gguf"):
         from specexport.report.peers import PeerSpec
 
         self.names = [name]
-        self.reference_precision = "gguf"
-        self.spec = PeerSpec(flavour.family, "gguf (the GGUF file" + (" + the draft's" if draft else "") + ")",
+        self.reference_precision = precision     # our precision whose bytes `target` holds
+        self.spec = PeerSpec(flavour.family, f"{precision} (its GGUF file" + (" + the draft's" if draft else "") + ")",
                              ((name, str(target)),))
         self.peak_rss_bytes = None
         self.draft_totals: dict = {}              # name -> [drafted, accepted] over its runs
@@ -190,8 +190,7 @@ def open_llama_cpp(manifest: dict, bin_dir: Path | None, *, threads: int | None,
     for name, d in rows:
         try:
             peer = LlamaServerPeer(server, Path(target), name=name, draft=Path(d) if d else None, n_max=n_max,
-                                   threads=threads, flavour=flavour)
-            peer.reference_precision = precision
+                                   threads=threads, flavour=flavour, precision=precision)
             peers.append(peer)
         except (RuntimeError, OSError) as err:
             skipped.append({"peer": name, "skipped": str(err)})
@@ -199,13 +198,15 @@ def open_llama_cpp(manifest: dict, bin_dir: Path | None, *, threads: int | None,
 
 
 def _gguf_files(models: dict, out: Path | None, precisions) -> tuple[str, str | None, str | None]:
-    """(our precision whose weights the files hold, the target's GGUF file, the draft's)."""
-    if models["target"].get("gguf") is not None:
-        draft = models.get("draft", {}).get("gguf")
-        return "gguf", models["target"]["gguf"], draft
+    """(our precision whose weights the files hold, the target's GGUF file, the draft's): the first of the
+    benched `precisions` with a file, `gguf` (the model's own file) or one a `blocks` precision wrote (in
+    folder `out`), so llama.cpp runs the bytes of a row we run; else the model's own file."""
+    source = models["target"].get("gguf")
     for p in precisions:
+        if p == "gguf" and source is not None:
+            return "gguf", source, models.get("draft", {}).get("gguf")
         written = {role: m["precisions"].get(p, {}).get("gguf_file") for role, m in models.items()}
         if written.get("target") and out is not None:
             draft = written.get("draft")
             return p, str(Path(out) / written["target"]["path"]), str(Path(out) / draft["path"]) if draft else None
-    return "gguf", None, None
+    return "gguf", source, models.get("draft", {}).get("gguf") if source is not None else None
