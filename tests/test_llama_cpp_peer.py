@@ -47,6 +47,8 @@ def test_the_peer_runs_the_bytes_of_the_precision_benched():
               "draft": {"gguf": "/m/draft.gguf", "precisions": {"int4": {"gguf_file": {"path": "draft/int4-2/model.gguf"}}}}}
     assert _gguf_files(models, Path("/out"), ["int4"]) == ("int4", "/out/target/int4-1/model.gguf",
                                                              "/out/draft/int4-2/model.gguf")
+    here = _gguf_files(models, Path("out"), ["int4"])                  # a relative output folder: made absolute
+    assert here[1] == str(Path.cwd() / "out/target/int4-1/model.gguf")
     assert _gguf_files(models, Path("/out"), ["gguf", "int4"]) == ("gguf", "/m/target.gguf", "/m/draft.gguf")
     assert _gguf_files(models, Path("/out"), ["fp32"]) == ("gguf", "/m/target.gguf", "/m/draft.gguf")
     plain = {"target": {"precisions": {"fp32": {}}}}

@@ -206,7 +206,7 @@ def _gguf_files(models: dict, out: Path | None, precisions) -> tuple[str, str | 
         if p == "gguf" and source is not None:
             return "gguf", source, models.get("draft", {}).get("gguf")
         written = {role: m["precisions"].get(p, {}).get("gguf_file") for role, m in models.items()}
-        if written.get("target") and out is not None:
-            draft = written.get("draft")
-            return p, str(Path(out) / written["target"]["path"]), str(Path(out) / draft["path"]) if draft else None
+        if written.get("target") and out is not None:      # absolute: the server runs in its log's folder
+            draft, base = written.get("draft"), Path(out).resolve()
+            return p, str(base / written["target"]["path"]), str(base / draft["path"]) if draft else None
     return "gguf", source, models.get("draft", {}).get("gguf") if source is not None else None
