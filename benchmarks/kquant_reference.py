@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from build_llama_cpp import cache_dir  # noqa: E402
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}   # ggml_type ids
-WEIGHED = ("Q5_0", "Q4_K", "Q6_K")      # also with an importance matrix (quant/kquant.py's _impl ports)
+WEIGHED = ("Q5_0", "Q4_K", "Q6_K", "Q4_0", "Q4_1")      # also with an importance matrix (quant/kquant.py's _impl ports)
 OUT = Path(__file__).parent.parent / "tests" / "data" / "kquant_reference.npz"
 HARNESS = r"""
 #include <stdio.h>

@@ -26,7 +26,7 @@ def test_blocks_equal_ggml_reference_quantizers(qtype):
     assert np.abs(back - ref["x"])[0].max() <= 0.2 * np.abs(ref["x"][0]).max()     # and they decode near x
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K", "Q6_K", "Q4_0", "Q4_1"])
 def test_weighed_blocks_equal_ggml_imatrix_quantizers(qtype):
     """With an importance matrix: ggml's quantize_row_<type>_impl (llama-quantize --imatrix), byte for byte."""
     from specexport.quant.kquant import quantize

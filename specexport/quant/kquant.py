@@ -22,8 +22,8 @@ import numpy as np
 from specexport._optional import require
 
 QK_K = 256
-BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210, "Q5_0": 22}
-BLOCK_WEIGHTS = {"Q4_K": 256, "Q6_K": 256, "Q5_0": 32}
+BLOCK_BYTES = {"Q4_K": 144, "Q6_K": 210, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20}
+BLOCK_WEIGHTS = {"Q4_K": 256, "Q6_K": 256, "Q5_0": 32, "Q4_0": 32, "Q4_1": 32}
 CHUNK_WEIGHTS = 1 << 20                    # weights quantized at once: bounds the float temporaries
 F32 = np.float32
 
@@ -31,7 +31,8 @@ F32 = np.float32
 def quantize(w: np.ndarray, qtype: str, importance: np.ndarray | None = None) -> np.ndarray:
     """`w` [N, K] (float32) as rows of `qtype` blocks, [N, row bytes] uint8. importance [K]: per input
     column, the mean squared activation (an imatrix): ggml's `_impl` quantizers weigh each weight's error
-    by it (Q4_K, Q6_K, Q5_0; other types ignore it, as ggml's do)."""
+    by it (Q4_K, Q6_K, Q5_0, Q4_0, Q4_1; Q8_0 ignores it, as ggml's does; Q5_1, in no mix, is written
+    without it)."""
     w = np.ascontiguousarray(w, dtype=F32)
     if w.ndim != 2:
         raise ValueError(f"quantize: a 2-D weight is expected, got shape {w.shape}")
@@ -279,13 +280,24 @@ def _q6_k_imatrix(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
     return _q6_k(rows.reshape(-1, QK_K), np.tile(importance.reshape(-1, QK_K), (rows.shape[0], 1)))
 
 
-def _q5_0_imatrix(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
-    """quantize_row_q5_0_impl over rows [n, K] with importance [K] -> [n * K/32, 22]."""
+def _row_weights(rows: np.ndarray, importance: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 32-weight types' _impl weights: each weight's column importance x sqrt(its row's mean x^2 + x^2),
+    as (blocks x [B, 32], weights [B, 32])."""
     n, K = rows.shape
     sigma2 = _seqsum(np.ascontiguousarray((rows * rows).T)) / F32(K)             # per row
     x = rows.reshape(-1, 32)
     qw = np.tile(importance.reshape(-1, 32), (n, 1))
-    weights = qw * np.sqrt(np.repeat(sigma2, K // 32)[:, None] + x * x)
+    return x, qw * np.sqrt(np.repeat(sigma2, K // 32)[:, None] + x * x)
+
+
+def _nibbles(L: np.ndarray) -> np.ndarray:
+    """[B, 32] codes' low four bits as 16 bytes: weight j low, j + 16 high."""
+    return ((L[:, :16] & 0xF) | ((L[:, 16:] & 0xF) << 4)).astype(np.uint8)
+
+
+def _q5_0_imatrix(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
+    """quantize_row_q5_0_impl over rows [n, K] with importance [K] -> [n * K/32, 22]."""
+    x, weights = _row_weights(rows, importance)
     L, d = _qx(np.ascontiguousarray(x.T), nmax=16, w=np.ascontiguousarray(weights.T))
     L = L.T.astype(np.uint32)                                                    # [B, 32] in 0..31
     out = np.empty((x.shape[0], 22), np.uint8)
@@ -293,8 +305,32 @@ def _q5_0_imatrix(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
     qh = ((L[:, :16] & 0x10) >> 4) << np.arange(16, dtype=np.uint32) | \
          ((L[:, 16:] & 0x10) >> 4) << np.arange(16, 32, dtype=np.uint32)
     out[:, 2:6] = np.bitwise_or.reduce(qh, axis=1).astype("<u4").view(np.uint8).reshape(-1, 4)
-    out[:, 6:22] = ((L[:, :16] & 0xF) | ((L[:, 16:] & 0xF) << 4)).astype(np.uint8)
+    out[:, 6:22] = _nibbles(L)
     return out
 
 
-IMPORTANCE = {"Q4_K": _q4_k_imatrix, "Q6_K": _q6_k_imatrix, "Q5_0": _q5_0_imatrix}
+def _q4_0_imatrix(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
+    """quantize_row_q4_0_impl over rows [n, K] with importance [K] -> [n * K/32, 18]."""
+    x, weights = _row_weights(rows, importance)
+    L, d = _qx(np.ascontiguousarray(x.T), nmax=8, w=np.ascontiguousarray(weights.T))
+    out = np.empty((x.shape[0], 18), np.uint8)
+    out[:, 0:2] = _f16(d).view(np.uint8).reshape(-1, 2)
+    out[:, 2:18] = _nibbles(L.T)                                                 # codes in 0..15
+    return out
+
+
+def _q4_1_imatrix(rows: np.ndarray, importance: np.ndarray) -> np.ndarray:
+    """quantize_row_q4_1_impl over rows [n, K] with importance [K] -> [n * K/32, 20]: make_qkx3_quants (the
+    Q4_K _impl's search) per block, its codes kept as found."""
+    x, weights = _row_weights(rows, importance)
+    L, scale, the_min = _qkx2(np.ascontiguousarray(x.T), np.ascontiguousarray(weights.T), rmin=-0.9, rdelta=0.05,
+                              nstep=36)
+    out = np.empty((x.shape[0], 20), np.uint8)
+    out[:, 0:2] = _f16(scale).view(np.uint8).reshape(-1, 2)
+    out[:, 2:4] = _f16(-the_min).view(np.uint8).reshape(-1, 2)
+    out[:, 4:20] = _nibbles(L.T.astype(np.uint32))
+    return out
+
+
+IMPORTANCE = {"Q4_K": _q4_k_imatrix, "Q6_K": _q6_k_imatrix, "Q5_0": _q5_0_imatrix, "Q4_0": _q4_0_imatrix,
+              "Q4_1": _q4_1_imatrix}
