@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass
 
 from specexport import owned
-from specexport.build.context import eval_sequences, files_entry
+from specexport.build.context import files_entry
 from specexport.build.stage import ModelStage
 from specexport.build.stages.gguf import _kernels, _lean_graph, _parity, _twin
-from specexport.build.stages.quantize import gate_quality, measure_against
+from specexport.build.stages.quantize import gate_quality, measure_apart
 from specexport.errors import ParityError, SpecexportError
 from specexport.manifest import describe_files
 
@@ -31,7 +31,7 @@ LEVEL = 4                     # int8 activations per block, as llama.cpp multipl
 class BlocksStage(ModelStage):
     def run(self, ctx) -> dict:
         from specexport.quant.gguf_write import write_gguf
-        from specexport.quant.quality import runtime_session, tree_rows_for
+        from specexport.quant.quality import tree_rows_for
         from specexport.runtime.backends.ort import release_freed_heap
 
         mp, cfg, precision = ctx.model(self.role), ctx.config, self.precision
@@ -63,12 +63,8 @@ class BlocksStage(ModelStage):
             gc.collect()
             release_freed_heap()
             twin.unlink()
-            source = ctx.stage_dir(f"{mp.role}/fp32") / "model.onnx"
-            reference, deployed = runtime_session(source), runtime_session(graph)
-            sequences, text = eval_sequences(ctx, mp, reference)
-            with ctx.reporter.stage(f"check {self.role} {precision} (blocks) against fp32 on {text['label']}"):
-                checks = measure_against(ctx, mp, reference, deployed, sequences, source, graph)
-            del reference, deployed
+            checks, text = measure_apart(ctx, mp, ctx.stage_dir(f"{mp.role}/fp32") / "model.onnx", graph,
+                                         f"check {self.role} {precision} (blocks) against fp32")
             min_tokens = gate_quality(ctx, mp, precision, settings, checks, text)
             ctx.folders.publish(partial, final)
         finally:

@@ -96,6 +96,33 @@ def measure_against(ctx, mp, reference, quantized, sequences, source, candidate)
     return quality, rows, parity
 
 
+def measure_apart(ctx, mp, source, candidate, label: str):
+    """measure_against's figures (and the eval text's record) with one session open at a time: the fp32
+    graph's (the eval sequences sampled from it when there is no eval_text; its logits kept on disk), closed
+    before the candidate's opens. Why: both open at once were a large model's build peak (Qwen 1.5B: the
+    7.1 GB fp32 graph and the 1.1 GB int4 one together)."""
+    from specexport.export.validate import compare, onnx_logits, parity_case
+    from specexport.quant.quality import SpilledLogits, measure_quality, prefill_logits, runtime_session
+    from specexport.runtime.backends.ort import release_freed_heap
+
+    case = parity_case(mp.io, max_seq_len=ctx.config.max_seq_len, max_verify_tokens=ctx.config.max_verify_tokens)
+    reference = runtime_session(source)
+    sequences, text = eval_sequences(ctx, mp, reference)
+    with ctx.reporter.stage(f"{label} on {text['label']}"), SpilledLogits() as expected:
+        for ids in sequences:
+            expected.append(prefill_logits(reference, mp.io, ids))
+        expected_case = onnx_logits(source, mp.io, case, session=reference)
+        del reference
+        release_freed_heap()
+        deployed = runtime_session(candidate)
+        quality = measure_quality(expected, deployed, mp.io, sequences)
+        rows = row_checks(deployed, mp.io, sequences[0])
+        parity = compare(expected_case, onnx_logits(candidate, mp.io, case, session=deployed))
+        del deployed
+    release_freed_heap()
+    return (quality, rows, parity), text
+
+
 def row_checks(session, io, ids) -> dict:
     """How a token's logits depend on the other rows of its pass: one- and two-token passes, a tree's
     sibling (quant/quality.py)."""
