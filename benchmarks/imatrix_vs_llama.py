@@ -89,7 +89,7 @@ def main() -> None:
         print("|---|---|---|---|")
         for k, (name, path) in enumerate(files.items()):
             theirs = tensors(path)
-            same = sum(1 for k, v in theirs.items() if mine.get(k) == v)
+            same = sum(1 for t, v in theirs.items() if mine.get(t) == v)
             graph = with_blocks_of(int4_graph, path, hf_config, tmp / f"graph-{k}")
             q = measure_quality(reference, runtime_session(graph), io, sequences)
             print(f"| {name} | {same} / {len(theirs)} | {q.top1_agreement:.4f} | {q.mean_kl:.4f} |", flush=True)

@@ -26,7 +26,7 @@ from pathlib import Path
 from specexport import owned
 from specexport.build.context import eval_sequences, files_entry
 from specexport.build.stage import ModelStage
-from specexport.build.stages.quantize import gate_quality, measure_against, row_checks
+from specexport.build.stages.quantize import gate_quality, measure_against, row_checks, spill
 from specexport.errors import ParityError, SpecexportError
 
 
@@ -142,8 +142,8 @@ def _measure_lean(ctx, mp, graph: Path, twin: Path, twin_case: dict, level: int)
     the lean build's peak): the written graph first (its eval sequences sampled from it when there is
     no eval_text: level 4 decodes 3-4x faster than the twin), its logits kept on disk (4 x 128 positions
     of a 152k vocabulary are 311 MB); then the level-0 twin, a sequence at a time."""
-    from specexport.export.validate import compare, onnx_logits, parity_case
-    from specexport.quant.quality import SpilledLogits, measure_quality, prefill_logits, runtime_session
+    from specexport.export.validate import compare, parity_case
+    from specexport.quant.quality import SpilledLogits, measure_quality, runtime_session
     from specexport.runtime.backends.ort import release_freed_heap
 
     case = parity_case(mp.io, max_seq_len=ctx.config.max_seq_len, max_verify_tokens=ctx.config.max_verify_tokens)
@@ -153,9 +153,7 @@ def _measure_lean(ctx, mp, graph: Path, twin: Path, twin_case: dict, level: int)
                             f"{text['label']}"):
         rows = row_checks(deployed, mp.io, sequences[0])
         with SpilledLogits() as written:
-            for ids in sequences:
-                written.append(prefill_logits(deployed, mp.io, ids))
-            written_case = onnx_logits(graph, mp.io, case, session=deployed)
+            written_case = spill(deployed, graph, mp.io, sequences, case, written)
             del deployed
             release_freed_heap()
             reference = runtime_session(twin)

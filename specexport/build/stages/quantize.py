@@ -102,16 +102,14 @@ def measure_apart(ctx, mp, source, candidate, label: str):
     before the candidate's opens. Why: both open at once were a large model's build peak (Qwen 1.5B: the
     7.1 GB fp32 graph and the 1.1 GB int4 one together)."""
     from specexport.export.validate import compare, onnx_logits, parity_case
-    from specexport.quant.quality import SpilledLogits, measure_quality, prefill_logits, runtime_session
+    from specexport.quant.quality import SpilledLogits, measure_quality, runtime_session
     from specexport.runtime.backends.ort import release_freed_heap
 
     case = parity_case(mp.io, max_seq_len=ctx.config.max_seq_len, max_verify_tokens=ctx.config.max_verify_tokens)
     reference = runtime_session(source)
     sequences, text = eval_sequences(ctx, mp, reference)
     with ctx.reporter.stage(f"{label} on {text['label']}"), SpilledLogits() as expected:
-        for ids in sequences:
-            expected.append(prefill_logits(reference, mp.io, ids))
-        expected_case = onnx_logits(source, mp.io, case, session=reference)
+        expected_case = spill(reference, source, mp.io, sequences, case, expected)
         del reference
         release_freed_heap()
         deployed = runtime_session(candidate)
@@ -121,6 +119,18 @@ def measure_apart(ctx, mp, source, candidate, label: str):
         del deployed
     release_freed_heap()
     return (quality, rows, parity), text
+
+
+def spill(session, path, io, sequences, case, into) -> dict:
+    """`session`'s prefill logits of each sequence appended to `into` (quant/quality.SpilledLogits) and its
+    logits on the parity case (`path`: its graph): what a session is kept for when the one it is measured
+    against opens after it closes."""
+    from specexport.export.validate import onnx_logits
+    from specexport.quant.quality import prefill_logits
+
+    for ids in sequences:
+        into.append(prefill_logits(session, io, ids))
+    return onnx_logits(path, io, case, session=session)
 
 
 def row_checks(session, io, ids) -> dict:
