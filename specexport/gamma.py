@@ -20,6 +20,14 @@ ends with) never replaces one measured on more.
                                                        #   vanilla): what specexport.load opens by default
         "stages": {"target": ..., "draft": ..., "medusa": ...}, "measured": ..., "command": ...}
     method "vanilla": every configuration measured lost (or was not shown to win) against vanilla.
+
+The target pass by its rows (what a verify pass of M tokens costs on the CPU the bench ran on), per target
+precision, from which the runtime sizes draft-free rounds (runtime/budget.py) where the CPU and the target's
+thread count are the same; each bench replaces it:
+
+    manifest["pass_curve"]["fp32/-"] = {"ms": {"1": 37.4, "2": 41.7, "4": 52.4, "8": 69.8, "16": 117.8},
+        "cpu": "ab5ff248f8d7", "threads": 2, "measured_tokens": 0,     # cpu: plugins/cpu/tiers.py's cpu_id
+        "stages": {"target": ...}, "measured": ..., "command": ...}
 """
 from __future__ import annotations
 
@@ -58,7 +66,16 @@ def method_stages(manifest: dict, target_precision: str, draft_precision: str) -
     return stages
 
 
-SECTIONS = {"gamma_auto": stages_of, "method_auto": method_stages}
+def target_stage(manifest: dict, target_precision: str, draft_precision: str) -> dict | None:
+    """The graph a pass curve is measured on: the target's of that precision."""
+    try:
+        return {"target": manifest["models"]["target"]["precisions"][target_precision]["dir"]}
+    except KeyError:
+        return None
+
+
+SECTIONS = {"gamma_auto": stages_of, "method_auto": method_stages, "pass_curve": target_stage}
+WHAT = {"gamma_auto": "γ", "method_auto": "method", "pass_curve": "pass curve"}
 
 
 def lookup(manifest: dict, target_precision: str, draft_precision: str, *, section: str = "gamma_auto") -> dict | None:
@@ -84,10 +101,11 @@ def carried_gamma_choices(previous: dict, manifest: dict) -> dict:
 def store_gamma_choices(output_dir: Path, choices: dict, *, build_id: str, command: str,
                         section: str = "gamma_auto") -> list[str]:
     """Merge `choices` {(tp, dp): {..., "measured_tokens"}} into the manifest's `section` (gamma_auto:
-    {"gamma", "predicted_speedup", ...}; method_auto: {"method", ...}), under the output folder's lock.
+    {"gamma", "predicted_speedup", ...}; method_auto: {"method", ...}; pass_curve: {"ms", "cpu", "threads"}
+    with dp "-"), under the output folder's lock.
     Returns one line per choice that was not stored, and why."""
     skipped = []
-    what = "γ" if section == "gamma_auto" else "method"
+    what = WHAT[section]
     try:
         with output_lock(output_dir, purpose=f"specexport bench (storing the {what} choice)", wait_s=30):
             manifest = read_manifest(output_dir)

@@ -561,3 +561,33 @@ def test_a_peer_that_cannot_open_its_model_is_a_skip_with_its_reason(tmp_path):
     with pytest.raises(RuntimeError) as err:
         PeerProcess(PeerSpec("transformers", "fp32 (PyTorch)", (("target", str(tmp_path)),)), start_timeout_s=120)
     assert "AttributeError" not in str(err.value) and str(err.value)
+
+
+def test_the_pass_curve_is_stored_and_sizes_draft_free_rounds_on_this_cpu_only(bench_report, tmp_path):
+    """The bench stores the target's pass curve with the CPU and threads it ran on; a pipeline on the same
+    CPU and threads sizes lookup (gamma "auto", its default then) and suffix rounds from it, outputs equal to
+    vanilla; on another CPU it has no costs, lookup takes γ 4 and "auto" is a one-line error."""
+    from specexport.plugins.cpu.tiers import cpu_id
+
+    work, report = bench_report
+    out = tmp_path / "b"
+    shutil.copytree(work / "build", out)
+    entry = read_manifest(out)["pass_curve"]["fp32/-"]
+    assert entry["cpu"] == cpu_id() and entry["ms"] == report["pass_curve_ms"]["fp32"]
+    assert entry["stages"] == {"target": read_manifest(out)["models"]["target"]["precisions"]["fp32"]["dir"]}
+    prompt = dict(prompt_ids=[1, 5, 6, 1, 5], max_new_tokens=24)
+    with specexport.load(out, threads=entry["threads"]) as pipe:
+        costs = pipe.verify_costs()
+        assert costs[1] == 1.0 and len(costs) == pipe.max_verify_tokens + 1
+        vanilla = pipe.generate(**prompt, method="vanilla").token_ids
+        lookup = pipe.generate(**prompt, method="lookup")
+        assert lookup.stats.gamma == pipe.max_verify_tokens - 1 and lookup.token_ids == vanilla
+        assert pipe.generate(**prompt, method="suffix").token_ids == vanilla
+    m = read_manifest(out)
+    m["pass_curve"]["fp32/-"]["cpu"] = "another-cpu"
+    (out / "manifest.json").write_text(json.dumps(m))
+    with specexport.load(out, threads=entry["threads"]) as pipe:
+        assert pipe.verify_costs() is None
+        assert pipe.generate(**prompt, method="lookup").stats.gamma == 4
+        with pytest.raises(SpecexportError, match="gamma: 'auto' for lookup .* pass curve"):
+            pipe.generate(**prompt, method="lookup", gamma="auto")

@@ -17,6 +17,7 @@ from fakes import (TabularBackend, counts_of, decode_many, exact_continuation_pr
                    make_table)
 from specexport.runtime import loop
 from specexport.runtime.accept import Verdict
+from specexport.runtime.budget import relative_costs
 from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.proposers import Limits, PromptLookup
 from specexport.runtime.proposers.lookup import continuations, trie
@@ -114,14 +115,18 @@ def fits(tokens, params, prompt=PROMPT):
 
 
 # (a chain at T1 was a case too; the chain stays under top-p and T1 under the trie: suite time)
+# a pass curve as AVX2 gives it (5x a step at 16 rows): lookup's rounds sized from it (runtime/budget.py)
+STEEP = relative_costs({1: 10.0, 2: 12.0, 4: 17.0, 8: 27.0, 16: 50.0}, 16)
 LOOKUP_CASES = [("trie of 3, T1", PromptLookup(4, ngram_max=2, branches=3), T1),
                 ("trie of 3, top-k 3", PromptLookup(3, ngram_max=1, branches=3), SamplingParams(1.0, top_k=3)),
-                ("chain, top-p 0.8", PromptLookup(4, ngram_max=3), SamplingParams(1.0, top_p=0.8))]
+                ("chain, top-p 0.8", PromptLookup(4, ngram_max=3), SamplingParams(1.0, top_p=0.8)),
+                ("chain sized by costs, T1", PromptLookup(6, ngram_max=2, costs=STEEP), T1)]
 
 
 @pytest.mark.parametrize("name,proposer,params", LOOKUP_CASES, ids=[c[0] for c in LOOKUP_CASES])
 def test_prompt_lookup_sampling_is_lossless(name, proposer, params):
-    tokens, proposed, accepted = run(proposer, params, 20_000, seed=len(name))
+    runs = 20_000 if proposer.costs is None else 10_000
+    tokens, proposed, accepted = run(proposer, params, runs, seed=len(name))
     for view, fit in fits(tokens, params).items():
         assert fit.pvalue > ALPHA and fit.tv < fit.tv_bound, f"{name}, {view}: {fit}"
     assert 0 < accepted < proposed                  # both verdicts happened
@@ -212,7 +217,9 @@ def greedy_against_plain(proposer, seed: int, after_chunk=lambda seq: None) -> i
 
 
 @pytest.mark.parametrize("proposer", [PromptLookup(4, ngram_max=3), PromptLookup(5, ngram_max=2, branches=4),
-                                      PromptLookup(2, ngram_max=1, branches=2)], ids=["chain", "trie4", "trie2"])
+                                      PromptLookup(2, ngram_max=1, branches=2),
+                                      PromptLookup(7, ngram_max=2, branches=2, costs=STEEP)],
+                         ids=["chain", "trie4", "trie2", "trie2-sized-by-costs"])
 def test_prompt_lookup_greedy_equals_plain_greedy_and_keeps_the_kv_exact(proposer):
     assert greedy_against_plain(proposer, seed=5) > 0      # greedy toy text repeats itself: lookups get accepted
 

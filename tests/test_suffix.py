@@ -20,7 +20,7 @@ from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.proposers import Limits, SuffixProposer
 from specexport.runtime.sampling import SamplingParams
 from specexport.runtime.suffix import SuffixCache
-from test_proposers import accept_tree_without_renormalising
+from test_proposers import STEEP, accept_tree_without_renormalising
 
 ALPHA = 1e-4 / 6
 TEETH_P = 1e-6
@@ -93,13 +93,13 @@ def test_teeth_a_cache_that_ignores_the_scope_is_caught(monkeypatch):
 
 
 # -- sampling, through the whole loop -----------------------------------------------------------------
-def run(params, runs, *, seed, max_new=6, cache_tokens=3_000):
+def run(params, runs, *, seed, max_new=6, cache_tokens=3_000, costs=None):
     """tokens [runs, max_new] decoded with suffix proposals from one shared cache that stores every
     run's prompt + output (so each run's proposals depend on the runs before it), and the summed
     proposed / accepted counts."""
     cache = SuffixCache(cache_tokens)
     return decode_many(TabularBackend(TARGET, capacity=64, max_tokens=8),
-                       SuffixProposer(5, cache=cache, spec_factor=2.0, min_prob=0.0), PROMPT, params, runs,
+                       SuffixProposer(5, cache=cache, spec_factor=2.0, min_prob=0.0, costs=costs), PROMPT, params, runs,
                        max_new=max_new, seed=seed, after=lambda out: cache.add(np.concatenate([PROMPT, out])))
 
 
@@ -111,9 +111,10 @@ def fits(tokens, params):
             f"all {k}": goodness_of_fit(counts_of(tokens, (V,) * k), exact)}
 
 
-@pytest.mark.parametrize("params", [T1, SamplingParams(0.7, top_k=4)], ids=["T1", "T0.7-top-k-4"])
-def test_suffix_sampling_is_lossless_while_the_cache_learns(params):
-    tokens, proposed, accepted = run(params, 12_000, seed=1)
+@pytest.mark.parametrize("params,costs", [(T1, None), (SamplingParams(0.7, top_k=4), None), (T1, STEEP)],
+                         ids=["T1", "T0.7-top-k-4", "T1-sized-by-costs"])
+def test_suffix_sampling_is_lossless_while_the_cache_learns(params, costs):
+    tokens, proposed, accepted = run(params, 12_000 if costs is None else 6_000, seed=1, costs=costs)
     for view, fit in fits(tokens, params).items():
         assert fit.pvalue > ALPHA and fit.tv < fit.tv_bound, f"{view}: {fit}"
     assert 0 < accepted < proposed
@@ -127,10 +128,11 @@ def test_teeth_suffix_trees_verified_without_renormalising(monkeypatch):
 
 
 # -- greedy ------------------------------------------------------------------------------------------
-def test_greedy_suffix_equals_plain_greedy_with_a_warm_cache():
+@pytest.mark.parametrize("costs", [None, STEEP], ids=["alpha-m", "sized-by-costs"])
+def test_greedy_suffix_equals_plain_greedy_with_a_warm_cache(costs):
     target = TabularBackend(TARGET, capacity=256, max_tokens=16)
     cache = SuffixCache(5_000)
-    proposer = SuffixProposer(15, cache=cache)
+    proposer = SuffixProposer(15, cache=cache, costs=costs)
     rng = np.random.default_rng(5)
     accepted = shared = 0
     for _ in range(30):

@@ -119,6 +119,7 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
                   for p in peers for name in p.names] + peer_skips,
     }
     _store_choices(cfg, manifest, report, choice, rows, log, settings)
+    _store_curves(cfg, manifest, report, pipes, log)
     _write_report(report, Path(cfg.out or cfg.output_dir / "bench"), cfg.plots, log)   # claimed by run_bench
     return report
 
@@ -205,6 +206,16 @@ def _store_choices(cfg, manifest, report: dict, choice: dict, rows, log, setting
         report["gamma_store"] = [f"not stored: this bench sampled at temperature {cfg.temperature} (the stored "
                                  f"choices are greedy measurements)"]
     for line in report["gamma_store"]:
+        log(f"bench: {line}")
+
+
+def _store_curves(cfg, manifest, report: dict, pipes, log) -> None:
+    """Each target's pass curve stored with the build, with the CPU and threads it ran on: the runtime's
+    draft-free rounds are sized from it there (runtime/budget.py)."""
+    curves = {(tp, "-"): {"ms": ms, **pipes[tp].curve_key(), "measured_tokens": 0}
+              for tp, ms in report["pass_curve_ms"].items() if hasattr(pipes[tp], "curve_key")}
+    for line in store_gamma_choices(cfg.output_dir, curves, build_id=manifest["build_id"], command=report["command"],
+                                    section="pass_curve") if curves else []:
         log(f"bench: {line}")
 
 

@@ -53,7 +53,8 @@ class MethodOptions:
     """How one request drafts (Pipeline.request's method options). After resolve() the method is one of
     METHODS, γ and the tree are what runs, and draft_precision names the draft model's graphs."""
     method: str = "draft"
-    gamma: int | str | None = None     # a chain's length; "auto" (draft): the bench's γ; None: the build's default
+    gamma: int | str | None = None     # a chain's length; "auto": the bench's γ (draft), from the pass curve
+                                       # (lookup: runtime/budget.py); None: the build's default
     tree: object = None                # a static tree (name or rank paths) or a dynamic EAGLE tree's settings
     draft_stop: float = 0.0            # end a round's drafting below this draft probability (draft chains)
     lookup_branches: int = 1           # prompt lookup: occurrences verified as one tree
@@ -113,6 +114,7 @@ def resolve(options: MethodOptions, build) -> tuple[MethodOptions, str]:
 def measured_defaults(build, method: str, tree=None) -> tuple[int, object]:
     """(γ, tree) for a method asked for without a γ: the stored `--method auto` choice's when it chose this
     method (and no other tree was asked for), else for a draft chain the stored `--gamma auto` γ, else
+    for lookup "auto" where the build's bench measured this CPU's pass curve (runtime/budget.py), else
     DEFAULT_GAMMA: the settings the build's bench measured are the defaults."""
     top = build.max_verify_tokens - 1
     choice = stored_choice(build)
@@ -123,6 +125,8 @@ def measured_defaults(build, method: str, tree=None) -> tuple[int, object]:
         g = lookup_gamma(build.manifest, build.precision, build.draft_precision)
         if g is not None and g["gamma"]:
             return min(int(g["gamma"]), top), None
+    if method == "lookup" and build.verify_costs() is not None:    # rounds sized from this CPU's pass curve
+        return "auto", tree
     return min(DEFAULT_GAMMA, top), tree
 
 

@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,10 @@ import numpy as np
 from specexport._optional import require
 from specexport.chat import user_prompt
 from specexport.errors import SpecexportError
+from specexport.gamma import lookup as lookup_stored
 from specexport.manifest import check_files, file_problems, listed_files, read_manifest
 from specexport.runtime.backends import open_eagle, open_medusa, open_model, require_kind
+from specexport.runtime.budget import relative_costs
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.methods import METHODS, MethodOptions, resolve, stored_choice
@@ -191,7 +194,25 @@ class Pipeline:
         `heads(kind)` a batch gives a request of its own."""
         return Resources(verify_width=self.max_verify_tokens, heads_manifest=self.manifest.get("heads", {}),
                          target_io=self.manifest["models"]["target"]["io"], draft=draft or self.draft_of,
-                         heads=heads or self.heads_of, suffix_cache=lambda: self.suffix_cache)
+                         heads=heads or self.heads_of, suffix_cache=lambda: self.suffix_cache,
+                         verify_costs=self.verify_costs)
+
+    def curve_key(self) -> dict:
+        """What a stored pass curve must have been measured with to size this pipeline's rounds: this CPU
+        (its model and flags, plugins/cpu/tiers.py) and the target's thread count."""
+        from specexport.plugins.cpu.tiers import cpu_id
+
+        return {"cpu": cpu_id(), "threads": self._threads["target"] or os.cpu_count()}
+
+    def verify_costs(self) -> np.ndarray | None:
+        """c(T) / c(1) for T = 1..max_verify_tokens (runtime/budget.py) from the pass curve the build's bench
+        measured for this target on this CPU with these threads (gamma.py's pass_curve), else None."""
+        if not hasattr(self, "_verify_costs"):
+            entry = lookup_stored(self.manifest, self.precision, "-", section="pass_curve")
+            key = self.curve_key() if entry else None
+            self._verify_costs = relative_costs(entry["ms"], self.max_verify_tokens) \
+                if entry and all(entry.get(k) == v for k, v in key.items()) else None
+        return self._verify_costs
 
     def use_draft_precision(self, precision: str) -> None:
         """Switch the draft to another built precision, keeping the target's session. Backends opened
@@ -219,7 +240,9 @@ class Pipeline:
                suffix_scope: str = "", suffix_share: bool = True):
         """A generation's options, checked: what stream() decodes (and Batch.submit queues).
         gamma: tokens proposed a round; None: what the build's bench measured for the method (the stored
-        `--method auto` choice when it is this method, a draft's stored `--gamma auto` γ), else 4.
+        `--method auto` choice when it is this method, a draft's stored `--gamma auto` γ, lookup's "auto"
+        where the bench measured this CPU's pass curve), else 4. "auto" (lookup): each round's length from
+        the pass curve and the acceptance so far (runtime/budget.py).
         method: vanilla | draft (a draft model proposes γ tokens) | medusa | auto (the configuration
         `specexport bench` measured fastest, vanilla when all lost) | lookup (prompt lookup: up to γ tokens
         copied from what followed an earlier occurrence of the last tokens; lookup_branches > 1 verifies
@@ -240,7 +263,8 @@ class Pipeline:
         paths or a DRAFT_TREES name); gamma is not used.
         method suffix: suffix decoding over this request's text and the pipeline's cache of earlier
         generations (`suffix_cache`), looked up in `suffix_scope` only; a tree up to the verify width,
-        cut to the match length; gamma is not used. suffix_share=False: this call neither reads the
+        cut to the match length and, where the bench measured this CPU's pass curve, to the nodes worth
+        their verify cost; gamma is not used. suffix_share=False: this call neither reads the
         cache nor adds to it."""
         ids = self._prompt_ids(prompt, prompt_ids)
         params = self._params(temperature, top_k, top_p)

@@ -27,6 +27,7 @@ class Resources:
     draft: Callable[[str], object]          # draft(precision) -> the draft model's backend
     heads: Callable[[str], object]          # heads("medusa" | "eagle") -> the heads this request drafts with
     suffix_cache: Callable[[], object]      # the cache of earlier generations (suffix decoding)
+    verify_costs: Callable[[], object] = lambda: None   # c(T)/c(1) measured on this CPU, or None (runtime/budget.py)
 
 
 def make_proposer(options: MethodOptions, res: Resources):
@@ -48,16 +49,27 @@ def _draft(o: MethodOptions, res: Resources):
 
 
 def _lookup(o: MethodOptions, res: Resources):
-    gamma = _check_gamma(res, o.gamma, auto=False)
+    """gamma "auto": up to the verify width, each round's length from this CPU's pass curve and the
+    acceptance so far (runtime/budget.py); a number: that many tokens a round."""
     if not isinstance(o.lookup_branches, int) or o.lookup_branches < 1:
         raise SpecexportError(f"lookup_branches: expected an integer >= 1, got {o.lookup_branches!r}")
+    if o.gamma == "auto":
+        costs = res.verify_costs()
+        if costs is None:
+            raise SpecexportError("gamma: 'auto' for lookup sizes rounds from the pass curve `specexport bench` "
+                                  "measures; this build has none for this CPU and thread count (run the bench "
+                                  "here, or give gamma a number)")
+        return PromptLookup(res.verify_width - 1, branches=o.lookup_branches, max_nodes=res.verify_width - 1,
+                            costs=costs)
+    gamma = _check_gamma(res, o.gamma, auto=True)
     return PromptLookup(gamma, branches=o.lookup_branches, max_nodes=res.verify_width - 1)
 
 
 def _suffix(o: MethodOptions, res: Resources):
-    """Depth and nodes up to the verify width, cut by the match length."""
+    """Depth and nodes up to the verify width, cut by the match length and, where the build's bench
+    measured this CPU's pass curve, by what each node is expected to earn against what it costs."""
     return SuffixProposer(res.verify_width - 1, cache=res.suffix_cache() if o.suffix_share else None,
-                          scope=o.suffix_scope, max_nodes=res.verify_width - 1)
+                          scope=o.suffix_scope, max_nodes=res.verify_width - 1, costs=res.verify_costs())
 
 
 def _medusa(o: MethodOptions, res: Resources):

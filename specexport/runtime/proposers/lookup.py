@@ -15,6 +15,11 @@ of any length proposes `num_tokens` tokens a round. With branches > 1 the contin
 candidates are merged into a tree (a trie: equal prefixes share nodes, so siblings never repeat a token),
 verified in one pass with the q-free rule.
 
+With `costs` (the pass curve of this CPU, runtime/budget.py) a round's length is chosen, up to
+`num_tokens`, where the tokens it is expected to emit per verify cost peak, from the acceptance by depth
+of this generation's rounds so far (a round that proposed nothing is judged on its first token once the
+target has emitted it, so a generation that stopped proposing can start again).
+
 Worked example: context [5, 7, 1, 2, 9, 5, 7], num_tokens 3: the last token 7 occurred at 1 (p = 5; it
 matches [5, 7]: L = 2, score 2 - log2(6) = -0.58), followed by [1, 2, 9] -> the chain root(7) -> 1 -> 2 -> 9.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from specexport.errors import SpecexportError
+from specexport.runtime.budget import DepthAcceptance, best_nodes
 from specexport.runtime.proposers.base import Limits, Proposal, Proposer
 from specexport.runtime.tree import Tree
 
@@ -31,7 +37,7 @@ class PromptLookup(Proposer):
     role = "lookup"                 # it makes no forwards of its own
 
     def __init__(self, num_tokens: int, *, ngram_max: int = 16, ngram_min: int = 1, branches: int = 1,
-                 max_nodes: int | None = None):
+                 max_nodes: int | None = None, costs: np.ndarray | None = None):
         for name, value in (("num_tokens", num_tokens), ("ngram_min", ngram_min), ("branches", branches)):
             if not isinstance(value, int) or value < 1:
                 raise SpecexportError(f"{name}: expected an integer >= 1, got {value!r}")
@@ -39,16 +45,35 @@ class PromptLookup(Proposer):
             raise SpecexportError(f"ngram_max: expected an integer >= ngram_min ({ngram_min}), got {ngram_max!r}")
         self.max_depth, self.ngram_max, self.ngram_min, self.branches = num_tokens, ngram_max, ngram_min, branches
         self.max_nodes = max_nodes          # at most this many nodes besides the root (the graph's verify limit)
+        self.costs = costs                  # c(T) / c(1) by the pass's rows T, or None: always num_tokens
+        self.begin(np.zeros(0, np.int64), 0)
+
+    def begin(self, prompt: np.ndarray, prefill_chunk: int) -> None:
+        self.acceptance = DepthAcceptance(self.max_depth)
+        self._unproposed = None             # (position, token) a round that proposed nothing would have
 
     def propose(self, seq, n, limits: Limits, params, rng, stats) -> Proposal | None:
+        if self._unproposed is not None and n > self._unproposed[0]:     # judge the guess not proposed
+            at, tok = self._unproposed
+            self.acceptance.observe(1, int(seq[at] == tok))
+        self._unproposed = None
         depth = min(self.max_depth, limits.max_depth)
         conts = continuations(seq[:n], depth=depth, ngram_max=self.ngram_max, ngram_min=self.ngram_min,
                               branches=self.branches)
         if not conts:
             return None
+        if self.costs is not None:
+            depth = best_nodes(self.acceptance.expected(len(conts[0])), self.costs)
+            if depth == 0:
+                self._unproposed = (n, int(conts[0][0]))
+                return None
+            conts = [c[:depth] for c in conts]
         cap = limits.max_nodes if self.max_nodes is None else min(limits.max_nodes, self.max_nodes)
         parents, tokens = trie(int(seq[n - 1]), conts, max_nodes=cap)
         return Proposal(Tree(parents), tokens)
+
+    def accepted(self, seq, n, proposal: Proposal, verdict) -> None:
+        self.acceptance.observe(int(proposal.tree.depths.max()), int(verdict.n_accepted))
 
 
 def continuations(context: np.ndarray, *, depth: int, ngram_max: int, ngram_min: int = 1,

@@ -8,8 +8,11 @@ before and what followed it:
     server one per model), looked up in the request's scope only.
 Each gives a candidate tree grown best-first by empirical continuation probability (counts of what
 followed each occurrence), cut to a node budget of `spec_factor` x the match length (a long match is
-a confident one: the paper's α·m), and the one with the higher score (expected tokens accepted if
-the counts hold) is proposed. The tree is fixed before the target runs, so the q-free rule verifies
+a confident one: the paper's α·m) and, where the pass curve of this CPU is known (`costs`,
+runtime/budget.py), further to the best-first prefix with the most expected tokens per verify cost: the
+whole tree where a pass of many rows costs about a step (AMX), its likeliest nodes where it costs several
+(AVX2). The one with the higher value (expected tokens accepted if the counts hold; per cost, with costs)
+is proposed. The tree is fixed before the target runs, so the q-free rule verifies
 it losslessly, greedy or sampled.
 
 Example: the prompt holds `def add(a, b):\\n    return a + b` and the output so far ends in
@@ -23,6 +26,7 @@ import time
 import numpy as np
 
 from specexport.errors import SpecexportError
+from specexport.runtime.budget import best_nodes
 from specexport.runtime.proposers.base import Limits, Proposal, Proposer
 from specexport.runtime.suffix import Candidates, SuffixCache, continuation_tree, scan_match
 from specexport.runtime.tree import Tree
@@ -33,7 +37,7 @@ class SuffixProposer(Proposer):
 
     def __init__(self, num_tokens: int, *, cache: SuffixCache | None = None, scope: str = "",
                  max_nodes: int | None = None, spec_factor: float = 1.0, min_prob: float = 0.1,
-                 max_match: int = 32, max_occurrences: int = 256):
+                 max_match: int = 32, max_occurrences: int = 256, costs: np.ndarray | None = None):
         if not isinstance(num_tokens, int) or num_tokens < 1:
             raise SpecexportError(f"num_tokens: expected an integer >= 1, got {num_tokens!r}")
         if not (isinstance(spec_factor, (int, float)) and spec_factor > 0):
@@ -45,6 +49,7 @@ class SuffixProposer(Proposer):
         self.max_depth, self.max_nodes = num_tokens, max_nodes
         self.cache, self.scope = cache, scope
         self.spec_factor, self.min_prob = float(spec_factor), float(min_prob)
+        self.costs = costs              # c(T) / c(1) by the pass's rows T (runtime/budget.py), or None
         self._match_options = {"max_match": max_match, "max_occurrences": max_occurrences}
         self.reset_counters()
 
@@ -79,7 +84,7 @@ class SuffixProposer(Proposer):
                                                 min_prob=self.min_prob)
             if tree is not None:
                 tree = self._cut(tree, found.length, cap)
-                if best is None or tree.score > best.score:
+                if best is None or self._value(tree) > self._value(best):
                     best, shared = tree, True
         self.lookups += 1
         proposal = None
@@ -95,4 +100,12 @@ class SuffixProposer(Proposer):
         """The tree's first `spec_factor` x match-length nodes (it lists them best-first, parents first,
         so a prefix is the best-first tree of that budget)."""
         keep = 1 + max(1, min(cap, math.floor(self.spec_factor * match_length)))
+        if self.costs is not None:      # then the prefix with the most expected tokens per cost (0: none)
+            keep = 1 + best_nodes(1 + np.cumsum(np.r_[0.0, tree.probs[1:keep]]), self.costs)
         return Candidates(tree.parents[:keep], tree.tokens[:keep], tree.probs[:keep])
+
+    def _value(self, tree: Candidates) -> float:
+        """Expected tokens accepted (per verify cost, where the costs are known)."""
+        if self.costs is None:
+            return tree.score
+        return (1 + tree.score) / self.costs[min(len(tree.tokens), len(self.costs) - 1)]
