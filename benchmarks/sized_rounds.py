@@ -20,6 +20,7 @@ from pathlib import Path
 
 CONFIGS = (("vanilla", {}, False), ("suffix α·m", {"method": "suffix"}, False),
            ("suffix sized", {"method": "suffix"}, True), ("lookup γ 4", {"method": "lookup", "gamma": 4}, False),
+           ("lookup γ 8", {"method": "lookup", "gamma": 8}, False),
            ("lookup auto", {"method": "lookup", "gamma": "auto"}, True))
 
 
@@ -32,7 +33,9 @@ def main() -> None:
     ap.add_argument("--chat", action="store_true")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS), help="a subset, comma-separated")
     args = ap.parse_args()
+    configs = [c for c in CONFIGS if c[0] in args.configs.split(",") or c[0] == "vanilla"]
 
     import specexport
     from specexport.prompts import read_prompts
@@ -48,12 +51,12 @@ def main() -> None:
         print(f"CPU: {cpu.group(1).strip() if cpu else 'unknown'}; threads {args.threads}; pass curve "
               + ", ".join(f"c({m}) {t * 1e3:.1f} ms ({t / curve[1]:.2f}x)" for m, t in curve.items()))
         ids = [pipe.chat_ids(p) if args.chat else pipe.tokenizer.encode(p) for p in prompts]
-        tps = {name: [] for name, _, _ in CONFIGS}
-        per_pass = {name: [0, 0, 0] for name, _, _ in CONFIGS}      # tokens, passes, rows
+        tps = {name: [] for name, _, _ in configs}
+        per_pass = {name: [0, 0, 0] for name, _, _ in configs}      # tokens, passes, rows
         unequal = 0
         for r in range(args.rounds):
             for i, p in enumerate(ids):
-                order = CONFIGS[(i + r) % len(CONFIGS):] + CONFIGS[:(i + r) % len(CONFIGS)]
+                order = configs[(i + r) % len(configs):] + configs[:(i + r) % len(configs)]
                 outs = {}
                 for name, options, sized in order:
                     pipe._verify_costs = costs if sized else None          # what verify_costs() returns
@@ -69,7 +72,7 @@ def main() -> None:
         base = statistics.median(tps["vanilla"])
         print(f"| configuration | tok/s (median of {len(tps['vanilla'])}) | vs vanilla | tokens / pass | rows / pass |")
         print("|---|---|---|---|---|")
-        for name, _, _ in CONFIGS:
+        for name, _, _ in configs:
             med = statistics.median(tps[name])
             tok, passes, rows = per_pass[name]
             print(f"| {name} | {med:.1f} | {med / base:.2f}x | {tok / passes:.2f} | {rows / passes:.2f} |")

@@ -37,13 +37,15 @@ def test_best_nodes_worked_example():
     assert best_nodes(np.arange(1.0, 30.0), costs) == 15       # never past the verify width
 
 
-def test_depth_acceptance_counts_rounds_that_reached_each_depth():
+def test_depth_acceptance_counts_rounds_that_reached_each_depth_and_shrinks_toward_the_depth_above():
     a = DepthAcceptance(4, rate=0.5, prior=2.0)
     np.testing.assert_allclose(a.expected(2), [1.0, 1.5, 1.75])
     a.observe(4, 1)                     # depth 1 accepted, depth 2 rejected, 3-4 never judged
-    np.testing.assert_allclose(a.accepted / a.reached, [2 / 3, 1 / 3, 0.5, 0.5])
-    a.observe(2, 2)
-    np.testing.assert_allclose(a.reached, [4, 4, 2, 2]) and np.testing.assert_allclose(a.accepted, [3, 2, 1, 1])
+    np.testing.assert_allclose(a.reached, [1, 1, 0, 0]) and np.testing.assert_allclose(a.accepted, [1, 0, 0, 0])
+    r1 = (1 + 2 * 0.5) / 3              # 2/3, then depth 2: (0 + 2 r1) / 3, depths 3-4 (never reached): depth 2's
+    np.testing.assert_allclose(a.rates(4), [r1, 2 * r1 / 3, 2 * r1 / 3, 2 * r1 / 3])
+    a.observe(2, 5)                     # more accepted than proposed: counted as proposed
+    np.testing.assert_allclose(a.reached, [2, 2, 0, 0]) and np.testing.assert_allclose(a.accepted, [2, 1, 0, 0])
 
 
 def propose(proposer, context, *, depth=15, nodes=15):
@@ -66,32 +68,31 @@ def test_suffix_trees_grow_where_passes_are_cheap_and_shrink_where_they_are_not(
     assert sizes == {"none": 7, "flat": 7, "steep": 3}
 
 
-def test_lookup_proposes_less_as_its_guesses_fail_and_starts_again_when_they_would_have_held():
-    proposer = PromptLookup(8, ngram_max=2, costs=relative_costs(ZEN4, 16))
-    proposer.begin(np.array([1]), 64)
-    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]                   # [1, 2] occurred: copy [3, 4, 5, ...]
-    first = propose(proposer, ctx)
+def test_lookup_judges_every_depth_in_hindsight_and_sizes_its_chains_by_it():
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]                   # [1, 2] occurred: copy [3, 4, 5, ..., 1]
+    cont = [3, 4, 5, 6, 7, 8, 9, 1]
+
+    def emitted(proposer, tokens):
+        """A round at the end of ctx, then the target emitting `tokens`: the continuation judged."""
+        seq = np.append(np.asarray(ctx + tokens, np.int64), np.zeros(17, np.int64))
+        proposer.propose(seq, len(ctx), Limits(15, 15), None, None, DecodeStats())
+        proposer.propose(seq, len(ctx) + len(tokens), Limits(15, 15), None, None, DecodeStats())
+
+    steep = PromptLookup(8, ngram_max=2, costs=relative_costs(ZEN4, 16))
+    steep.begin(np.array([1]), 64)
+    first = propose(steep, ctx)
     assert first is not None and 1 <= len(first.tokens) - 1 < 8     # the prior's 0.5 a token: a short chain
-
-    class Verdict:
-        n_accepted = 0
-
-    for _ in range(10):                                       # every guess rejected at once
-        proposer.accepted(None, 0, first, Verdict())
-    assert propose(proposer, ctx) is None                     # not worth a wider pass any more
-    seq = np.append(np.asarray(ctx + [3], np.int64), np.zeros(17, np.int64))
-    for _ in range(3):                                        # the guesses it kept to itself were right:
-        proposer.propose(seq, len(ctx), Limits(15, 15), None, None, DecodeStats())       # guesses 3, keeps it
-        proposer.propose(seq, len(ctx) + 1, Limits(15, 15), None, None, DecodeStats())   # the target emitted 3
-    assert propose(proposer, ctx) is not None
+    for _ in range(10):
+        emitted(steep, [0])                                   # the target went another way at once
+    assert propose(steep, ctx) is None                        # not worth a wider pass any more
+    for _ in range(3):
+        emitted(steep, cont)                                  # the whole continuation held, proposed or not
+    again = propose(steep, ctx)
+    assert again is not None and len(again.tokens) > len(first.tokens)
     flat = PromptLookup(8, ngram_max=2, costs=FLAT)
     flat.begin(np.array([1]), 64)
     chain = propose(flat, ctx)
     assert len(chain.tokens) > len(first.tokens)              # a flat curve: a longer chain on the same prior
-
-    class All:
-        n_accepted = len(chain.tokens) - 1
-
-    for _ in range(5):
-        flat.accepted(None, 0, chain, All())
+    for _ in range(3):
+        emitted(flat, cont)
     assert len(propose(flat, ctx).tokens) - 1 == 8            # and the whole of it once its guesses hold

@@ -135,6 +135,10 @@ def _curve_lines(report: dict) -> list[str]:
         lines.append(f"| {tp} | {kernels.get(tp, 'ONNX Runtime')} | " + " | ".join(cells) + " |")
         if tp in tiers:                     # which kernel path each M ran on (the tiers path, measured here)
             lines.append(f"| {tp} | tier by M | " + " | ".join(tiers[tp].get(str(m), "-") for m in sizes) + " |")
+    sized = [tp for tp, on in (report["settings"].get("sized_by_pass_curve") or {}).items() if on]
+    lines += ["", "Stored with the build for the runtime's draft-free rounds on this CPU and thread count "
+              "(docs/methods.md, rounds sized from the pass curve); this bench's suffix rows were sized by "
+              f"an earlier bench's curve for: {', '.join(sized) if sized else 'none'}."]
     return lines
 
 

@@ -104,7 +104,10 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
                      "target_threads": {tp: s.label for tp, s in settings.items()},
                      "thread_probe_tokens_per_s": probes,
                      "draft_threads": "the target's",
-                     "kernels": {tp: pipe.kernel_note for tp, pipe in pipes.items() if pipe.kernel_note}},
+                     "kernels": {tp: pipe.kernel_note for tp, pipe in pipes.items() if pipe.kernel_note},
+                     # suffix trees (and lookup at γ auto) sized from a pass curve stored by an earlier bench
+                     "sized_by_pass_curve": {tp: getattr(pipe, "verify_costs", lambda: None)() is not None
+                                             for tp, pipe in pipes.items()}},
         "rows": rows,
         "step_costs_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in costs.items()},
         "step_costs_isolated_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in isolated.items()},

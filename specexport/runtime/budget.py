@@ -40,12 +40,15 @@ def best_nodes(expected: np.ndarray, costs: np.ndarray) -> int:
 
 class DepthAcceptance:
     """Per depth d (1-based) of a chain's proposals, the share of rounds that reached d whose token at d
-    was accepted, counted over this generation's rounds with `prior` pseudo-rounds at rate `rate`: what
-    a proposer without probabilities of its own (prompt lookup) expects of its next chain."""
+    was accepted, counted over this generation's rounds: what a proposer without probabilities of its own
+    (prompt lookup) expects of its next chain. Each depth's rate is shrunk toward the one above it by
+    `prior` pseudo-rounds (depth 1 toward `rate`): a depth few rounds reached takes its parent's rate, not
+    a fixed guess (a copy that holds at depth 3 mostly holds at 9)."""
 
     def __init__(self, depth: int, *, rate: float = 0.5, prior: float = 2.0):
-        self.reached = np.full(depth, prior)
-        self.accepted = np.full(depth, prior * rate)
+        self.rate, self.prior = rate, prior
+        self.reached = np.zeros(depth)
+        self.accepted = np.zeros(depth)
 
     def observe(self, proposed: int, accepted: int) -> None:
         """A round proposed a chain of `proposed` tokens and `accepted` of them were accepted."""
@@ -54,7 +57,13 @@ class DepthAcceptance:
         self.reached[:reached] += 1
         self.accepted[:accepted] += 1
 
+    def rates(self, depth: int) -> np.ndarray:
+        """[depth]: each depth's acceptance rate, shrunk toward the depth above's."""
+        out, above = np.empty(depth), self.rate
+        for d in range(depth):
+            above = out[d] = (self.accepted[d] + self.prior * above) / (self.reached[d] + self.prior)
+        return out
+
     def expected(self, depth: int) -> np.ndarray:
         """[depth + 1]: tokens a round emits in expectation proposing a chain of n = 0..depth tokens."""
-        rate = self.accepted[:depth] / self.reached[:depth]
-        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(rate))])
+        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(self.rates(depth)))])

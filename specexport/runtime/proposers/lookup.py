@@ -17,8 +17,9 @@ verified in one pass with the q-free rule.
 
 With `costs` (the pass curve of this CPU, runtime/budget.py) a round's length is chosen, up to
 `num_tokens`, where the tokens it is expected to emit per verify cost peak, from the acceptance by depth
-of this generation's rounds so far (a round that proposed nothing is judged on its first token once the
-target has emitted it, so a generation that stopped proposing can start again).
+of this generation's continuations so far: each round's whole continuation (num_tokens long, however much
+of it was proposed) is judged in hindsight against the tokens the target went on to emit, so every depth
+is measured, and a generation that stopped proposing starts again when its guesses would have held.
 
 Worked example: context [5, 7, 1, 2, 9, 5, 7], num_tokens 3: the last token 7 occurred at 1 (p = 5; it
 matches [5, 7]: L = 2, score 2 - log2(6) = -0.58), followed by [1, 2, 9] -> the chain root(7) -> 1 -> 2 -> 9.
@@ -50,30 +51,40 @@ class PromptLookup(Proposer):
 
     def begin(self, prompt: np.ndarray, prefill_chunk: int) -> None:
         self.acceptance = DepthAcceptance(self.max_depth)
-        self._unproposed = None             # (position, token) a round that proposed nothing would have
+        self._pending: list[tuple[int, np.ndarray]] = []     # (position, continuation) not yet judged
 
     def propose(self, seq, n, limits: Limits, params, rng, stats) -> Proposal | None:
-        if self._unproposed is not None and n > self._unproposed[0]:     # judge the guess not proposed
-            at, tok = self._unproposed
-            self.acceptance.observe(1, int(seq[at] == tok))
-        self._unproposed = None
+        if self.costs is not None:
+            self._judge(seq, n)
         depth = min(self.max_depth, limits.max_depth)
         conts = continuations(seq[:n], depth=depth, ngram_max=self.ngram_max, ngram_min=self.ngram_min,
                               branches=self.branches)
         if not conts:
             return None
         if self.costs is not None:
+            self._pending.append((n, conts[0]))
             depth = best_nodes(self.acceptance.expected(len(conts[0])), self.costs)
             if depth == 0:
-                self._unproposed = (n, int(conts[0][0]))
                 return None
             conts = [c[:depth] for c in conts]
         cap = limits.max_nodes if self.max_nodes is None else min(limits.max_nodes, self.max_nodes)
         parents, tokens = trie(int(seq[n - 1]), conts, max_nodes=cap)
         return Proposal(Tree(parents), tokens)
 
-    def accepted(self, seq, n, proposal: Proposal, verdict) -> None:
-        self.acceptance.observe(int(proposal.tree.depths.max()), int(verdict.n_accepted))
+    def _judge(self, seq: np.ndarray, n: int) -> None:
+        """Each pending continuation against the tokens emitted since (seq[at:n]), once they decide it: its
+        tokens up to the first that differs held (a chain's verdict, greedy or sampled: the target's token
+        at each depth equal to the proposed one)."""
+        keep = []
+        for at, cont in self._pending:
+            seen = seq[at:n]
+            m = min(len(seen), len(cont))
+            held = int(np.argmin(np.append(seen[:m] == cont[:m], False)))
+            if held < m or m == len(cont):
+                self.acceptance.observe(len(cont), held)
+            else:
+                keep.append((at, cont))
+        self._pending = keep
 
 
 def continuations(context: np.ndarray, *, depth: int, ngram_max: int, ngram_min: int = 1,
