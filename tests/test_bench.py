@@ -563,7 +563,7 @@ def test_a_peer_that_cannot_open_its_model_is_a_skip_with_its_reason(tmp_path):
     assert "AttributeError" not in str(err.value) and str(err.value)
 
 
-def test_the_pass_curve_is_stored_and_sizes_draft_free_rounds_on_this_cpu_only(bench_report, tmp_path):
+def test_the_pass_curve_is_stored_and_sizes_draft_free_rounds_on_this_cpu_only(bench_report, tmp_path, capsys):
     """The bench stores the target's pass curve with the CPU and threads it ran on; a pipeline on the same
     CPU and threads sizes lookup (gamma "auto", its default then) and suffix rounds from it, outputs equal to
     vanilla; on another CPU it has no costs, lookup takes γ 4 and "auto" is a one-line error."""
@@ -578,6 +578,8 @@ def test_the_pass_curve_is_stored_and_sizes_draft_free_rounds_on_this_cpu_only(b
     entry = m["pass_curve"]["fp32/-"]
     assert entry["cpu"] == cpu_id() and entry["ms"] == report["pass_curve_ms"]["fp32"]
     assert entry["stages"] == {"target": read_manifest(out)["models"]["target"]["precisions"]["fp32"]["dir"]}
+    assert main(["inspect", str(out)]) in (0, None)
+    assert "pass curve fp32: c(1)" in capsys.readouterr().out.replace("\n", " ")
     prompt = dict(prompt_ids=[1, 5, 6, 1, 5], max_new_tokens=24)
     with specexport.load(out, threads=entry["threads"]) as pipe:
         costs = pipe.verify_costs()
@@ -594,3 +596,8 @@ def test_the_pass_curve_is_stored_and_sizes_draft_free_rounds_on_this_cpu_only(b
         assert pipe.generate(**prompt, method="lookup").stats.gamma == 4
         with pytest.raises(SpecexportError, match="gamma: 'auto' for lookup .* pass curve"):
             pipe.generate(**prompt, method="lookup", gamma="auto")
+    m["pass_curve"]["fp32/-"].update(cpu=cpu_id(), ms={"2": 1.0})          # hand-edited: no M = 1
+    (out / "manifest.json").write_text(json.dumps(m))
+    with specexport.load(out, threads=entry["threads"]) as pipe:
+        with pytest.raises(SpecexportError, match=r"pass_curve\.fp32/-\.ms: .*M = 1"):
+            pipe.generate(**prompt, method="suffix")

@@ -65,6 +65,12 @@ def inspect(output_dir, as_json, verify, verbose):
                               f"{e.get('min_tokens', '?')}")
     if ours:
         console.print(f"CPU kernels' self-check: {cpu.status().selfcheck}")
+    for key, c in (m.get("pass_curve") or {}).items():        # stored by `specexport bench` (gamma.py)
+        ms = {int(k): v for k, v in c["ms"].items()}
+        here = "this CPU" if c.get("cpu") == cpu.tiers.cpu_id() else "another CPU"
+        console.print(f"pass curve {key.split('/')[0]}: " + ", ".join(f"c({k}) {v:.1f} ms" + (f" ({v / ms[1]:.2f}x)" if k > 1
+                      else "") for k, v in sorted(ms.items())) + f"; measured on {here}, {c.get('threads')} threads "
+                      f"(sizes suffix and lookup rounds there: docs/methods.md)")
     console.print(checks_table(m, title="checks"))
     if verbose:
         for role, mm in m["models"].items():

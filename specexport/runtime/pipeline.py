@@ -209,9 +209,13 @@ class Pipeline:
         measured for this target on this CPU with these threads (gamma.py's pass_curve), else None."""
         if not hasattr(self, "_verify_costs"):
             entry = lookup_stored(self.manifest, self.precision, "-", section="pass_curve")
-            key = self.curve_key() if entry else None
-            self._verify_costs = relative_costs(entry["ms"], self.max_verify_tokens) \
-                if entry and all(entry.get(k) == v for k, v in key.items()) else None
+            self._verify_costs = None
+            if entry and all(entry.get(k) == v for k, v in self.curve_key().items()):
+                try:
+                    self._verify_costs = relative_costs(entry["ms"], self.max_verify_tokens)
+                except (ValueError, TypeError, KeyError) as err:
+                    raise SpecexportError(f"{self.dir / 'manifest.json'}: pass_curve.{self.precision}/-.ms: {err} "
+                                          f"(run `specexport bench {self.dir}` again)") from None
         return self._verify_costs
 
     def use_draft_precision(self, precision: str) -> None:
