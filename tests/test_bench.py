@@ -587,6 +587,7 @@ def test_the_pass_curve_is_stored_and_sizes_draft_free_rounds_on_this_cpu_only(b
         vanilla = pipe.generate(**prompt, method="vanilla").token_ids
         lookup = pipe.generate(**prompt, method="lookup")
         assert lookup.stats.gamma == pipe.max_verify_tokens - 1 and lookup.token_ids == vanilla
+        assert "sized from this CPU's pass curve" in lookup.note
         assert pipe.generate(**prompt, method="suffix").token_ids == vanilla
     m = read_manifest(out)
     m["pass_curve"]["fp32/-"]["cpu"] = "another-cpu"

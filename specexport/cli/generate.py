@@ -93,7 +93,8 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
             f"TTFT {s.ttft_s * 1e3:.1f} ms, TPOT {s.tpot_s * 1e3:.2f} ms")
     if s.proposed:
         shape = (f"tree depth {s.gamma}" if out.method in ("medusa", "eagle") or tree is not None else
-                 f"trees up to {s.gamma} nodes" if out.method == "suffix" else f"γ={s.gamma}")
+                 f"trees up to {s.gamma} nodes" if out.method == "suffix" else
+                 f"γ ≤ {s.gamma}, sized a round" if out.method == "lookup" and out.note else f"γ={s.gamma}")
         line += (f", {shape}, acceptance {s.acceptance_rate:.2f}, "
                  f"{s.mean_accepted_tokens:.2f} tokens per target pass")
     click.secho(line, fg="cyan", err=True)

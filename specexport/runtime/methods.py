@@ -97,6 +97,8 @@ def resolve(options: MethodOptions, build) -> tuple[MethodOptions, str]:
     if options.gamma is None:
         gamma, tree = measured_defaults(build, method, options.tree)
         options = replace(options, gamma=gamma, tree=tree)
+    if method == "lookup" and options.gamma == "auto":
+        return options, f"lookup rounds of up to {top} tokens, each sized from this CPU's pass curve (the bench's)"
     if method != "draft" or options.tree is not None or options.gamma != "auto":
         return options, ""
     choice = lookup_gamma(build.manifest, build.precision, options.draft_precision)
