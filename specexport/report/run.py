@@ -215,11 +215,12 @@ def _store_choices(cfg, manifest, report: dict, choice: dict, rows, log, setting
 def _store_curves(cfg, manifest, report: dict, pipes, log) -> None:
     """Each target's pass curve stored with the build, with the CPU and threads it ran on: the runtime's
     draft-free rounds are sized from it there (runtime/budget.py)."""
-    curves = {(tp, "-"): {"ms": ms, **pipes[tp].curve_key(), "measured_tokens": 0}
+    curves = {(tp, "-"): {"ms": ms, **pipes[tp].curve_key(), "measured_tokens": 0}     # 0: never kept over
               for tp, ms in report["pass_curve_ms"].items() if hasattr(pipes[tp], "curve_key")}
-    for line in store_gamma_choices(cfg.output_dir, curves, build_id=manifest["build_id"], command=report["command"],
-                                    section="pass_curve") if curves else []:
-        log(f"bench: {line}")
+    if curves:
+        for line in store_gamma_choices(cfg.output_dir, curves, build_id=manifest["build_id"],
+                                        command=report["command"], section="pass_curve"):
+            log(f"bench: {line}")
 
 
 def _write_report(report: dict, out_dir: Path, plots: bool, log) -> None:

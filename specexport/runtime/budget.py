@@ -8,7 +8,7 @@ more than a step) the whole tree is worth verifying; where it is steep (AVX2: 5x
 only the likely nodes are. Pure numpy; the proposers (suffix, lookup) call it per round.
 
     costs = relative_costs({1: 37.4, 2: 41.7, 4: 52.4, 8: 69.8, 16: 117.8}, width=16)
-    n = best_nodes(1 + np.cumsum([0.9, 0.8, 0.3, 0.1]), costs)     # -> 2 (c(3)/c(1) = 1.25: E 2.7 / 1.25)
+    n = best_nodes(1 + np.cumsum([0.0, 0.9, 0.8, 0.3, 0.1]), costs)    # -> 2 (E(2) 2.7 / c(3) 1.26)
 """
 from __future__ import annotations
 
