@@ -434,8 +434,9 @@ def test_a_planted_vnni_bug_is_refused_by_the_self_check_and_caught_by_the_tests
     lib = _planted("vnni_quads", emulate_vnni=True).lib
     paths, refused, why, _ = _planted_in_a_fresh_process(lib, "Q8_0", "avx2", check=True)
     # the AMX tier (where the CPU has it) runs the VNNI kernels for what it has no tiles for: refused too; the
-    # 512-bit tier's own kernels (every type but Q5_K, whose VNNI kernel has no 4-byte step) may stay
-    assert {"ref", "avx2"} <= set(paths.split(",")) <= {"ref", "avx2", "avx512"}, (paths, refused)
+    # 512-bit tier's own kernels (every type but Q5_K, whose VNNI kernel has no 4-byte step) and the AVX2 lanes
+    # tier (no VNNI instruction) may stay
+    assert {"ref", "avx2"} <= set(paths.split(",")) <= {"ref", "avx2", "avx512", "avx2lanes"}, (paths, refused)
     assert {"avxvnni", "avx512vnni"} <= set(refused.split(",")), (paths, refused)
     assert "avxvnni: Q4_0 K=32 M=1: int8 matmul" in why, why
     paths, refused, _, equal = _planted_in_a_fresh_process(lib, "Q8_0", "avxvnni", check=False)
@@ -465,6 +466,19 @@ def test_a_planted_avx512_scale_bug_is_refused_and_caught_in_the_emulated_lanes(
     assert refused == "avx512" and "avx512: Q4_K K=256 M=1: int8 matmul" in why, (refused, why)
     paths, _, _, equal = _planted_in_a_fresh_process(lib, "Q4_K", "avx512", check=False)
     assert "avx512" in paths.split(",") and not equal
+
+
+def test_a_planted_avx2_lanes_scale_bug_is_refused_and_caught():
+    """The same scale bug in the AVX2 lanes tier's Q4_K (the real instructions: every x86 CI machine has AVX2):
+    the self-check refuses the tier naming the case, the avx2 path stays; with the check off its bits differ."""
+    if "avx2" not in (cpu.expected_paths() or set()):
+        pytest.skip("the AVX2 lanes tier needs AVX2, which this CPU lacks")
+    lib = _planted("avx2_lanes").lib
+    paths, refused, why, _ = _planted_in_a_fresh_process(lib, "Q4_K", "avx2", check=True)
+    assert refused == "avx2lanes" and "avx2" in paths.split(","), (paths, refused)
+    assert "avx2lanes: Q4_K K=256 M=1: int8 matmul" in why, why
+    paths, _, _, equal = _planted_in_a_fresh_process(lib, "Q4_K", "avx2lanes", check=False)
+    assert "avx2lanes" in paths.split(",") and not equal
 
 
 def test_the_self_check_is_reported_and_so_is_turning_it_off(kernels):
@@ -505,7 +519,7 @@ def test_cxx_with_arguments_is_a_compiler_and_a_missing_one_is_said(monkeypatch)
 
 def test_an_optional_unit_that_does_not_compile_is_left_out_and_said(tmp_path, monkeypatch):
     """A toolchain that cannot assemble the VNNI, AVX-512 and AMX units (binutils < 2.36): the library builds
-    without those paths (AVX2 kept), and says which were left out and the compiler's line."""
+    without those paths (the AVX2 ones kept), and says which were left out and the compiler's line."""
     if "avx2" not in (cpu.expected_paths() or set()):
         pytest.skip("the VNNI unit is x86's")
     fake = tmp_path / "old-as"
@@ -516,7 +530,7 @@ def test_an_optional_unit_that_does_not_compile_is_left_out_and_said(tmp_path, m
     monkeypatch.setenv("CXX", str(fake))
     monkeypatch.setenv("SPECEXPORT_KERNELS_CACHE", str(tmp_path / "kernels"))
     k = cpu.Kernels(cpu.build(with_ort=False))
-    assert k.paths() == ["ref", "avx2"] and k.refused() == []
+    assert k.paths() == ["ref", "avx2", "avx2lanes"] and k.refused() == []
     why = "Error: no such instruction: {evex} vpdpbusd"
     assert cpu.left_out(k.lib) == {"sx_vnni.cc": {"paths": ["avxvnni", "avx512vnni"], "why": why},
                                    "sx_avx512.cc": {"paths": ["avx512"], "why": why},

@@ -13,7 +13,7 @@ and `status()` says why. An optional unit the toolchain cannot compile (the VNNI
 than binutils 2.36) is left out, and said, instead of failing the library. ONNX Runtime's headers: headers.py.
 
 Environment: SPECEXPORT_KERNELS=off hides the library (the stock route runs); SPECEXPORT_KERNEL_PATH
-(ref, avx2, avxvnni, avx512vnni, avx512, amx, neon, i8mm, tiers) forces a kernel path; SPECEXPORT_KERNEL_SELFCHECK=off lets a SIMD
+(ref, avx2, avx2lanes, avxvnni, avx512vnni, avx512, amx, neon, i8mm, tiers) forces a kernel path; SPECEXPORT_KERNEL_SELFCHECK=off lets a SIMD
 path run without first checking its bits against the reference's (planted-bug tests; `inspect` says so);
 CXX names the compiler (arguments allowed: "ccache g++").
 """
@@ -44,7 +44,7 @@ __all__ = ["KernelsUnavailable", "Kernels", "Status", "status", "build", "regist
 
 DOMAIN = "specexport.cpu"
 HERE = Path(__file__).parent
-KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_selfcheck.cc", "sx_avx2.cc", "sx_vnni.cc", "sx_avx512.cc",
+KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_selfcheck.cc", "sx_avx2.cc", "sx_avx2l.cc", "sx_vnni.cc", "sx_avx512.cc",
                   "sx_amx.cc", "sx_neon.cc", "sx_i8mm.cc")
 # unit -> the paths it holds: left out (and said) where the toolchain cannot compile it
 OPTIONAL = {"sx_vnni.cc": ("avxvnni", "avx512vnni"), "sx_avx512.cc": ("avx512",), "sx_amx.cc": ("amx",),
@@ -61,7 +61,7 @@ def flags(source: str, defines: list[str] = ()) -> list[str]:
     time, and they are never timed."""
     test = any(d.startswith(("-DSX_PLANT_", "-DSX_EMULATE_")) for d in defines)
     out = ["-O1" if test else "-O2", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden"]
-    if source in ("sx_avx2.cc", "sx_vnni.cc", "sx_avx512.cc", "sx_amx.cc"):
+    if source in ("sx_avx2.cc", "sx_avx2l.cc", "sx_vnni.cc", "sx_avx512.cc", "sx_amx.cc"):
         out += ["-mavx2", "-mfma", "-mf16c"]
     avx512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
     if source == "sx_avx512.cc" and "-DSX_EMULATE_AVX512" not in defines:   # runs only where the CPU has them
@@ -79,7 +79,7 @@ def sources(arch: str | None = None) -> list[str]:
     """The kernel sources this architecture compiles (the x86 files on x86-64, the NEON one on AArch64)."""
     arch = arch or platform.machine()
     x86, arm = ("x86_64", "AMD64"), ("aarch64", "arm64")
-    only = {"sx_avx2.cc": x86, "sx_vnni.cc": x86, "sx_avx512.cc": x86, "sx_amx.cc": x86, "sx_neon.cc": arm,
+    only = {"sx_avx2.cc": x86, "sx_avx2l.cc": x86, "sx_vnni.cc": x86, "sx_avx512.cc": x86, "sx_amx.cc": x86, "sx_neon.cc": arm,
             "sx_i8mm.cc": arm}
     return [s for s in KERNEL_SOURCES if arch in only.get(s, (arch,))]
 
@@ -217,6 +217,7 @@ def expected_paths() -> set[str] | None:
     out = {"ref"}
     if {"avx2", "fma", "f16c"} <= words:
         out.add("avx2")
+        out.add("avx2lanes")
         if "avx_vnni" in words:
             out.add("avxvnni")
         if {"avx512_vnni", "avx512vl"} <= words:

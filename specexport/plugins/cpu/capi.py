@@ -9,7 +9,7 @@ import numpy as np
 
 from specexport.errors import KernelsUnavailable
 
-PATHS = {"ref": 0, "avx2": 1, "neon": 3, "avxvnni": 4, "avx512vnni": 5, "amx": 6, "tiers": 7, "avx512": 8, "i8mm": 9}
+PATHS = {"ref": 0, "avx2": 1, "neon": 3, "avxvnni": 4, "avx512vnni": 5, "amx": 6, "tiers": 7, "avx512": 8, "i8mm": 9, "avx2lanes": 10}
 # GGUF type name -> ggml's id (the ops' `type` attribute)
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 

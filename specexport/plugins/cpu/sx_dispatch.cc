@@ -1,5 +1,5 @@
 // Which path runs: the best this CPU has (each checked against the reference first: sx_selfcheck.cc), or the one
-// SPECEXPORT_KERNEL_PATH (ref, avx2, avxvnni, avx512vnni, neon) names.
+// SPECEXPORT_KERNEL_PATH (ref, avx2, avx2lanes, avxvnni, avx512vnni, avx512, amx, neon, i8mm, tiers) names.
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -48,6 +48,8 @@ __attribute__((weak)) void sx_amx_gemm(int, const void*, int64_t, int64_t, const
 __attribute__((weak)) void sx_avx512_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*,
                                           int64_t);
 __attribute__((weak)) int sx_avx512_owns(int);
+void sx_avx2lanes_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+int sx_avx2lanes_owns(int);
 __attribute__((weak)) int sx_amx_owns(int);
 #endif
 void sx_ref_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
@@ -64,9 +66,9 @@ void sx_ref_attend(const sx::AttnRow&);
 
 namespace {
 
-constexpr int ALL[] = {SX_REF, SX_AVX2, SX_AVXVNNI, SX_AVX512VNNI, SX_AVX512, SX_AMX, SX_NEON, SX_I8MM};
+constexpr int ALL[] = {SX_REF, SX_AVX2, SX_AVXVNNI, SX_AVX512VNNI, SX_AVX512, SX_AMX, SX_NEON, SX_I8MM, SX_AVX2LANES};
 // The default for every M until the tier table is measured (tiers.py's ORDER: the proven vector paths first).
-constexpr int BEST_FIRST[] = {SX_NEON, SX_I8MM, SX_AMX, SX_AVX512VNNI, SX_AVXVNNI, SX_AVX512, SX_AVX2};
+constexpr int BEST_FIRST[] = {SX_NEON, SX_I8MM, SX_AMX, SX_AVX512VNNI, SX_AVXVNNI, SX_AVX512, SX_AVX2, SX_AVX2LANES};
 constexpr int NPATHS = 16;  // path ids index the state tables
 
 #if defined(__x86_64__) && defined(__linux__)
@@ -115,6 +117,7 @@ bool cpu_has(int path) {
 #if defined(__x86_64__)
     case SX_AVX2:  // F16C: the 32-weight tiles convert their fp16 scales with it
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case SX_AVX2LANES: return cpu_has(SX_AVX2);
 #ifdef SX_EMULATE_VNNI  // a test library: the VNNI steps computed with AVX2 (sx_vnni.cc)
     case SX_AVXVNNI: return cpu_has(SX_AVX2) && sx_avxvnni_gemm;
     case SX_AVX512VNNI: return cpu_has(SX_AVX2) && sx_avx512vnni_gemm;
@@ -160,6 +163,7 @@ const char* name(int path) {
     case SX_AVX512VNNI: return "avx512vnni";
     case SX_AMX: return "amx";
     case SX_AVX512: return "avx512";
+    case SX_AVX2LANES: return "avx2lanes";
     case SX_I8MM: return "i8mm";
     case SX_TIERS: return "tiers";
     default: return "?";
@@ -187,6 +191,8 @@ SxKernels kernels(int path) {
     case SX_AMX: return {sx_avx2_quantize_row, sx_amx_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
     case SX_AVX512:
       return {sx_avx2_quantize_row, sx_avx512_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
+    case SX_AVX2LANES:
+      return {sx_avx2_quantize_row, sx_avx2lanes_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
 #endif
 #if defined(__aarch64__)
     case SX_NEON: return {sx_ref_quantize_row, sx_neon_gemm, sx_neon_gemm_exact, sx_neon_attend, neon_attend_group};
@@ -276,6 +282,7 @@ extern "C" int sx_own_kernel(int path, int type) {
 #if defined(__x86_64__)
   if (path == SX_AVX512) return sx_avx512_owns && sx_avx512_owns(type);
   if (path == SX_AMX) return sx_amx_owns && sx_amx_owns(type);
+  if (path == SX_AVX2LANES) return sx_avx2lanes_owns(type);
 #endif
   return sx::type_info(type).qk != 0;
 }

@@ -11,13 +11,14 @@
 extern "C" {
 
 // Kernel paths; every path equals SX_REF bit for bit. The VNNI paths are the AVX2 path with VNNI's integer dot
-// products (AVX-VNNI's VEX encoding, or AVX512-VNNI's EVEX on ymm); SX_AVX512 the K types on zmm; SX_AMX the
+// products (AVX-VNNI's VEX encoding, or AVX512-VNNI's EVEX on ymm); SX_AVX512 the K types on zmm; SX_AVX2LANES
+// the K types with eight columns in a ymm register's lanes; SX_AMX the
 // matrix tiles (Q4_K, Q6_K); SX_NEON and SX_I8MM AArch64's sdot and smmla. SX_TIERS is no instruction set: each
 // pass runs the path its type and row count were measured fastest on (sx_set_tier; every path gives the same
 // bits, so the choice never changes an output). SX_AUTO: what sx_resolve picks.
 enum {
   SX_AUTO = -1, SX_REF = 0, SX_AVX2 = 1, SX_NEON = 3, SX_AVXVNNI = 4, SX_AVX512VNNI = 5, SX_AMX = 6, SX_TIERS = 7,
-  SX_AVX512 = 8, SX_I8MM = 9
+  SX_AVX512 = 8, SX_I8MM = 9, SX_AVX2LANES = 10
 };
 
 SX_API int sx_version(void);

@@ -30,7 +30,7 @@ REPS = 5
 MARGIN = 0.85                                 # another vector path is taken when it needs at most 85% of the time
 MATRIX_MARGIN = 0.93                          # a matrix tier, at most 93%
 MATRIX = ("amx", "i8mm")
-ORDER = ("avx512vnni", "avxvnni", "avx2", "neon", "avx512", "amx", "i8mm")   # the proven vector path first
+ORDER = ("avx512vnni", "avxvnni", "avx2", "neon", "avx512", "avx2lanes", "amx", "i8mm")   # the proven vector path first
 
 
 def cpu_id() -> str:
