@@ -8,8 +8,9 @@
 // |sum| <= 8 x 2 x 15 x 127 = 30480, exact) and scaled once by one `madd`: 9 multiplies per 256 multiply-adds
 // where the per-row kernels need 16 (a `madd` per 32), and no horizontal sums per block and row. Q6_K's
 // codes (v + 32 <= 63) pair two dwords a `madd` (|sum| <= 4 x 63 x 127), its zero point taken once a block
-// from the activations' sums. Then the reference's float steps in its order, so every output equals ref's.
-// The 32-weight types run avx2's kernels (the same bits).
+// from the activations' sums. The 32-weight 4- and 5-bit types a block at a time, their zero point from the
+// block's activation sum. Then the reference's float steps in its order, so every output equals ref's.
+// Q8_0 and Q5_K run avx2's kernels (the same bits: Q8_0's signed bytes fill maddubs' int16 at two products).
 #include "sx_x86.h"
 
 void sx_avx2_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
@@ -73,7 +74,7 @@ struct Rows {
 // Q4_K: 8 sub-blocks of 32 weights (chunk j / 2's low or high nibbles); a sub-block's eight dwords summed as
 // int16 then one madd by its scale; the mins' term per row from the activations' sums per 32 (int16 pairs).
 struct Q4KLanes {
-  static constexpr int BYTES = 144, TAB = 4;
+  static constexpr int QK = 256, BYTES = 144, TAB = 4;
   static void table(const ActRow& a, int64_t b, int32_t* out) {
     for (int p = 0; p < 4; ++p) {
       const int16_t* s = a.s16 + 16 * b + 4 * p;
@@ -145,7 +146,7 @@ struct Q4KLanes {
 // Q6_K: 16 sub-blocks of 16 weights; codes v + 32 from four low bits (ql) and two high (qh), two dwords summed
 // as int16 a madd; each row's block integer less 32 x sum_j s_j A_j (A_j: the row's sum over sub-block j).
 struct Q6KLanes {
-  static constexpr int BYTES = 210, TAB = 8;
+  static constexpr int QK = 256, BYTES = 210, TAB = 8;
   static void table(const ActRow& a, int64_t b, int32_t* out) {  // (A_2p, A_2p+1) as int16 pairs
     for (int p = 0; p < 8; ++p)
       out[p] = (int32_t)(uint16_t)a.s16[16 * b + 2 * p] | (int32_t)((uint32_t)(uint16_t)a.s16[16 * b + 2 * p + 1] << 16);
@@ -211,10 +212,70 @@ struct Q6KLanes {
   }
 };
 
+// The 32-weight 4- and 5-bit types (Q4_0, Q4_1, Q5_0, Q5_1), a block of the eight columns at a time: codes as
+// stored (unsigned: v + 8 or v + 16, or the affine types' own), a row's eight dwords summed as int16 (Q4:
+// |sum| <= 8 x 2 x 15 x 127) or two sums of four (Q5: 4 x 2 x 31 x 127), one madd by ones; the zero point as
+// -Z x the block's activation sum; then acc += I (d da) [acc += A (m da)], as the reference's.
+template <int TYPE>
+struct SmallLanes {
+  static constexpr bool affine = TYPE == Q4_1 || TYPE == Q5_1, five = TYPE == Q5_0 || TYPE == Q5_1;
+  static constexpr int QK = 32, TAB = 1, Z = affine ? 0 : (five ? 16 : 8);
+  static constexpr int QH = affine ? 4 : 2, QS = QH + (five ? 4 : 0), BYTES = QS + 16;  // offsets in a block
+  static void table(const ActRow& a, int64_t b, int32_t* out) { out[0] = a.s16[2 * b] + a.s16[2 * b + 1]; }
+  __m256i code[8];
+  __m256 d, m;
+  static __m256i dwords(const uint8_t* const* p, int off) {  // lane c: the dword at p[c] + off
+    return _mm256_setr_epi32(*(const word*)(p[0] + off), *(const word*)(p[1] + off), *(const word*)(p[2] + off),
+                             *(const word*)(p[3] + off), *(const word*)(p[4] + off), *(const word*)(p[5] + off),
+                             *(const word*)(p[6] + off), *(const word*)(p[7] + off));
+  }
+  void unpack(const uint8_t* const* p) {
+    const __m256i hd = dwords(p, 0);  // d [| m]
+    d = halves(hd, 0);
+    if constexpr (affine) m = halves(hd, 1);
+    __m256i x[4];
+    load4(p, QS, x);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) code[t] = _mm256_and_si256(x[t], m4), code[4 + t] = _mm256_and_si256(_mm256_srli_epi16(x[t], 4), m4);
+    if constexpr (five) {  // weight i's fifth bit: bit i of qh; dword t's four from bits 4t..4t+3, spread 8 apart by a multiply
+      const __m256i qh = dwords(p, QH);
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const __m256i h = _mm256_and_si256(_mm256_srli_epi32(qh, 4 * t), _mm256_set1_epi32(0xF));
+        const __m256i bits = _mm256_and_si256(_mm256_mullo_epi32(h, _mm256_set1_epi32(0x00204081)), _mm256_set1_epi32(0x01010101));
+        code[t] = _mm256_or_si256(code[t], _mm256_slli_epi32(bits, 4));
+      }
+    }
+  }
+  void rows(const Rows& R, int64_t b, __m256i*, float* acc) const {
+    const int64_t M = R.M, stride = R.stride;
+    const int32_t* tab = R.tab + (size_t)(b * M);
+    const float* da = R.da + (size_t)(b * M);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* x = R.q + 32 * b;
+    for (int64_t r = 0; r < M; ++r, x += stride) {
+      __m256i s0 = _mm256_maddubs_epi16(code[0], bcast(x)), s1 = _mm256_maddubs_epi16(code[1], bcast(x + 4));
+#pragma GCC unroll 3
+      for (int t = 2; t < 8; t += 2) {
+        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(code[t], bcast(x + 4 * t)));
+        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(code[t + 1], bcast(x + 4 * t + 4)));
+      }
+      __m256i I = five ? _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones))
+                       : _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
+      if constexpr (Z != 0) I = _mm256_add_epi32(I, _mm256_set1_epi32(-Z * tab[r]));
+      const __m256 a = _mm256_set1_ps(da[r]);
+      __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(d, a), _mm256_loadu_ps(acc + LC * r));
+      if constexpr (affine) f = _mm256_fmadd_ps(_mm256_set1_ps((float)tab[r]), _mm256_mul_ps(m, a), f);
+      _mm256_storeu_ps(acc + LC * r, f);
+    }
+  }
+};
+
 template <class L>
 void lanes8_gemm(const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
                  int64_t ldy) {
-  const int64_t nb = K / 256;
+  const int64_t nb = K / L::QK;
   const size_t rb = (size_t)nb * L::BYTES;
   thread_local std::vector<int32_t> tab;
   thread_local std::vector<float> da, acc_buf;
@@ -222,7 +283,7 @@ void lanes8_gemm(const void* act, int64_t M, int64_t K, const uint8_t* W, int64_
   tab.assign((size_t)(nb * M * L::TAB), 0);
   da.assign((size_t)(nb * M), 0.f);
   for (int64_t m = 0; m < M; ++m) {
-    const ActRow a = act_row(act, m, K, 256);
+    const ActRow a = act_row(act, m, K, L::QK);
     for (int64_t b = 0; b < nb; ++b) {
       L::table(a, b, &tab[(size_t)(b * M + m) * L::TAB]);
       da[(size_t)(b * M + m)] = a.d[b];
@@ -230,7 +291,7 @@ void lanes8_gemm(const void* act, int64_t M, int64_t K, const uint8_t* W, int64_
   }
   I_buf.resize((size_t)M);
   acc_buf.resize((size_t)(M * LC));
-  const Rows R{act_row(act, 0, K, 256).q, (int64_t)act_row_bytes(K, 256), M, tab.data(), da.data()};
+  const Rows R{act_row(act, 0, K, L::QK).q, (int64_t)act_row_bytes(K, L::QK), M, tab.data(), da.data()};
   __m256i* I = &I_buf.data()->v;
   float* acc = acc_buf.data();
   alignas(32) L g;
@@ -260,6 +321,10 @@ GemmFn lanes8_kernel(int type) {
   switch (type) {
     case Q4_K: return lanes8_gemm<Q4KLanes>;
     case Q6_K: return lanes8_gemm<Q6KLanes>;
+    case Q4_0: return lanes8_gemm<SmallLanes<Q4_0>>;
+    case Q4_1: return lanes8_gemm<SmallLanes<Q4_1>>;
+    case Q5_0: return lanes8_gemm<SmallLanes<Q5_0>>;
+    case Q5_1: return lanes8_gemm<SmallLanes<Q5_1>>;
     default: return nullptr;
   }
 }
