@@ -25,6 +25,18 @@ struct Lanes8 {
 };
 inline __m256i bcast(const int8_t* p) { return _mm256_set1_epi32(*(const word*)p); }
 
+// Eight dwords of the eight columns (w) against a row's 32 activations (x, each dword broadcast): maddubs'
+// int16 pairs summed in two chains (dwords 0, 2, 4, 6 and 1, 3, 5, 7), written in the order they issue (eight
+// products computed first and summed after spilled w to the stack).
+__attribute__((always_inline)) inline void dot8(const __m256i* w, const int8_t* x, __m256i& s0, __m256i& s1) {
+  s0 = _mm256_maddubs_epi16(w[0], bcast(x)), s1 = _mm256_maddubs_epi16(w[1], bcast(x + 4));
+#pragma GCC unroll 3
+  for (int t = 2; t < 8; t += 2) {
+    s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[t], bcast(x + 4 * t)));
+    s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[t + 1], bcast(x + 4 * t + 4)));
+  }
+}
+
 // 16 bytes at p[c] + off of the eight columns, transposed: out[d] lane c = dword d of column c (d < 4).
 inline void load4(const uint8_t* const* p, int off, __m256i* out) {
   __m256i x[4];
@@ -119,14 +131,8 @@ struct Q4KLanes {
       const __m256i s = sc[j];
       const int8_t* x = R.q + 256 * b + 32 * j;
       for (int64_t r = 0; r < M; ++r, x += stride) {
-        // two chains of int16 sums, written in the order they issue: w stays in registers (eight products
-        // computed first and summed after spilled w to the stack)
-        __m256i s0 = _mm256_maddubs_epi16(w[0], bcast(x)), s1 = _mm256_maddubs_epi16(w[1], bcast(x + 4));
-#pragma GCC unroll 3
-        for (int t = 2; t < 8; t += 2) {
-          s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[t], bcast(x + 4 * t)));
-          s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[t + 1], bcast(x + 4 * t + 4)));
-        }
+        __m256i s0, s1;
+        dot8(w, x, s0, s1);
         I[r] = _mm256_add_epi32(I[r], _mm256_madd_epi16(_mm256_add_epi16(s0, s1), s));
       }
     }
@@ -255,12 +261,8 @@ struct SmallLanes {
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t* x = R.q + 32 * b;
     for (int64_t r = 0; r < M; ++r, x += stride) {
-      __m256i s0 = _mm256_maddubs_epi16(code[0], bcast(x)), s1 = _mm256_maddubs_epi16(code[1], bcast(x + 4));
-#pragma GCC unroll 3
-      for (int t = 2; t < 8; t += 2) {
-        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(code[t], bcast(x + 4 * t)));
-        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(code[t + 1], bcast(x + 4 * t + 4)));
-      }
+      __m256i s0, s1;
+      dot8(code, x, s0, s1);
       __m256i I = five ? _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones))
                        : _mm256_madd_epi16(_mm256_add_epi16(s0, s1), ones);
       if constexpr (Z != 0) I = _mm256_add_epi32(I, _mm256_set1_epi32(-Z * tab[r]));
