@@ -292,6 +292,60 @@ def test_one_node_of_several_weights_gives_each_output_its_own_matmuls_bits(kern
                     assert np.array_equal(got, alone), f"{qtype}, exact={exact}, {threads} threads, M={m}"
 
 
+def test_adds_after_the_matmuls_fold_into_them_with_the_same_bits(kernels):
+    """kernel_addends: a bias (a constant [N]) or a residual (ready before the matmul) added to a GgufMatMul(N)
+    output becomes the node's addend C; the outputs' bits equal the graph with its Add nodes. An Add whose
+    other input is computed after the matmul stays; an addend of another shape is refused by name."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from specexport.quant.gguf_raw import kernel_addends
+
+    ort = pytest.importorskip("onnxruntime")
+    status = cpu.status()
+    rng = np.random.default_rng(11)
+    k = 256
+    ws = {"Wq": blocks(rng, "Q4_K", 40, k), "Wk": blocks(rng, "Q5_0", 24, k), "Wo": blocks(rng, "Q6_K", k, k)}
+    bias = {"bq": rng.standard_normal(40).astype(np.float32), "bk": rng.standard_normal(24).astype(np.float32)}
+    T = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("GgufMatMulN", ["X", "Wq", "Wk"], ["q0", "k0"], domain=cpu.DOMAIN,
+                         types=[cpu.TYPES["Q4_K"], cpu.TYPES["Q5_0"]], Ns=[40, 24], K=k),
+        helper.make_node("Add", ["q0", "bq"], ["q"]),
+        helper.make_node("Add", ["bk", "k0"], ["k"]),
+        helper.make_node("GgufMatMul", ["X", "Wo"], ["o0"], domain=cpu.DOMAIN, type=cpu.TYPES["Q6_K"], K=k, N=k),
+        helper.make_node("Add", ["R", "o0"], ["o"]),                       # the residual: a graph input
+        helper.make_node("GgufMatMul", ["o", "Wo"], ["p0"], domain=cpu.DOMAIN, type=cpu.TYPES["Q6_K"], K=k, N=k),
+        helper.make_node("Neg", ["X"], ["late"]),                          # computed after p0's matmul
+        helper.make_node("Add", ["p0", "late"], ["p"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("X", T, ["B", "T", k]), helper.make_tensor_value_info("R", T, ["B", "T", k])],
+        [helper.make_tensor_value_info(n, T, None) for n in ("q", "k", "o", "p")],
+        [numpy_helper.from_array(w, n) for n, w in {**ws, **bias}.items()])
+    consts = {t.name: list(t.dims) for t in graph.initializer}
+    folded = kernel_addends(list(graph.node), consts, {"q", "k", "o", "p"})
+    assert [n.op_type for n in folded] == ["GgufMatMulN", "GgufMatMul", "GgufMatMul", "Neg", "Add"]
+    assert list(folded[0].input) == ["X", "Wq", "Wk", "bq", "bk"] and list(folded[1].input) == ["X", "Wo", "R"]
+
+    def session(nodes):
+        g = helper.make_graph(nodes, "g", graph.input, graph.output, graph.initializer,   # the variadic outputs' type
+                              value_info=[helper.make_tensor_value_info(n, T, None) for n in ("q0", "k0", "q", "k")])
+        model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(cpu.DOMAIN, 1)])
+        so = ort.SessionOptions()
+        so.register_custom_ops_library(str(status.library))
+        so.intra_op_num_threads = 2
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+    plain, fused = session(nodes), session(folded)
+    for m in (1, 5):
+        feed = {"X": rng.standard_normal((1, m, k)).astype(np.float32), "R": rng.standard_normal((1, m, k)).astype(np.float32)}
+        for name, a, b in zip(("q", "k", "o", "p"), plain.run(None, feed), fused.run(None, feed)):
+            assert np.array_equal(a, b), f"{name}, M={m}"
+    feed["R"] = feed["R"][:, :1]                                           # a broadcast the kernel does not take
+    with pytest.raises(Exception, match=r"GgufMatMul: the addend C is \[1, 1, 256\], neither Y's shape"):
+        fused.run(None, feed)
+
+
 def test_a_kernels_graph_where_the_library_is_hidden_says_why_and_what_to_do(tmp_path, monkeypatch):
     from onnx import TensorProto, helper, numpy_helper, save
 

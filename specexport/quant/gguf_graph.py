@@ -6,6 +6,7 @@ kernels (specexport's CPU kernels, specexport/plugins/cpu; `kernels=True`): the 
     MatMul(A, W)        ->  specexport.cpu.GgufMatMul(A, blocks)       blocks: [N, row bytes] uint8, the file's
     Gather(E, ids)      ->  specexport.cpu.GgufGather(blocks, ids)     rows in the graph's order
     MatMuls of one A    ->  specexport.cpu.GgufMatMulN(A, blocks...)   q, k, v; gate, up (the same bits)
+    Add(that, bias | residual) -> the matmul's addend C                 (the same bits, one node fewer)
 
 stock (ONNX Runtime's own ops; quant/gguf_blocks.py maps each type onto them):
 
@@ -40,7 +41,8 @@ import numpy as np
 
 from specexport._optional import require
 from specexport.quant.gguf_blocks import SUPPORTED, BlockCodes, decode
-from specexport.quant.gguf_raw import RawBlocks, kernel_attention, kernel_groups, kernel_node, tensor_raw
+from specexport.quant.gguf_raw import (RawBlocks, kernel_addends, kernel_attention, kernel_groups, kernel_node,
+                                      tensor_raw)
 
 
 @dataclass
@@ -378,10 +380,11 @@ class _Builder:
         nodes = list(self.head)
         for i, node in enumerate(graph.node):
             nodes += self.nodes.get(i, []) if i in self.removed else [node]
+        outputs = {o.name for o in graph.output}
         if self.kernels:
             kernel_attention(nodes)
-            nodes = kernel_groups(nodes)
-        outputs = {o.name for o in graph.output}
+            consts = {t.name: list(t.dims) for t in [*graph.initializer, *self.inits] if t.name not in replaced}
+            nodes = kernel_addends(kernel_groups(nodes), consts, outputs)
         while True:                                   # unused nodes, until none is left
             used = {x for n in nodes for x in n.input} | outputs
             live = [n for n in nodes if any(o in used for o in n.output)]

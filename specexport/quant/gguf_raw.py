@@ -79,3 +79,59 @@ def kernel_groups(nodes: list) -> list:
         first[id(members[0][0])] = node
         fused |= {id(n) for n, _ in members}
     return [first.get(id(n), n) for n in nodes if id(n) in first or id(n) not in fused]
+
+
+def kernel_addends(nodes: list, consts: dict, outputs: set) -> list:
+    """An Add of a GgufMatMul(N) output and a bias (a constant [N]) or a tensor that exists before the
+    matmul runs (the residual) becomes the matmul's addend C (sx_ort.cc): the same float add, the Add
+    node and its pass over Y gone (a small model's decode step spends ~5% in such Adds' fixed cost).
+    consts: initializer name -> dims; outputs: the graph's outputs (never folded away)."""
+    from onnx import helper
+
+    from specexport.plugins import cpu
+
+    made = {o: i for i, n in enumerate(nodes) for o in n.output}
+    readers: dict = {}
+    for n in nodes:
+        for x in n.input:
+            readers[x] = readers.get(x, 0) + 1
+    addend: dict = {}                                  # matmul index -> {output slot: (C, Add's output)}
+    folded = set()
+    for i, add in enumerate(nodes):
+        if add.op_type != "Add" or add.domain or len(add.input) != 2:
+            continue
+        for y, c in ((add.input[0], add.input[1]), (add.input[1], add.input[0])):
+            p = made.get(y)
+            mm = nodes[p] if p is not None else None
+            if mm is None or mm.domain != cpu.DOMAIN or mm.op_type not in ("GgufMatMul", "GgufMatMulN"):
+                continue
+            if readers.get(y) != 1 or y in outputs or c == y:
+                continue
+            slot = list(mm.output).index(y)
+            a = {x.name: (x.ints if x.type == x.INTS else x.i) for x in mm.attribute}
+            N = a["Ns"][slot] if mm.op_type == "GgufMatMulN" else a["N"]
+            if c in consts:
+                if list(consts[c]) != [N]:
+                    continue
+            elif c in made and made[c] >= p:           # computed after the matmul: not there yet
+                continue
+            if slot in addend.setdefault(p, {}) or len(mm.input) > (2 if mm.op_type == "GgufMatMul" else len(a["Ns"]) + 1):
+                continue
+            addend[p][slot] = (c, add.output[0])
+            folded.add(id(add))
+            break
+    out = []
+    for i, n in enumerate(nodes):
+        if id(n) in folded:
+            continue
+        if i in addend:
+            outs = list(n.output)
+            for slot, (_, o) in addend[i].items():
+                outs[slot] = o
+            attrs = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+            cs = [addend[i][s][0] for s in sorted(addend[i])]
+            if n.op_type == "GgufMatMulN":
+                attrs["adds"] = [int(s in addend[i]) for s in range(len(outs))]
+            n = helper.make_node(n.op_type, [*n.input, *cs], outs, name=n.name, domain=n.domain, **attrs)
+        out.append(n)
+    return out

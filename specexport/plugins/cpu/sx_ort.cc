@@ -1,9 +1,12 @@
 // ONNX Runtime custom ops (domain "specexport.cpu"), through the lite custom-op API (headers from
 // Debian's libonnxruntime-dev; the C API is versioned, so a library built on 1.21 headers runs on later
 // runtimes):
-//   GgufMatMul(X float [..., K], W uint8 [N, row bytes]) -> Y float [..., N]   attributes: type, K, N, exact
-//   GgufMatMulN(X, W_0 .. W_n-1) -> Y_0 .. Y_n-1: n GgufMatMuls of one input in one node (q, k, v; gate,
-//     up), each output's bits those of its own GgufMatMul   attributes: types, Ns (one per weight), K, exact
+//   GgufMatMul(X float [..., K], W uint8 [N, row bytes][, C float]) -> Y float [..., N]   attributes: type,
+//     K, N, exact. C (optional), added after the product: a bias [N] or a tensor of Y's shape (a residual);
+//     Y = X W^T + C in float, the bits of an Add after it.
+//   GgufMatMulN(X, W_0 .. W_n-1, C...) -> Y_0 .. Y_n-1: n GgufMatMuls of one input in one node (q, k, v;
+//     gate, up), each output's bits those of its own GgufMatMul   attributes: types, Ns (one per weight),
+//     K, exact, adds (optional, one 0/1 per output: the C inputs after the weights, in the outputs' order)
 //   GgufGather(W uint8 [N, row bytes], ids int64 [...]) -> Y float [..., K]    attributes: type, K, N
 //   GroupQueryAttention: ONNX Runtime's contract, each row computed alone (below)
 #define ORT_API_MANUAL_INIT
@@ -13,6 +16,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -58,6 +62,28 @@ struct Attrs {
   }
 };
 
+// An addend's shape: [N] (a bias, every row) or Y's (a residual). Sets *full for the latter.
+Ort::Status addend_shape(const std::string& op, const std::vector<int64_t>& c, const std::vector<int64_t>& y, bool* full) {
+  *full = c == y;
+  if (*full || (c.size() == 1 && c[0] == y.back())) return Ort::Status{nullptr};
+  auto dims = [](const std::vector<int64_t>& v) {
+    std::string t = "[";
+    for (size_t i = 0; i < v.size(); ++i) t += (i ? ", " : "") + std::to_string(v[i]);
+    return t + "]";
+  };
+  return Ort::Status((op + ": the addend C is " + dims(c) + ", neither Y's shape " + dims(y) + " nor [N]").c_str(),
+                     ORT_INVALID_ARGUMENT);
+}
+
+// Columns [n0, n1) of Y's M rows plus C's: the float add of the Add node this replaces.
+void add_cols(float* y, const float* c, bool full, int64_t M, int64_t N, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = y + m * N;
+    const float* add = full ? c + m * N : c;
+    for (int64_t n = n0; n < n1; ++n) row[n] = row[n] + add[n];
+  }
+}
+
 struct Task {
   const Attrs* a;
   int64_t cols;
@@ -66,6 +92,8 @@ struct Task {
   const uint8_t* W;
   float* Y;
   int64_t M;
+  const float* C;  // the addend or null
+  bool full;
 };
 
 void run_task(void* p, size_t i) {
@@ -75,12 +103,13 @@ void run_task(void* p, size_t i) {
     sx_gemm_exact((int)t.a->type, t.a->path, t.X, t.M, t.a->K, t.W, n0, n1, t.Y, t.a->N);
   else
     sx_gemm_q8((int)t.a->type, t.a->path, t.act, t.M, t.a->K, t.W, n0, n1, t.Y, t.a->N);
+  if (t.C) add_cols(t.Y, t.C, t.full, t.M, t.a->N, n0, n1);
 }
 
 struct GgufMatMul : Attrs {
   using Attrs::Attrs;
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& X, const Ort::Custom::Tensor<uint8_t>& W,
-                      Ort::Custom::Tensor<float>& Y) {
+                      std::optional<const Ort::Custom::Tensor<float>*> C, Ort::Custom::Tensor<float>& Y) {
     if (Ort::Status bad = check("GgufMatMul"); !bad.IsOK()) return bad;
     std::vector<int64_t> shape = X.Shape();
     if (shape.empty() || shape.back() != K) return Ort::Status("GgufMatMul: X's last axis is not K", ORT_INVALID_ARGUMENT);
@@ -90,6 +119,9 @@ struct GgufMatMul : Attrs {
     int64_t M = 1;
     for (size_t i = 0; i + 1 < shape.size(); ++i) M *= shape[i];
     shape.back() = N;
+    bool full = false;
+    if (C.has_value())
+      if (Ort::Status bad = addend_shape("GgufMatMul", (*C)->Shape(), shape, &full); !bad.IsOK()) return bad;
     float* y = Y.Allocate(shape);
     if (M == 0) return Ort::Status{nullptr};
     std::vector<uint8_t> act;
@@ -97,7 +129,7 @@ struct GgufMatMul : Attrs {
       act.resize(sx_act_bytes((int)type, M, K));
       sx_quantize((int)type, path, X.Data(), M, K, act.data());
     }
-    Task task{this, task_cols(N), act.data(), X.Data(), W.Data(), y, M};
+    Task task{this, task_cols(N), act.data(), X.Data(), W.Data(), y, M, C.has_value() ? (*C)->Data() : nullptr, full};
     const size_t tasks = (size_t)((N + task.cols - 1) / task.cols);
     Ort::KernelContext(ctx).ParallelFor(run_task, tasks, 0, &task);
     return Ort::Status{nullptr};
@@ -109,13 +141,14 @@ struct GgufMatMul : Attrs {
 // cost (the op call, the quantization, waking the pool) is a large part of it, and a lone 192-column
 // matmul is three tasks on two threads.
 struct GgufMatMulN {
-  std::vector<int64_t> types, Ns;
+  std::vector<int64_t> types, Ns, adds;
   int64_t K, exact;
   int path;
   GgufMatMulN(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
     types = ki.GetAttributes<int64_t>("types");
     Ns = ki.GetAttributes<int64_t>("Ns");
+    try { adds = ki.GetAttributes<int64_t>("adds"); } catch (const Ort::Exception&) { adds.assign(types.size(), 0); }
     K = ki.GetAttribute<int64_t>("K");
     exact = exact_attr(ki);
     path = sx_resolve(SX_AUTO);
@@ -127,6 +160,8 @@ struct GgufMatMulN {
     const uint8_t* W;
     const void* act;
     float* Y;
+    const float* C;  // the addend or null
+    bool full;
   };
   struct Job {
     const GgufMatMulN* op;
@@ -142,13 +177,17 @@ struct GgufMatMulN {
       sx_gemm_exact(t.type, j.op->path, j.X, j.M, j.op->K, t.W, t.n0, t.n1, t.Y, t.N);
     else
       sx_gemm_q8(t.type, j.op->path, t.act, j.M, j.op->K, t.W, t.n0, t.n1, t.Y, t.N);
+    if (t.C) add_cols(t.Y, t.C, t.full, j.M, t.N, t.n0, t.n1);
   }
 
   Ort::Status Compute(OrtKernelContext* ctx, const Ort::Custom::Tensor<float>& X, const Ort::Custom::Variadic& Ws,
                       Ort::Custom::Variadic& Ys) {
     const size_t n = types.size();
-    if (Ns.size() != n || Ws.Size() != n)
-      return Ort::Status("GgufMatMulN: the attributes types and Ns and the weights are not one per output", ORT_INVALID_ARGUMENT);
+    size_t n_adds = 0;
+    for (int64_t a : adds) n_adds += a != 0;
+    if (Ns.size() != n || adds.size() != n || Ws.Size() != n + n_adds)
+      return Ort::Status("GgufMatMulN: the attributes types, Ns and adds, the weights and the addends are not one per output",
+                         ORT_INVALID_ARGUMENT);
     if (path < 0)
       return Ort::Status((std::string("GgufMatMulN: SPECEXPORT_KERNEL_PATH names a path this CPU cannot run (it runs: ") +
                           sx_paths() + ")").c_str(), ORT_FAIL);
@@ -158,7 +197,7 @@ struct GgufMatMulN {
     for (size_t i = 0; i + 1 < shape.size(); ++i) M *= shape[i];
     Job job{this, X.Data(), M, {}};
     std::vector<uint8_t> act32, act256;  // X quantized per block size (32, or 256 for the K types)
-    for (size_t i = 0; i < n; ++i) {
+    for (size_t i = 0, next_add = n; i < n; ++i) {
       const int type = (int)types[i];
       const size_t rb = sx_row_bytes(type, K);
       const std::vector<int64_t>& ws = Ws[i]->Shape();
@@ -166,6 +205,17 @@ struct GgufMatMulN {
         return Ort::Status(("GgufMatMulN: weight " + std::to_string(i) + " is not [N, row bytes] for its type and K").c_str(),
                            ORT_INVALID_ARGUMENT);
       shape.back() = Ns[i];
+      const float* c = nullptr;
+      bool full = false;
+      if (adds[i]) {  // read through the context: the lite API types every variadic input as the first one
+        const Ort::ConstValue C = Ort::KernelContext(ctx).GetInput(1 + next_add++);
+        const Ort::TensorTypeAndShapeInfo info = C.GetTensorTypeAndShapeInfo();
+        if (info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT)
+          return Ort::Status(("GgufMatMulN: addend of output " + std::to_string(i) + " is not float").c_str(), ORT_INVALID_ARGUMENT);
+        if (Ort::Status bad = addend_shape("GgufMatMulN output " + std::to_string(i), info.GetShape(), shape, &full); !bad.IsOK())
+          return bad;
+        c = C.GetTensorData<float>();
+      }
       float* y = Ys.AllocateOutput<float>(i, shape);
       std::vector<uint8_t>& act = sx::type_info(type).qk == 32 ? act32 : act256;
       if (!exact && M > 0 && act.empty()) {
@@ -174,7 +224,7 @@ struct GgufMatMulN {
       }
       const int64_t cols = task_cols(Ns[i]);
       for (int64_t n0 = 0; n0 < Ns[i] && M > 0; n0 += cols)
-        job.parts.push_back(Part{type, Ns[i], n0, std::min(n0 + cols, Ns[i]), (const uint8_t*)Ws[i]->DataRaw(), act.data(), y});
+        job.parts.push_back(Part{type, Ns[i], n0, std::min(n0 + cols, Ns[i]), (const uint8_t*)Ws[i]->DataRaw(), act.data(), y, c, full});
     }
     if (!job.parts.empty()) Ort::KernelContext(ctx).ParallelFor(run, job.parts.size(), 0, &job);
     return Ort::Status{nullptr};
