@@ -406,8 +406,9 @@ def test_metrics_count_what_the_clients_saw(build):
 # ------------------------------------------------------------------ graceful shutdown
 
 def test_shutdown_finishes_queued_and_running_work(build, reference):
-    s = LiveServer(create_app(slowed(specexport.load(build), 0.004), method="vanilla",
-                              limits=Limits(shutdown_grace_s=30)))
+    pipe = specexport.load(build)
+    gate = gated(pipe)                   # nothing finishes before all have arrived (a loaded machine is slow to send)
+    s = LiveServer(create_app(pipe, method="vanilla", limits=Limits(shutdown_grace_s=30)))
     prompts = ["def fib(n):", "import json\n", "x = [", "while True:", "return self.", "for i in range(10):"]
     want = {p: reference.generate(p, max_new_tokens=40, method="vanilla", temperature=0).text for p in prompts}
 
@@ -424,6 +425,7 @@ def test_shutdown_finishes_queued_and_running_work(build, reference):
             wait_for(lambda: s.worker.pending == len(prompts), "every request to arrive")
             s.server.handle_exit(signal.SIGTERM, None)                       # what the signal handler calls
             assert s.worker.draining
+            gate.set()                                                       # the running one and the queued go on
             answers = [f.result(timeout=30) for f in futures]
         assert answers == [want[p] for p in prompts]                         # every one finished, correctly
         s.thread.join(timeout=10)

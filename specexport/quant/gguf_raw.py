@@ -97,7 +97,7 @@ def kernel_addends(nodes: list, consts: dict, outputs: set) -> list:
             readers[x] = readers.get(x, 0) + 1
     addend: dict = {}                                  # matmul index -> {output slot: (C, Add's output)}
     folded = set()
-    for i, add in enumerate(nodes):
+    for add in nodes:
         if add.op_type != "Add" or add.domain or len(add.input) != 2:
             continue
         for y, c in ((add.input[0], add.input[1]), (add.input[1], add.input[0])):
