@@ -319,7 +319,7 @@ def test_adds_after_the_matmuls_fold_into_them_with_the_same_bits(kernels):
         helper.make_node("Add", ["p0", "late"], ["p"]),
     ]
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("X", T, ["B", "T", k]), helper.make_tensor_value_info("R", T, ["B", "T", k])],
+        nodes, "g", [helper.make_tensor_value_info("X", T, ["B", "T", k]), helper.make_tensor_value_info("R", T, None)],
         [helper.make_tensor_value_info(n, T, None) for n in ("q", "k", "o", "p")],
         [numpy_helper.from_array(w, n) for n, w in {**ws, **bias}.items()])
     consts = {t.name: list(t.dims) for t in graph.initializer}
@@ -341,6 +341,8 @@ def test_adds_after_the_matmuls_fold_into_them_with_the_same_bits(kernels):
         feed = {"X": rng.standard_normal((1, m, k)).astype(np.float32), "R": rng.standard_normal((1, m, k)).astype(np.float32)}
         for name, a, b in zip(("q", "k", "o", "p"), plain.run(None, feed), fused.run(None, feed)):
             assert np.array_equal(a, b), f"{name}, M={m}"
+    out = fused.run(None, {**feed, "R": feed["R"][0]})[2]                  # the residual without its leading 1
+    assert np.array_equal(out, plain.run(None, feed)[2])
     feed["R"] = feed["R"][:, :1]                                           # a broadcast the kernel does not take
     with pytest.raises(Exception, match=r"GgufMatMul: the addend C is \[1, 1, 256\], neither Y's shape"):
         fused.run(None, feed)

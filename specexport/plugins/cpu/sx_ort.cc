@@ -62,9 +62,15 @@ struct Attrs {
   }
 };
 
-// An addend's shape: [N] (a bias, every row) or Y's (a residual). Sets *full for the latter.
+// An addend's shape: [N] (a bias, every row) or Y's, leading 1s aside (a residual: the same elements in the
+// same order). Sets *full for the latter.
 Ort::Status addend_shape(const std::string& op, const std::vector<int64_t>& c, const std::vector<int64_t>& y, bool* full) {
-  *full = c == y;
+  auto core = [](const std::vector<int64_t>& v) {
+    size_t i = 0;
+    while (i + 1 < v.size() && v[i] == 1) ++i;
+    return std::vector<int64_t>(v.begin() + (std::ptrdiff_t)i, v.end());
+  };
+  *full = core(c) == core(y);
   if (*full || (c.size() == 1 && c[0] == y.back())) return Ort::Status{nullptr};
   auto dims = [](const std::vector<int64_t>& v) {
     std::string t = "[";
