@@ -34,6 +34,15 @@ static inline void row_sums(int64_t K, int, ActRow r) {
   }
 }
 
+// Block b's (256 weights) four int16 pairs of its eight 32-value sums, pair p = (A_2p, A_2p+1) in one int32:
+// the Q4_K mins' operand, one madd per pair (the lanes tiers' tables).
+static inline void k4_min_pairs(const ActRow& a, int64_t b, int32_t* out) {
+  for (int p = 0; p < 4; ++p) {
+    const int16_t* s = a.s16 + 16 * b + 4 * p;
+    out[p] = (int32_t)(uint16_t)(int16_t)(s[0] + s[1]) | (int32_t)((uint32_t)(uint16_t)(int16_t)(s[2] + s[3]) << 16);
+  }
+}
+
 // d = max|x| / 127, q = round-half-even(x / d) (in the current rounding mode, as nearbyint): the reference
 // every path's quantizer equals. A block with a NaN or inf: d = NaN (its outputs NaN), q = 0.
 static inline void quantize_row(const float* x, int64_t K, int qk, ActRow r) {

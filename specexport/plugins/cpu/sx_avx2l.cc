@@ -87,12 +87,7 @@ struct Rows {
 // int16 then one madd by its scale; the mins' term per row from the activations' sums per 32 (int16 pairs).
 struct Q4KLanes {
   static constexpr int QK = 256, BYTES = 144, TAB = 4;
-  static void table(const ActRow& a, int64_t b, int32_t* out) {
-    for (int p = 0; p < 4; ++p) {
-      const int16_t* s = a.s16 + 16 * b + 4 * p;
-      out[p] = (int32_t)(uint16_t)(int16_t)(s[0] + s[1]) | (int32_t)((uint32_t)(uint16_t)(int16_t)(s[2] + s[3]) << 16);
-    }
-  }
+  static void table(const ActRow& a, int64_t b, int32_t* out) { k4_min_pairs(a, b, out); }
   __m256i code[32], sc[8], mp[4];
   __m256 d, m;  // d, -dmin
   void unpack(const uint8_t* const* p) {

@@ -98,10 +98,7 @@ struct LanesQ4K : KType<LanesQ4K> {
   // per row and block: the activations' sums per 32 as int16 pairs (sub-blocks 2p, 2p + 1)
   static void table(const ActRow& a, int64_t b, int, int32_t* out, float* da) {
     da[0] = a.d[b];
-    for (int p = 0; p < 4; ++p) {
-      const int16_t* s = a.s16 + 16 * b + 4 * p;
-      out[p] = (int32_t)(uint16_t)(int16_t)(s[0] + s[1]) | (int32_t)((uint32_t)(uint16_t)(int16_t)(s[2] + s[3]) << 16);
-    }
+    k4_min_pairs(a, b, out);
   }
   static void finish(const Group& g, V I, const int32_t* tab, const float* da, float* acc) {
     V mn = vzero();
