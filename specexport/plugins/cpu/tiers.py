@@ -2,14 +2,18 @@
 
 Every path gives the reference's bits, so the choice is a matter of speed only: each weight type's matmul is
 timed on every SIMD path this CPU runs, one thread, at M = 1..16 rows (the passes speculation makes: a draft
-step, a verify of a chain or a tree), interleaved, the fastest of five runs each (the least disturbed by
+step, a verify of a chain or a tree), interleaved, the fastest of REPS runs each (the least disturbed by
 whatever else the machine runs), and each M goes to the fastest; a vector path displaces the one
 before it in the library's order (the best vector path first) only when MARGIN faster, so paths that run
 the same kernel (VNNI in two encodings) never trade places on noise; a matrix tier (AMX, i8mm: kernels of
 another structure) needs only MATRIX_MARGIN (at 0.85, AMX's 13% at Q4_K M 4 went unused). Measured once
 per CPU and library and cached beside the library (tiers-<cpu>.json); never assumed. A path that hands a type
 to another path's kernel (the 512-bit tier's Q5_K, AMX's Q5 types) is not timed for it: two
-timings of one kernel would trade places on noise.
+timings of one kernel would trade places on noise. Each path's time relative to the first path's is
+smoothed over neighbouring M (a median of three: a run of ratios that rises or falls with M is kept as is, one
+M disturbed alone is not): with five runs and no smoothing, tables measured on this 2-core Zen 3 while
+other work ran put Q4_K's 8-column lanes (0.70x avx2's time at every M from 2, quiet) on avx2 for M 2-7 and
+Q6_K's off M 10-16 in half of thirteen libraries.
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ from specexport.manifest import write_json_atomic
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)     # measured; M between two of them takes the lower one's tier
 MAX_ROWS = 17                                # the table's last row: more than 16
 SHAPE = (512, 4096)                           # N, K: L2-sized (1.7 MB of Q6_K); K as a layer's (16 blocks)
-REPS = 5
+REPS = 25                                     # ~1 s for every type; once a CPU and library
 MARGIN = 0.85                                 # another vector path is taken when it needs at most 85% of the time
 MATRIX_MARGIN = 0.93                          # a matrix tier, at most 93%
 MATRIX = ("amx", "i8mm")
@@ -47,7 +51,7 @@ def cpu_id() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-RULE = 5                                      # the measurement's version: a new rule measures anew
+RULE = 6                                      # the measurement's version: a new rule measures anew
 
 
 def table_file(lib: Path) -> Path:
@@ -99,15 +103,25 @@ def measure(kernels) -> dict[str, list[str]]:
                     t = time.perf_counter()
                     kernels.matmul(qtype, x[:m], w, path=p)
                     times[(m, p)].append(time.perf_counter() - t)
-        best = {}
-        for m in ROWS:
-            best[m] = here[0]
-            for p in here[1:]:
-                margin = MATRIX_MARGIN if p in MATRIX else MARGIN
-                if min(times[(m, p)]) <= margin * min(times[(m, best[m])]):     # min: what each can do
-                    best[m] = p
+        best = choose({(m, p): min(v) for (m, p), v in times.items()}, here)   # min: what each can do
         table[qtype] = [best[max(r for r in ROWS if r <= m)] for m in range(1, MAX_ROWS + 1)]
     return table
+
+
+def choose(fastest: dict[tuple[int, str], float], paths: list[str]) -> dict[int, str]:
+    """{M: path} from each (M, path)'s fastest time: each path's ratio to paths[0]'s, a median over M - 1, M,
+    M + 1 (the first and last M as measured), then the library's order and margins."""
+    ratio = {p: [fastest[(m, p)] / fastest[(m, paths[0])] for m in ROWS] for p in paths}
+    smooth = {p: [r[i] if i in (0, len(r) - 1) else sorted(r[i - 1:i + 2])[1] for i in range(len(r))]
+              for p, r in ratio.items()}
+    best = {}
+    for i, m in enumerate(ROWS):
+        best[m] = paths[0]
+        for p in paths[1:]:
+            margin = MATRIX_MARGIN if p in MATRIX else MARGIN
+            if smooth[p][i] <= margin * smooth[best[m]][i]:
+                best[m] = p
+    return best
 
 
 def _blocks(rng, row_bytes: int, qtype: str, N: int) -> np.ndarray:
