@@ -13,7 +13,10 @@ timings of one kernel would trade places on noise. Each path's time relative to 
 smoothed over neighbouring M (a median of three: a run of ratios that rises or falls with M is kept as is, one
 M disturbed alone is not): with five runs and no smoothing, tables measured on this 2-core Zen 3 while
 other work ran put Q4_K's 8-column lanes (0.70x avx2's time at every M from 2, quiet) on avx2 for M 2-7 and
-Q6_K's off M 10-16 in half of thirteen libraries.
+Q6_K's off M 10-16 in half of thirteen libraries. One row stays on the first path, the one-row kernels: a
+one-row pass streams its weights from memory, which this cache-resident timing cannot see (the lanes' prefetch
+made Q4_K look 15% faster at M 1 in 3 of 8 measurements; in the 1.5B's one-row step, alternated 30 times,
+the one-row kernel was 7% faster by median).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import numpy as np
 
 from specexport.manifest import write_json_atomic
 
-ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)     # measured; M between two of them takes the lower one's tier
+ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)     # measured but 1; M between two of them takes the lower one's tier
 MAX_ROWS = 17                                # the table's last row: more than 16
 SHAPE = (512, 4096)                           # N, K: L2-sized (1.7 MB of Q6_K); K as a layer's (16 blocks)
 REPS = 25                                     # ~1 s for every type; once a CPU and library
@@ -51,7 +54,7 @@ def cpu_id() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-RULE = 6                                      # the measurement's version: a new rule measures anew
+RULE = 7                                      # the measurement's version: a new rule measures anew
 
 
 def table_file(lib: Path) -> Path:
@@ -88,34 +91,38 @@ def measure(kernels) -> dict[str, list[str]]:
     candidates = [p for p in ORDER if p in kernels.paths()]
     rng = np.random.default_rng(0)
     N, K = SHAPE
-    table = {}
+    table, timed = {}, {}
     for qtype in TYPES:
         here = [p for p in candidates if kernels.own_kernel(p, qtype)]   # a path lending another's kernel: not timed
         if len(here) < 2:
             table[qtype] = [here[0] if here else "ref"] * MAX_ROWS
-            continue
-        w = _blocks(rng, kernels.row_bytes(qtype, K), qtype, N)
-        x = rng.standard_normal((max(ROWS), K)).astype(np.float32)
-        times = {(m, p): [] for m in ROWS for p in here}
-        for _ in range(REPS):
-            for m in ROWS:
+        else:
+            timed[qtype] = (here, _blocks(rng, kernels.row_bytes(qtype, K), qtype, N))
+    x = rng.standard_normal((max(ROWS), K)).astype(np.float32)
+    times = {(q, m, p): [] for q, (here, _) in timed.items() for m in ROWS[1:] for p in here}
+    for _ in range(REPS):            # every type in each repetition: a busy spell spoils a few of each's runs, not all
+        for qtype, (here, w) in timed.items():
+            for m in ROWS[1:]:
                 for p in here:
                     t = time.perf_counter()
                     kernels.matmul(qtype, x[:m], w, path=p)
-                    times[(m, p)].append(time.perf_counter() - t)
-        best = choose({(m, p): min(v) for (m, p), v in times.items()}, here)   # min: what each can do
+                    times[(qtype, m, p)].append(time.perf_counter() - t)
+    for qtype, (here, _) in timed.items():
+        best = choose({(m, p): min(times[(qtype, m, p)]) for m in ROWS[1:] for p in here}, here)  # min: what each can do
         table[qtype] = [best[max(r for r in ROWS if r <= m)] for m in range(1, MAX_ROWS + 1)]
-    return table
+    return {q: table[q] for q in TYPES}
 
 
 def choose(fastest: dict[tuple[int, str], float], paths: list[str]) -> dict[int, str]:
-    """{M: path} from each (M, path)'s fastest time: each path's ratio to paths[0]'s, a median over M - 1, M,
-    M + 1 (the first and last M as measured), then the library's order and margins."""
-    ratio = {p: [fastest[(m, p)] / fastest[(m, paths[0])] for m in ROWS] for p in paths}
+    """{M: path} from each (M, path)'s fastest time (M > 1; one row: paths[0]): each path's ratio to
+    paths[0]'s, a median over M - 1, M, M + 1 (the first and last M as measured), then the library's order
+    and margins."""
+    rows = [m for m in ROWS if m > 1]
+    ratio = {p: [fastest[(m, p)] / fastest[(m, paths[0])] for m in rows] for p in paths}
     smooth = {p: [r[i] if i in (0, len(r) - 1) else sorted(r[i - 1:i + 2])[1] for i in range(len(r))]
               for p, r in ratio.items()}
-    best = {}
-    for i, m in enumerate(ROWS):
+    best = {1: paths[0]}
+    for i, m in enumerate(rows):
         best[m] = paths[0]
         for p in paths[1:]:
             margin = MATRIX_MARGIN if p in MATRIX else MARGIN
