@@ -1,8 +1,8 @@
 """Which kernel path serves a pass of M rows, measured on this CPU (the `tiers` path, sx_dispatch.cc).
 
 Every path gives the reference's bits, so the choice is a matter of speed only: each weight type's matmul is
-timed on every SIMD path this CPU runs, one thread, at M = 1..16 rows (the passes speculation makes: a draft
-step, a verify of a chain or a tree), interleaved, the fastest of REPS runs each (the least disturbed by
+timed on every SIMD path this CPU runs, one thread, at M = 2..16 rows (the passes speculation makes: a
+verify of a chain or a tree), interleaved, the fastest of REPS runs each (the least disturbed by
 whatever else the machine runs), and each M goes to the fastest; a vector path displaces the one
 before it in the library's order (the best vector path first) only when MARGIN faster, so paths that run
 the same kernel (VNNI in two encodings) never trade places on noise; a matrix tier (AMX, i8mm: kernels of
