@@ -720,6 +720,28 @@ def test_the_tier_rule_keeps_a_crossover_and_drops_one_disturbed_row_count():
     assert [best[m] for m in rows] == ["avx2"] + ["amx"] * 6 + ["avx2lanes"] * 3, best
 
 
+def test_the_bench_measures_a_tier_table_of_its_own_and_leaves_the_cached_one(kernels, monkeypatch):
+    """remeasure_tiers(): the process runs on the table it measured (the loaded library's table and the
+    kernels' line say it); the table cached beside the library is not rewritten."""
+    st = cpu.status()
+    if not st.available or st.path != "tiers":
+        pytest.skip(f"the tiers path does not run here ({st.line()})")
+    cached = cpu.tiers.table_file(st.library)
+    before = cached.read_text() if cached.is_file() else None
+    mine = {t: [kernels.paths()[-1]] * 3 + [kernels.paths()[1]] * 14 for t in cpu.TYPES}   # unlike any measured
+    monkeypatch.setattr(cpu, "_measured_here", None)
+    monkeypatch.setattr(cpu.tiers, "measure", lambda k: mine)
+    try:
+        assert cpu.remeasure_tiers() == cpu.tiers.describe(mine) == cpu.status().tiers
+        c = cpu.Kernels(st.library).c
+        assert all(c.sx_tier(cpu.TYPES[t], m) == cpu.PATHS[p] for t, v in mine.items() for m, p in enumerate(v, 1))
+        assert (cached.read_text() if cached.is_file() else None) == before
+    finally:
+        monkeypatch.undo()
+        cpu.status.cache_clear()              # the next status() sets the cached table again
+    assert cpu.status().tiers == st.tiers
+
+
 def test_the_measurement_gives_every_type_a_path_for_every_row_count(kernels):
     table = cpu.tiers.measure(kernels)
     assert set(table) == set(cpu.TYPES) and all(len(v) == cpu.tiers.MAX_ROWS for v in table.values())

@@ -287,12 +287,29 @@ def _status() -> Status:
     names = {v: k for k, v in PATHS.items()}
     table = ""
     if names[path] == "tiers":        # measured once per CPU and library, cached; set in the loaded library
-        measured = tiers.load_or_measure(k, lib)
+        measured = _measured_here or tiers.load_or_measure(k, lib)
         tiers.apply(c, measured)
         table = tiers.describe(measured)
     left = "; ".join(f"{','.join(v['paths'])} ({unit}: {v['why']})" for unit, v in left_out(lib).items())
     return Status(lib, c.sx_paths().decode(), names[path], refused=c.sx_refused_why().decode(),
                   selfcheck=c.sx_selfcheck().decode(), left_out=left, tiers=table)
+
+
+_measured_here: dict | None = None    # a tier table this process measured for itself (remeasure_tiers)
+
+
+def remeasure_tiers() -> str | None:
+    """Measure the tier table anew for this process and set it (the bench: its figures run on a table measured
+    where and when they are, not on one cached by whatever loaded the library first, perhaps beside other
+    work); the cached file is left as it was. The table's description, or None where the tiers path does
+    not run."""
+    global _measured_here
+    st = status()
+    if not st.available or st.path != "tiers":
+        return None
+    _measured_here = tiers.measure(Kernels(st.library))
+    status.cache_clear()
+    return status().tiers
 
 
 def _check_runtime() -> None:
