@@ -46,7 +46,8 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
     if open_pipeline is None:
         def open_pipeline(**kw):
             return specexport.load(cfg.output_dir, **kw)
-    if "gguf" in precisions and (table := cpu.remeasure_tiers()):     # the kernels' tiers, measured for this run
+    built = manifest["models"]["target"]["precisions"]
+    if any(cpu.on_ours(built.get(tp, {})) for tp in precisions) and (table := cpu.remeasure_tiers()):   # for this run
         log(f"bench: kernel tiers measured for this run: {table}")
     first_prompt = cfg.prompts[0]
     settings, probes = {}, {}

@@ -39,7 +39,7 @@ from specexport.errors import KernelsUnavailable
 from specexport.plugins.cpu import headers, tiers
 from specexport.plugins.cpu.capi import PATHS, TYPES, Kernels
 
-__all__ = ["KernelsUnavailable", "Kernels", "Status", "status", "build", "register", "describe", "uses_kernels",
+__all__ = ["KernelsUnavailable", "Kernels", "Status", "status", "build", "register", "describe", "on_ours", "uses_kernels",
            "expected_paths"]
 
 DOMAIN = "specexport.cpu"
@@ -322,13 +322,18 @@ def _check_runtime() -> None:
                                  f"{'.'.join(map(str, ORT_FLOOR))}, whose C API the kernels' ops need")
 
 
+def on_ours(entry: dict) -> bool:
+    """A built precision (`entry`: the manifest's) whose graph runs our kernels' ops (gguf, blocks)."""
+    return ((entry.get("quantization") or {}).get("kernels") or {}).get("ops") == DOMAIN
+
+
 def describe(entry: dict) -> str | None:
     """What a built precision's matmuls run on here, in one line (None: not a gguf graph). `entry`: the
     manifest's precision entry."""
     built = (entry.get("quantization") or {}).get("kernels")
     if built is None:
         return None
-    if built.get("ops") == DOMAIN:
+    if on_ours(entry):
         return status().line()
     return f"CPU kernels: ONNX Runtime's stock MatMulNBits (at build: {built.get('why', 'not recorded')})"
 
@@ -337,9 +342,8 @@ def tiers_by_rows(entry: dict, rows) -> dict[int, str] | None:
     """For a built gguf precision on our kernels (`entry`: the manifest's), which path each of its block types
     runs on at each M of `rows` here: {M: "amx (Q4_K), avx512vnni (Q6_K)"}; None where the graph is not ours
     or the kernels do not load."""
-    built = (entry.get("quantization") or {}).get("kernels") or {}
     st = status()
-    if built.get("ops") != DOMAIN or not st.available:
+    if not on_ours(entry) or not st.available:
         return None
     c = Kernels(st.library).c
     names = {v: k for k, v in PATHS.items()}

@@ -30,7 +30,8 @@ import numpy as np
 
 from specexport.manifest import write_json_atomic
 
-ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)     # measured but 1; M between two of them takes the lower one's tier
+ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)     # M between two of them takes the lower one's tier
+TIMED = ROWS[1:]                             # measured (one row: the first path)
 MAX_ROWS = 17                                # the table's last row: more than 16
 SHAPE = (512, 4096)                           # N, K: L2-sized (1.7 MB of Q6_K); K as a layer's (16 blocks)
 REPS = 25                                     # ~1 s for every type; once a CPU and library
@@ -99,16 +100,16 @@ def measure(kernels) -> dict[str, list[str]]:
         else:
             timed[qtype] = (here, _blocks(rng, kernels.row_bytes(qtype, K), qtype, N))
     x = rng.standard_normal((max(ROWS), K)).astype(np.float32)
-    times = {(q, m, p): [] for q, (here, _) in timed.items() for m in ROWS[1:] for p in here}
+    times = {(q, m, p): [] for q, (here, _) in timed.items() for m in TIMED for p in here}
     for _ in range(REPS):            # every type in each repetition: a busy spell spoils a few of each's runs, not all
         for qtype, (here, w) in timed.items():
-            for m in ROWS[1:]:
+            for m in TIMED:
                 for p in here:
                     t = time.perf_counter()
                     kernels.matmul(qtype, x[:m], w, path=p)
                     times[(qtype, m, p)].append(time.perf_counter() - t)
     for qtype, (here, _) in timed.items():
-        best = choose({(m, p): min(times[(qtype, m, p)]) for m in ROWS[1:] for p in here}, here)  # min: what each can do
+        best = choose({(m, p): min(times[(qtype, m, p)]) for m in TIMED for p in here}, here)  # min: what each can do
         table[qtype] = [best[max(r for r in ROWS if r <= m)] for m in range(1, MAX_ROWS + 1)]
     return {q: table[q] for q in TYPES}
 
@@ -117,12 +118,11 @@ def choose(fastest: dict[tuple[int, str], float], paths: list[str]) -> dict[int,
     """{M: path} from each (M, path)'s fastest time (M > 1; one row: paths[0]): each path's ratio to
     paths[0]'s, a median over M - 1, M, M + 1 (the first and last M as measured), then the library's order
     and margins."""
-    rows = [m for m in ROWS if m > 1]
-    ratio = {p: [fastest[(m, p)] / fastest[(m, paths[0])] for m in rows] for p in paths}
+    ratio = {p: [fastest[(m, p)] / fastest[(m, paths[0])] for m in TIMED] for p in paths}
     smooth = {p: [r[i] if i in (0, len(r) - 1) else sorted(r[i - 1:i + 2])[1] for i in range(len(r))]
               for p, r in ratio.items()}
     best = {1: paths[0]}
-    for i, m in enumerate(rows):
+    for i, m in enumerate(TIMED):
         best[m] = paths[0]
         for p in paths[1:]:
             margin = MATRIX_MARGIN if p in MATRIX else MARGIN
