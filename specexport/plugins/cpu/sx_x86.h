@@ -151,8 +151,11 @@ struct Small {
   explicit Small(const uint8_t* blk) : b(blk) {}
   template <class F>
   void chunks(F&& f) const {
-    const __m128i x = _mm_loadu_si128((const __m128i*)(b + off + (five ? 4 : 0))), m4 = _mm_set1_epi8(0xF);
-    const __m256i low = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(x, 4), m4), _mm_and_si128(x, m4));
+    // the 16 bytes in both halves, the upper half's dwords shifted by 4: each byte's high nibble (the byte
+    // above's low nibble lands in the high half, which the mask drops); two vector ops, not four
+    const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(b + off + (five ? 4 : 0))));
+    const __m256i low = _mm256_and_si256(_mm256_srlv_epi32(x, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                         _mm256_set1_epi8(0xF));
     if (!five) return f(0, low);
     uint32_t h;
     std::memcpy(&h, b + off, 4);
