@@ -36,13 +36,17 @@ SCHEMES = {
     # the GGUF file's blocks as they are (quant/gguf_blocks.py); accuracy_level 4 multiplies in int8 with
     # activations quantized per block (as llama.cpp does), 0 in fp32 (exactly the file's weights). kernels:
     # auto = specexport's CPU kernels where they build here, else ONNX Runtime's ops; ours = fail without
-    # them; stock = ONNX Runtime's ops (a graph for machines that cannot compile ours)
-    "gguf": (("gguf",), {"accuracy_level": (4, (0, 4)), "kernels": ("auto", ("auto", "ours", "stock"))}),
+    # them; stock = ONNX Runtime's ops (a graph for machines that cannot compile ours). layout (our kernels
+    # only): the weights as the file lays them out, or r8 (the same bytes, eight rows interleaved, written
+    # once); auto = r8 where this CPU's one-row kernels have an r8 kernel of their own (plugins/cpu)
+    "gguf": (("gguf",), {"accuracy_level": (4, (0, 4)), "kernels": ("auto", ("auto", "ours", "stock")),
+                         "layout": ("auto", ("auto", "file", "r8"))}),
     # a checkpoint quantized into ggml blocks as llama-quantize does (int8 Q8_0, int4 Q4_K_M), written as a
     # GGUF file beside a graph on those blocks (build/stages/blocks.py); kernels as for gguf
     # (mix: llama-quantize's type: q8_0 for int8; q4_k_m, q4_1 or q4_0 for int4; auto: q8_0 / q4_k_m;
     # importance: imatrix = errors weighed by calibration activations, as llama-quantize --imatrix)
     "blocks": (("int8", "int4"), {"kernels": ("auto", ("auto", "ours", "stock")),
+                                  "layout": ("auto", ("auto", "file", "r8")),
                                   "mix": ("auto", ("auto", "q8_0", "q4_k_m", "q4_1", "q4_0")),
                                   "importance": ("none", ("none", "imatrix"))}),
 }

@@ -666,9 +666,10 @@ def test_the_tiers_path_runs_each_row_count_on_its_tier_with_the_references_bits
     simd = [p for p in kernels.paths() if p != "ref"]
     if not simd:
         pytest.skip("no SIMD path here: the tiers path is the reference")
-    for qtype in SUPPORTED:
+    for key in cpu.tiers.keys():                  # each type in each layout: its own entries
         for m in range(1, cpu.tiers.MAX_ROWS + 1):
-            assert kernels.c.sx_set_tier(cpu.TYPES[qtype], m, cpu.PATHS[simd[(m + len(qtype)) % len(simd)]]) == 0
+            path = cpu.PATHS[simd[(m + len(key)) % len(simd)]]
+            assert kernels.c.sx_set_tier(cpu.capi.type_id(*cpu.tiers.split(key)), m, path) == 0
     assert kernels.c.sx_set_tier(cpu.TYPES["Q4_K"], 1, cpu.PATHS["ref"]) == 1
     assert kernels.c.sx_set_tier(cpu.TYPES["Q4_K"], 18, cpu.PATHS[simd[0]]) == 1
     rng = np.random.default_rng(21)
@@ -677,8 +678,10 @@ def test_the_tiers_path_runs_each_row_count_on_its_tier_with_the_references_bits
         w = blocks(rng, qtype, 37, k)
         x = rng.standard_normal((19, k)).astype(np.float32)
         ref = kernels.matmul(qtype, x, w, path="ref")
+        r8 = kernels.repack(qtype, w, k)
         for m in (1, 2, 3, 5, 8, 13, 16, 17, 19):
             assert np.array_equal(kernels.matmul(qtype, x[:m], w, path="tiers"), ref[:m]), (qtype, m)
+            assert np.array_equal(kernels.matmul(qtype, x[:m], r8, path="tiers", layout="r8"), ref[:m]), (qtype, m)
 
 
 def test_the_tier_table_is_measured_once_cached_and_said(kernels, tmp_path, monkeypatch):
@@ -687,7 +690,7 @@ def test_the_tier_table_is_measured_once_cached_and_said(kernels, tmp_path, monk
 
     def measured(k):                      # a table the test knows (the real measurement is tested below)
         calls.append(1)
-        return {t: ["avx2"] * 8 + ["ref"] * 9 for t in cpu.TYPES}
+        return {t: ["avx2"] * 8 + ["ref"] * 9 for t in cpu.tiers.keys()}
 
     if "avx2" not in kernels.paths():
         pytest.skip("an AVX2 table needs an AVX2 CPU")
@@ -695,11 +698,14 @@ def test_the_tier_table_is_measured_once_cached_and_said(kernels, tmp_path, monk
     table = cpu.tiers.load_or_measure(kernels, lib)
     assert cpu.tiers.load_or_measure(kernels, lib) == table and cpu.tiers.table_file(lib).is_file()
     assert len(calls) == 1
-    assert cpu.tiers.describe(table) == "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K: M 1-8 avx2, M 9+ ref"
+    assert cpu.tiers.describe(table) == ("Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/Q4_0.r8/Q4_1.r8/Q5_0.r8/Q5_1.r8/"
+                                         "Q8_0.r8/Q4_K.r8/Q5_K.r8/Q6_K.r8: M 1-8 avx2, M 9+ ref")
     assert cpu.tiers.describe({"Q4_K": ["avx512vnni"] * 7 + ["amx"] * 10, "Q6_K": ["avx2"] * 17}) == \
         "Q4_K: M 1-7 avx512vnni, M 8+ amx; Q6_K: M 1+ avx2"
     cpu.tiers.table_file(lib).write_text('{"Q4_K": ["no-such-path"]}')           # a damaged cache: measured again
     assert cpu.tiers.load_or_measure(kernels, lib) == table and len(calls) == 2
+    cpu.tiers.write_json_atomic(cpu.tiers.table_file(lib), {t: table[t] for t in cpu.TYPES})   # no r8 entries: again
+    assert cpu.tiers.load_or_measure(kernels, lib) == table and len(calls) == 3
 
 
 def test_the_tier_rule_keeps_a_crossover_and_drops_one_disturbed_row_count():
@@ -744,11 +750,12 @@ def test_the_bench_measures_a_tier_table_of_its_own_and_leaves_the_cached_one(ke
 
 def test_the_measurement_gives_every_type_a_path_for_every_row_count(kernels):
     table = cpu.tiers.measure(kernels)
-    assert set(table) == set(cpu.TYPES) and all(len(v) == cpu.tiers.MAX_ROWS for v in table.values())
+    assert set(table) == set(cpu.tiers.keys()) and all(len(v) == cpu.tiers.MAX_ROWS for v in table.values())
+    assert {"Q4_K", "Q4_K.r8"} <= set(table) and cpu.tiers.split("Q4_K.r8") == ("Q4_K", "r8")
     assert all(set(v) <= set(kernels.paths()) - ({"ref"} if len(kernels.paths()) > 1 else set())
                for v in table.values()), table
     # a path that lends another's kernel for a type is never its tier (two timings of one kernel: noise)
-    assert all(kernels.own_kernel(p, t) for t, v in table.items() for p in v), table
+    assert all(kernels.own_kernel(p, *cpu.tiers.split(t)) for t, v in table.items() for p in v), table
     built = {"avx512", "amx"} - {p for unit in cpu.left_out(kernels.lib).values() for p in unit["paths"]}
     if "avx512" in built:
         assert not kernels.own_kernel("avx512", "Q5_K") and kernels.own_kernel("avx512", "Q8_0")

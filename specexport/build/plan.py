@@ -21,6 +21,7 @@ from specexport.errors import SpecexportError
 from specexport.export.arch import ArchSpec, arch_spec_from_hf, check_supported
 from specexport.export.registry import get_adapter
 from specexport.io_spec import HeadsIO, ModelIO
+from specexport.plugins.cpu import layout, status as kernels_status
 from specexport.prompts import read_prompts
 from specexport.quant.gguf_write import blocks_or_matmulnbits
 
@@ -112,7 +113,8 @@ class Plan:
         if precision == "fp32":
             return mp.fingerprint
         from specexport.quant.quality import SETTINGS
-        options = {"model": mp.fingerprint, "precision": precision, "quantizer": mp.config.quantization[precision],
+        options = {"model": mp.fingerprint, "precision": precision,
+                   "quantizer": layout.settled(mp.config.quantization[precision], kernels_status),  # auto: as here
                    "gate": self.config.quality_gates[precision], "quality": SETTINGS,
                    "quantizer_code": source_hash(QUANTIZER_SOURCES),
                    "eval": hashlib.sha256(json.dumps(self.eval_ids).encode()).hexdigest(),
@@ -389,7 +391,7 @@ GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gq
                  "export/registry.py", "export/adapters/*.py", "export/lean.py", "export/gguf_weights.py",
                  "export/gguf_reference.py")
 ENGINE_SOURCES = ("trt/*.py", "plugins/*.py", "build/stages/engines.py")
-QUANTIZER_SOURCES = ("quant/*.py", "build/stages/quantize.py", "build/stages/blocks.py")
+QUANTIZER_SOURCES = ("quant/*.py", "build/stages/[bgq]*.py", "plugins/cpu/*.py", "plugins/cpu/sx_layout.h")  # blocks, gguf, quantize
 HEADS_SOURCES = ("io_spec.py", "heads/medusa.py", "heads/medusa_tree.py", "build/stages/medusa.py",
                  "export/to_onnx.py", "build/stages/head_blocks.py", "quant/graph_blocks.py", "quant/kquant.py")
 EAGLE_SOURCES = ("io_spec.py", "heads/eagle.py", "heads/eagle_torch.py", "heads/eagle_graph.py", "build/stages/eagle.py",

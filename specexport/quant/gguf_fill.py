@@ -22,14 +22,14 @@ from specexport.quant.gguf_raw import tensor_raw
 
 
 def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: int = 4,
-         kernels: bool = False) -> GgufReport:
+         kernels: bool = False, layout: str = "file") -> GgufReport:
     """Write `dest` (+ dest.data): the weightless graph of export/lean.py with its weight inputs made
     of the file's tensors, found by name (`sources`: input -> ("param", HF name) | ("rows", HF name,
     rows) | ("buffer", values); `weights`: export/gguf_weights.GgufWeights). A weight that a MatMul
     reads through a Transpose, or an embedding Gather reads, keeps the file's blocks; every other one
     (norms, biases: F32 in the file) gets its values dequantized. A quantized file tensor that must
     stay fp32 is named in kept_fp32 (a block type without a mapping: in unsupported). kernels: our ops on
-    the file's bytes (quant/gguf_graph.py), else ONNX Runtime's."""
+    the file's bytes (quant/gguf_graph.py), in `layout` ("file" or "r8"), else ONNX Runtime's."""
     onnx = require("onnx")
     from onnx import numpy_helper
 
@@ -48,7 +48,7 @@ def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: 
     shapes = {i.name: tuple(d.dim_value for d in i.type.tensor_type.shape.dim) for i in graph.input}
     wide = wide_tensors(weights.tensors.values())
     report, values = GgufReport(), []
-    builder = _Builder(model, accuracy_level, wide, _data_file(dest), kernels=kernels)
+    builder = _Builder(model, accuracy_level, wide, _data_file(dest), kernels=kernels, layout=layout)
     for name, source in sources.items():
         if source[0] == "buffer":
             values.append(numpy_helper.from_array(np.ascontiguousarray(source[1]), name))
@@ -86,6 +86,7 @@ def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: 
     graph.initializer.extend(values)
     builder.finish({})
     save(model, dest)
+    report.tails = builder.tails
     return report
 
 

@@ -50,6 +50,7 @@ class GgufReport:
     replaced: dict = field(default_factory=dict)      # graph initializer -> (GGUF tensor, block type)
     kept_fp32: list = field(default_factory=list)     # graph weights no GGUF tensor matched
     unsupported: dict = field(default_factory=dict)   # GGUF tensor -> type without an exact mapping
+    tails: dict = field(default_factory=dict)         # r8: tensor -> its rows past the last group of 8 (the file's)
 
     def types(self) -> dict:
         """Block type -> how many graph weights it replaced."""
@@ -79,7 +80,7 @@ def gguf_tensors(gguf_path: Path, hf_config: dict, *, raw: bool = False):
 
 
 def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, accuracy_level: int = 4,
-            vocab_ids=None, kernels: bool = False) -> GgufReport:
+            vocab_ids=None, kernels: bool = False, layout: str = "file") -> GgufReport:
     """Write `dest` (+ dest.data): the fp32 graph with the file's blocks in place of its weights.
     vocab_ids: a reduced-vocabulary draft's output rows (its lm_head holds only those rows of the file's
     output tensor, or of the embedding when tied): those rows' blocks are matched too. kernels: our ops on
@@ -99,7 +100,7 @@ def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, a
         del arr
     reader_tensors = require("gguf").GGUFReader(str(gguf_path)).tensors
     report = GgufReport()
-    builder = _Builder(model, accuracy_level, wide_tensors(reader_tensors), _data_file(dest), kernels=kernels)
+    builder = _Builder(model, accuracy_level, wide_tensors(reader_tensors), _data_file(dest), kernels=kernels, layout=layout)
     for tname, qtype, codes, raw in gguf_tensors(gguf_path, hf_config, raw=kernels):
         if codes is None:
             report.unsupported[tname] = qtype
@@ -112,7 +113,7 @@ def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, a
             for init, node, kind in by_hash.pop(_digest(c.dequantize()), []):
                 builder.replace(node, "gather" if kind == "gather" else "matmul", c, prefix=name, raw=r)
                 report.replaced[init] = (name, qtype)
-    report.kept_fp32 = sorted({init for users in by_hash.values() for init, _, _ in users})
+    report.kept_fp32, report.tails = sorted({init for users in by_hash.values() for init, _, _ in users}), builder.tails
     builder.finish(report.replaced)
     ours = {t.name for t in builder.inits}              # already in dest's data file
     for t in model.graph.initializer:                   # what stays of the fp32 graph: norms, biases, ...
@@ -231,8 +232,9 @@ class _Builder:
     """Adds the block-quantized nodes and their compact initializers; removes what they replace."""
 
     def __init__(self, model, accuracy_level: int, wide: set[str] = frozenset(), data: Path | None = None,
-                 kernels: bool = False):
+                 kernels: bool = False, layout: str = "file"):
         self.model, self.level, self.wide, self.kernels = model, accuracy_level, wide, kernels
+        self.layout, self.tails = layout, {}       # "file" or "r8" (gguf_raw.kernel_node); r8: tensor -> its tail rows
         self.data = data                           # the external data file: constants go there as made
         self.nodes: dict[int, list] = {}           # index of the replaced node -> its replacement nodes
         self.head: list = []                       # constant sub-graphs (scales, C): first in the graph

@@ -35,8 +35,11 @@ def tensor_raw(t, rows=None) -> RawBlocks:
 
 def kernel_node(builder, at: int, node, kind: str, raw: RawBlocks, prefix: str) -> None:
     """In quant/gguf_graph.py's _Builder: GgufMatMul / GgufGather on the file's bytes in place of `node`,
-    one constant per GGUF tensor (an embedding tied to the lm_head serves both)."""
+    one constant per GGUF tensor (an embedding tied to the lm_head serves both), in the builder's layout:
+    "file" (the bytes verbatim) or "r8" (the same bytes, eight rows interleaved: sx_layout.h; the gather
+    reads it too, so a tied tensor stays one copy)."""
     from specexport.plugins import cpu
+    from specexport.plugins.cpu import layout
 
     N, K = raw.shape
     if raw.qtype not in cpu.TYPES or K % cpu.BLOCK[raw.qtype]:
@@ -44,9 +47,13 @@ def kernel_node(builder, at: int, node, kind: str, raw: RawBlocks, prefix: str) 
                          f"{', '.join(cpu.TYPES)}, K a multiple of the type's block)")
     key = f"{prefix}#blocks"
     if key not in builder.shared:
-        builder.shared[key] = builder._const(f"{prefix}.blocks", raw.raw)
+        data = raw.raw if builder.layout == "file" else layout.repack(raw.qtype, raw.raw, K, builder.layout, cpu.status().library)
+        if builder.layout != "file" and N % 8:
+            builder.tails[prefix] = N % 8
+        builder.shared[key] = builder._const(f"{prefix}.blocks", data)
     blocks, out = builder.shared[key], node.output[0]
-    attrs = {"type": cpu.TYPES[raw.qtype], "K": K, "N": N}
+    attrs = {"type": cpu.TYPES[raw.qtype], "K": K, "N": N,
+             **({"layout": builder.layout} if builder.layout != "file" else {})}   # file: the attribute's default
     if kind == "matmul":
         builder._node(at, "GgufMatMul", [node.input[0], blocks], [out], domain=cpu.DOMAIN,
                       exact=int(builder.level == 0), **attrs)     # level 0: float activations, as MatMulNBits's
@@ -66,16 +73,18 @@ def kernel_groups(nodes: list) -> list:
     groups: dict = {}
     for n in nodes:
         if n.domain == cpu.DOMAIN and n.op_type == "GgufMatMul":
-            a = {x.name: x.i for x in n.attribute}
-            groups.setdefault((n.input[0], a.get("exact", 0)), []).append((n, a))
+            a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+            layout = a.get("layout", b"file")
+            groups.setdefault((n.input[0], a.get("exact", 0), layout), []).append((n, a))
     first, fused = {}, set()
-    for (x, exact), members in groups.items():
+    for (x, exact, layout), members in groups.items():
         if len(members) < 2:
             continue
         node = helper.make_node("GgufMatMulN", [x, *(n.input[1] for n, _ in members)],
                                 [n.output[0] for n, _ in members], name=members[0][0].name + ".group",
                                 domain=cpu.DOMAIN, types=[a["type"] for _, a in members],
-                                Ns=[a["N"] for _, a in members], K=members[0][1]["K"], exact=exact)
+                                Ns=[a["N"] for _, a in members], K=members[0][1]["K"], exact=exact,
+                                **({"layout": layout.decode()} if layout != b"file" else {}))
         first[id(members[0][0])] = node
         fused |= {id(n) for n, _ in members}
     return [first.get(id(n), n) for n in nodes if id(n) in first or id(n) not in fused]

@@ -40,9 +40,9 @@ def fits(shape, qtype: str) -> bool:
     return len(shape) == 2 and shape[1] % BLOCK_WEIGHTS[qtype] == 0
 
 
-def to_blocks(src: Path, dest: Path, qtype: str = "Q8_0", *, exact: bool = False) -> dict:
+def to_blocks(src: Path, dest: Path, qtype: str = "Q8_0", *, exact: bool = False, layout: str = "file") -> dict:
     """Write dest (+ dest.data): the graph at `src` with each MatMul/Gather weight of whole `qtype` rows as
-    blocks on our kernels, attention ours. Returns {"replaced": {initializer: qtype}, "kept_fp32": [...]}."""
+    blocks on our kernels (in `layout`: "file" or "r8"), attention ours. Returns {"replaced": {initializer: qtype}, "kept_fp32": [...]}."""
     onnx = require("onnx")
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
@@ -52,7 +52,7 @@ def to_blocks(src: Path, dest: Path, qtype: str = "Q8_0", *, exact: bool = False
         raise ValueError(f"to_blocks: qtype {qtype!r} is not one of {', '.join(BLOCK_WEIGHTS)}")
     model = onnx.load(str(src), load_external_data=False)
     inits = {i.name: i for i in model.graph.initializer}
-    builder = _Builder(model, 0 if exact else 4, data=_data_file(dest), kernels=True)
+    builder = _Builder(model, 0 if exact else 4, data=_data_file(dest), kernels=True, layout=layout)
     replaced, kept = {}, []
     for init, node, kind in _weight_users(model, inits):
         shape = tuple(inits[init].dims)

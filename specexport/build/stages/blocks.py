@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from specexport import owned
 from specexport.build.context import files_entry
 from specexport.build.stage import ModelStage
-from specexport.build.stages.gguf import _kernels, _lean_graph, _parity, _twin
+from specexport.build.stages.gguf import _kernels, _kernels_entry, _layout, _lean_graph, _note_layout, _parity, _twin
 from specexport.build.stages.quantize import gate_quality, measure_apart
 from specexport.errors import ParityError, SpecexportError
 from specexport.manifest import describe_files
@@ -38,6 +38,7 @@ class BlocksStage(ModelStage):
         settings = mp.config.quantization[precision]
         mix = _mix(settings, precision, self.role)
         kernels = _kernels(settings["kernels"], mp.io.head_dim, f"{self.role} {precision}")
+        layout, why = _layout(settings["layout"], kernels, f"{self.role}.quantization.{precision}")
         ctx.reporter.note(f"  {self.role} {precision}: {kernels.line()}")
         partial, final = ctx.folders.new(self.role, precision)
         start = time.perf_counter()
@@ -48,7 +49,8 @@ class BlocksStage(ModelStage):
                 written = write_gguf(mp.config.path, gguf, mix, importance=importance, steps=steps)
             del importance
             graph = partial / "model.onnx"
-            report, weights = _lean_graph(ctx, mp, graph, LEVEL, kernels.available, gguf=gguf)
+            report, weights = _lean_graph(ctx, mp, graph, LEVEL, kernels.available, gguf=gguf, layout=layout)
+            _note_layout(ctx, f"{self.role} {precision}", layout, why, report)
             if report.kept_fp32:
                 raise ParityError(f"{self.role} {precision}: {len(report.kept_fp32)} weight(s) of the graph "
                                   f"({', '.join(report.kept_fp32[:3])}) are read where no block kernel serves them")
@@ -84,8 +86,7 @@ class BlocksStage(ModelStage):
                                  "tool": "quant/gguf_graph.py (" + ("specexport.cpu GgufMatMul(N), GgufGather"
                                                                     if kernels.available else
                                                                     "MatMulNBits, GatherBlockQuantized") + ")",
-                                 "kernels": {"ops": "specexport.cpu", "path": kernels.path, "cpu_runs": kernels.paths}
-                                 if kernels.available else {"ops": "onnxruntime", "why": kernels.reason}},
+                                 "kernels": _kernels_entry(kernels, layout, why, report)},
                 "row_dependence": rows, "min_tokens": min_tokens if mp.role == "target" else 1,
                 "trees": tree_rows_for(rows, "blocks") if mp.role == "target" else "exact",
                 "top1_agreement": quality.top1_agreement, "top1_ties": quality.ties, "mean_kl": quality.mean_kl,

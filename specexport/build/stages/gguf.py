@@ -39,12 +39,15 @@ class GgufStage(ModelStage):
         level = mp.config.quantization["gguf"]["accuracy_level"]
         lean = mp.config.lean
         kernels = _kernels(mp.config.quantization["gguf"]["kernels"], mp.io.head_dim, self.role)
+        layout, why = _layout(mp.config.quantization["gguf"]["layout"], kernels, f"{self.role}.quantization.gguf")
         ctx.reporter.note(f"  {self.role} gguf: {kernels.line()}")
         partial, final = ctx.folders.new(self.role, self.precision)
         start = time.perf_counter()
         try:
             graph = partial / "model.onnx"
-            report, source = (_lean_graph if lean else _rewritten_graph)(ctx, mp, graph, level, kernels.available)
+            report, source = (_lean_graph if lean else _rewritten_graph)(ctx, mp, graph, level, kernels.available,
+                                                                         layout=layout)
+            _note_layout(ctx, f"{self.role} gguf", layout, why, report)
             if report.kept_fp32:
                 why = (f"are quantized in {mp.config.gguf.name} but read where no block kernel serves them" if lean
                        else f"equal no tensor of {mp.config.gguf.name}: the file and the graph disagree")
@@ -84,8 +87,7 @@ class GgufStage(ModelStage):
                                  "tool": "quant/gguf_graph.py (" + ("specexport.cpu GgufMatMul(N), GgufGather"
                                                                     if kernels.available else
                                                                     "MatMulNBits, GatherBlockQuantized") + ")",
-                                 "kernels": {"ops": "specexport.cpu", "path": kernels.path, "cpu_runs": kernels.paths}
-                                 if kernels.available else {"ops": "onnxruntime", "why": kernels.reason}},
+                                 "kernels": _kernels_entry(kernels, layout, why, report)},
                 "gguf_file_bytes": mp.config.gguf.stat().st_size,
                 "row_dependence": rows, "min_tokens": min_tokens if mp.role == "target" else 1,
                 "trees": tree_rows_for(rows, "gguf") if mp.role == "target" else "exact",
@@ -102,19 +104,20 @@ class GgufStage(ModelStage):
                 "build_seconds": round(time.perf_counter() - start, 2)}
 
 
-def _rewritten_graph(ctx, mp, graph, level, kernels: bool):
-    """The fp32 graph with the file's blocks in place of its weights (matched by content)."""
+def _rewritten_graph(ctx, mp, graph, level, kernels: bool, *, layout: str = "file"):
+    """The fp32 graph with the file's blocks in place of its weights (matched by content), on our kernels
+    in `layout` or on the stock ops."""
     from specexport.quant.gguf_graph import rewrite
 
     source = ctx.stage_dir(f"{mp.role}/fp32") / "model.onnx"
     with ctx.reporter.stage(f"{mp.role} gguf: the weights from {mp.config.gguf.name}'s own blocks"):
         hf_config = json.loads((mp.config.path / "config.json").read_text())
         report = rewrite(source, mp.config.gguf, graph, hf_config=hf_config, accuracy_level=level,
-                         vocab_ids=mp.vocab_ids, kernels=kernels)
+                         vocab_ids=mp.vocab_ids, kernels=kernels, layout=layout)
     return report, source
 
 
-def _lean_graph(ctx, mp, graph, level, kernels: bool, gguf: Path | None = None):
+def _lean_graph(ctx, mp, graph, level, kernels: bool, gguf: Path | None = None, *, layout: str = "file"):
     """A weightless export filled from the file (`gguf`, else the model's own) by name; the parity source
     is the file itself."""
     import transformers
@@ -131,7 +134,7 @@ def _lean_graph(ctx, mp, graph, level, kernels: bool, gguf: Path | None = None):
     gguf = gguf or mp.config.gguf
     weights = GgufWeights(gguf, hf_config)
     with ctx.reporter.stage(f"{mp.role}: fill the graph from {gguf.name}'s own blocks"):
-        report = fill(skeleton, sources, weights, graph, accuracy_level=level, kernels=kernels)
+        report = fill(skeleton, sources, weights, graph, accuracy_level=level, kernels=kernels, layout=layout)
     skeleton.unlink()
     check_graph_io(graph, mp.io)
     return report, weights
@@ -177,6 +180,32 @@ def _kernels(choice: str, head_dim: int, role: str):
         raise SpecexportError(f"{role} gguf: quantization.gguf.kernels is 'ours', but specexport's CPU kernels do not "
                               f"run here: {kernels.reason} (kernels: auto takes ONNX Runtime's ops instead)")
     return kernels
+
+
+def _layout(choice: str, kernels, where: str) -> tuple[str, str]:
+    """The weights' layout for a graph on `kernels` (quantization.<p>.layout), and why."""
+    from specexport.plugins.cpu import layout
+
+    if choice != "file" and choice != "auto" and not kernels.available:
+        raise SpecexportError(f"{where}.layout: {choice} is a layout of specexport's CPU kernels, which do not run "
+                              f"here ({kernels.reason}); layout: auto or file")
+    return layout.choose(choice, kernels)
+
+
+def _note_layout(ctx, what: str, layout: str, why: str, report) -> None:
+    """The build's log: the layout chosen and the tensors whose last rows (N % 8) keep the file's."""
+    ctx.reporter.note(f"  {what}: weights in the {layout} layout ({why})")
+    if report.tails:
+        names = ", ".join(f"{n} ({r} rows)" for n, r in list(report.tails.items())[:4])
+        ctx.reporter.note(f"  {what}: {len(report.tails)} tensor(s) keep their last rows (N % 8) as in the file: {names}")
+
+
+def _kernels_entry(kernels, layout: str, why: str, report) -> dict:
+    """The manifest's quantization.kernels: the ops the graph calls, and on ours, the weights' layout."""
+    if not kernels.available:
+        return {"ops": "onnxruntime", "why": kernels.reason}
+    return {"ops": "specexport.cpu", "path": kernels.path, "cpu_runs": kernels.paths, "layout": layout,
+            "layout_why": why, "layout_tails": report.tails}
 
 
 def _twin(graph: Path, level: int) -> Path:

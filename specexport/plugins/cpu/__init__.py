@@ -36,11 +36,11 @@ from pathlib import Path
 
 from specexport.config import cache_base
 from specexport.errors import KernelsUnavailable
-from specexport.plugins.cpu import headers, tiers
-from specexport.plugins.cpu.capi import PATHS, TYPES, Kernels
+from specexport.plugins.cpu import headers, layout, tiers
+from specexport.plugins.cpu.capi import LAYOUTS, PATHS, TYPES, Kernels
 
 __all__ = ["KernelsUnavailable", "Kernels", "Status", "status", "build", "register", "describe", "on_ours", "uses_kernels",
-           "expected_paths"]
+           "expected_paths", "LAYOUTS"]
 
 DOMAIN = "specexport.cpu"
 HERE = Path(__file__).parent
@@ -334,7 +334,7 @@ def describe(entry: dict) -> str | None:
     if built is None:
         return None
     if on_ours(entry):
-        return status().line()
+        return status().line() + f"; weights in the {layout.of(entry)} layout"
     return f"CPU kernels: ONNX Runtime's stock MatMulNBits (at build: {built.get('why', 'not recorded')})"
 
 
@@ -348,12 +348,13 @@ def tiers_by_rows(entry: dict, rows) -> dict[int, str] | None:
     c = Kernels(st.library).c
     names = {v: k for k, v in PATHS.items()}
     types = sorted(entry["quantization"].get("block_types") or {})
+    kind = layout.of(entry)
     out = {}
     for m in rows:
         by_path: dict[str, list[str]] = {}
         for t in types:
-            if t in TYPES:
-                by_path.setdefault(names.get(c.sx_tier(TYPES[t], min(m, tiers.MAX_ROWS)), "?"), []).append(t)
+            if t in TYPES and kind in LAYOUTS:
+                by_path.setdefault(names.get(c.sx_tier(TYPES[t] | LAYOUTS[kind], min(m, tiers.MAX_ROWS)), "?"), []).append(t)
         out[m] = ", ".join(f"{p} ({'/'.join(ts)})" for p, ts in by_path.items())
     return out
 

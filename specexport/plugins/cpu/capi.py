@@ -12,6 +12,14 @@ from specexport.errors import KernelsUnavailable
 PATHS = {"ref": 0, "avx2": 1, "neon": 3, "avxvnni": 4, "avx512vnni": 5, "amx": 6, "tiers": 7, "avx512": 8, "i8mm": 9, "avx2lanes": 10}
 # GGUF type name -> ggml's id (the ops' `type` attribute)
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# weight layouts (the ops' `layout` attribute) -> the bit the kernels' type ids carry (sx_layout.h): "file" the
+# file's blocks verbatim, "r8" the same bytes with eight rows interleaved, written once by the build
+LAYOUTS = {"file": 0, "r8": 16}
+
+
+def type_id(qtype: str, layout: str = "file") -> int:
+    """The kernels' id of a weight of GGUF type `qtype` in `layout`."""
+    return TYPES[qtype] | LAYOUTS[layout]
 
 
 def _load(lib: Path):
@@ -28,12 +36,14 @@ def _load(lib: Path):
     c.sx_set_tier.argtypes = [i, i, i]
     c.sx_tier.argtypes = [i, i]
     c.sx_own_kernel.argtypes = [i, i]
+    c.sx_r8_kernel.argtypes = [i]
     c.sx_row_bytes.restype = ctypes.c_size_t
     c.sx_row_bytes.argtypes = [i, i64]
     c.sx_matmul.argtypes = [i, i, i, P, i64, i64, P, i64, P]
     c.sx_act_bytes.restype = ctypes.c_size_t
     c.sx_act_bytes.argtypes = [i, i64, i64]
     c.sx_quantize.argtypes = [i, i, P, i64, i64, P]
+    c.sx_repack.argtypes = [i, i, P, i64, i64, P]
     c.sx_gather.restype = i64
     c.sx_gather.argtypes = [i, P, i64, i64, P, i64, P]
     c.sx_attend.argtypes = [i, P, P, P, P, i64, i64, ctypes.c_float, P, P]
@@ -65,21 +75,38 @@ class Kernels:
     def selfcheck(self) -> str:
         return self.c.sx_selfcheck().decode()
 
-    def own_kernel(self, path: str, qtype: str) -> bool:
-        """Whether `path` runs a kernel of its own for `qtype` (else another path's, the same bits)."""
-        return bool(self.c.sx_own_kernel(PATHS[path], TYPES[qtype]))
+    def own_kernel(self, path: str, qtype: str, layout: str = "file") -> bool:
+        """Whether `path` runs a kernel of its own for `qtype` in `layout` (else another path's, the same bits)."""
+        return bool(self.c.sx_own_kernel(PATHS[path], type_id(qtype, layout)))
+
+    def r8_kernel(self, path: str) -> bool:
+        """Whether `path` runs r8 weights on an r8 kernel (else through its file kernels, a copy per 64 rows)."""
+        return bool(self.c.sx_r8_kernel(PATHS[path]))
 
     def row_bytes(self, qtype: str, K: int) -> int:
         return int(self.c.sx_row_bytes(TYPES[qtype], K))
 
-    def matmul(self, qtype: str, X: np.ndarray, W: np.ndarray, *, path: str = "ref", exact: bool = False) -> np.ndarray:
+    def repack(self, qtype: str, W: np.ndarray, K: int, *, to: str = "r8") -> np.ndarray:
+        """W [N, row bytes] from the file's layout to `to` ("r8"), or back to "file" from r8: the same bytes,
+        rearranged (sx_layout.h)."""
+        W = np.ascontiguousarray(W, np.uint8)
+        if W.ndim != 2 or W.shape[1] != self.row_bytes(qtype, K):
+            raise ValueError(f"W: {list(W.shape)} is not [N, {self.row_bytes(qtype, K)}] for {qtype} and K={K}")
+        out = np.empty_like(W)
+        if self.c.sx_repack(TYPES[qtype], int(to == "r8"), W.ctypes.data, W.shape[0], K, out.ctypes.data):
+            raise ValueError(f"sx_repack({qtype}, K={K}) refused")
+        return out
+
+    def matmul(self, qtype: str, X: np.ndarray, W: np.ndarray, *, path: str = "ref", exact: bool = False,
+               layout: str = "file") -> np.ndarray:
+        """Y = X W^T, one thread; W [N, row bytes] in `layout` ("file" or "r8")."""
         X = np.ascontiguousarray(X, np.float32)
         W = np.ascontiguousarray(W, np.uint8)
         (M, K), N = X.shape, W.shape[0]
         if W.shape[1] != self.row_bytes(qtype, K):
             raise ValueError(f"W: {list(W.shape)} is not [N, {self.row_bytes(qtype, K)}] for {qtype} and K={K}")
         Y = np.empty((M, N), np.float32)
-        rc = self.c.sx_matmul(TYPES[qtype], PATHS[path], int(exact), X.ctypes.data, M, K, W.ctypes.data, N,
+        rc = self.c.sx_matmul(type_id(qtype, layout), PATHS[path], int(exact), X.ctypes.data, M, K, W.ctypes.data, N,
                               Y.ctypes.data)
         if rc:
             raise ValueError(f"sx_matmul({qtype}, path {path}) refused: code {rc}")
@@ -118,11 +145,11 @@ class Kernels:
                                scratch.ctypes.data)
         return out
 
-    def gather(self, qtype: str, W: np.ndarray, ids: np.ndarray, K: int) -> np.ndarray:
+    def gather(self, qtype: str, W: np.ndarray, ids: np.ndarray, K: int, *, layout: str = "file") -> np.ndarray:
         W = np.ascontiguousarray(W, np.uint8)
         ids = np.ascontiguousarray(ids, np.int64)
         out = np.empty((ids.size, K), np.float32)
-        bad = self.c.sx_gather(TYPES[qtype], W.ctypes.data, W.shape[0], K, ids.ctypes.data, ids.size, out.ctypes.data)
+        bad = self.c.sx_gather(type_id(qtype, layout), W.ctypes.data, W.shape[0], K, ids.ctypes.data, ids.size, out.ctypes.data)
         if bad >= 0:
             raise IndexError(f"id {ids.flat[bad]} is outside [0, {W.shape[0]})")
         return out.reshape(*ids.shape, K)

@@ -22,6 +22,7 @@
 #endif
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -29,6 +30,7 @@
 #include "sx_attn.h"
 #include "sx_blocks.h"
 #include "sx_kernels.h"
+#include "sx_layout.h"
 #include "sx_tiers.h"
 
 #if defined(__x86_64__)
@@ -50,6 +52,7 @@ __attribute__((weak)) void sx_avx512_gemm(int, const void*, int64_t, int64_t, co
 __attribute__((weak)) int sx_avx512_owns(int);
 void sx_avx2lanes_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 int sx_avx2lanes_owns(int);
+void sx_avx2_r8_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 __attribute__((weak)) int sx_amx_owns(int);
 #endif
 void sx_ref_gemm_exact(int, const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
@@ -173,26 +176,24 @@ const char* name(int path) {
 int best_single();
 void tiers_gemm(int, const void*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 
-// Each path's kernels; a path without its own (or not built for this architecture) runs the reference's.
-SxKernels kernels(int path) {
+// Each path's kernels as built; a path without its own (or not built for this architecture) runs the
+// reference's. Every x86 path runs r8 weights on the AVX2 lanes (sx_avx2l.cc: one kernel from one row to
+// many); the others through their file kernels (sx::r8_through_file).
+SxKernels built_kernels(int path) {
   switch (path) {
-    case SX_TIERS: {  // the gemm by its tier table; everything else the best single path's
-      SxKernels k = kernels(best_single());
-      k.gemm = tiers_gemm;
-      return k;
-    }
 #if defined(__x86_64__)
     case SX_AVX2:
-      return {sx_avx2_quantize_row, sx_avx2_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
+      return {sx_avx2_quantize_row, sx_avx2_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group, sx_avx2_r8_gemm};
     case SX_AVXVNNI:
-      return {sx_avx2_quantize_row, sx_avxvnni_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
+      return {sx_avx2_quantize_row, sx_avxvnni_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group, sx_avx2_r8_gemm};
     case SX_AVX512VNNI:
-      return {sx_avx2_quantize_row, sx_avx512vnni_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
-    case SX_AMX: return {sx_avx2_quantize_row, sx_amx_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
+      return {sx_avx2_quantize_row, sx_avx512vnni_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group, sx_avx2_r8_gemm};
+    case SX_AMX:
+      return {sx_avx2_quantize_row, sx_amx_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group, sx_avx2_r8_gemm};
     case SX_AVX512:
-      return {sx_avx2_quantize_row, sx_avx512_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
+      return {sx_avx2_quantize_row, sx_avx512_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group, sx_avx2_r8_gemm};
     case SX_AVX2LANES:
-      return {sx_avx2_quantize_row, sx_avx2lanes_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group};
+      return {sx_avx2_quantize_row, sx_avx2lanes_gemm, sx_avx2_gemm_exact, sx_avx2_attend, sx_avx2_attend_group, sx_avx2_r8_gemm};
 #endif
 #if defined(__aarch64__)
     case SX_NEON: return {sx_ref_quantize_row, sx_neon_gemm, sx_neon_gemm_exact, sx_neon_attend, neon_attend_group};
@@ -202,16 +203,20 @@ SxKernels kernels(int path) {
   }
 }
 
+SxKernels kernels(int path);
+
 bool checking() {
   const char* env = std::getenv("SPECEXPORT_KERNEL_SELFCHECK");
   return !(env && (!std::strcmp(env, "off") || !std::strcmp(env, "0")));
 }
 
 // Per path: 1 runs, 0 the CPU (or this library) lacks it, -1 the CPU has it but it disagreed with the
-// reference; and, for a refused path, the first case that differed.
+// reference; and, for a refused path, the first case that differed. Its r8 kernel apart: one that differs
+// (r8_why) is not used, r8 weights going through the path's file kernels.
 struct States {
   int state[NPATHS] = {0};
-  std::string why[NPATHS];  // indexed by path id
+  std::string why[NPATHS];     // indexed by path id
+  std::string r8_why[NPATHS];
 };
 
 const States& states() {
@@ -219,12 +224,26 @@ const States& states() {
     States s;
     for (int p : ALL) {
       if (!cpu_has(p)) continue;
-      if (p != SX_REF && checking()) s.why[p] = sx_check_against(kernels(p), kernels(SX_REF));
+      if (p != SX_REF && checking()) s.why[p] = sx_check_against(built_kernels(p), built_kernels(SX_REF));
       s.state[p] = s.why[p].empty() ? 1 : -1;
+      if (s.state[p] == 1 && p != SX_REF && checking() && built_kernels(p).gemm_r8)
+        s.r8_why[p] = sx_check_r8_against(built_kernels(p), built_kernels(SX_REF));
     }
     return s;
   }();
   return out;
+}
+
+// A path's kernels as they run: as built, less an r8 kernel the self-check refused.
+SxKernels kernels(int path) {
+  if (path == SX_TIERS) {  // the gemm by its tier table; everything else the best single path's
+    SxKernels k = kernels(best_single());
+    k.gemm = tiers_gemm;
+    return k;
+  }
+  SxKernels k = built_kernels(path);
+  if (path >= 0 && path < NPATHS && !states().r8_why[path].empty()) k.gemm_r8 = nullptr;
+  return k;
 }
 
 int state(int path) { return path >= 0 && path < NPATHS ? states().state[path] : 0; }
@@ -238,6 +257,9 @@ std::string names_where(int want) {
     if (!out.empty()) out += ",";
     out += name(p);
   }
+  if (want == -1)  // the r8 kernels refused: "avx2.r8"
+    for (int p : ALL)
+      if (!states().r8_why[p].empty()) out += (out.empty() ? "" : ",") + std::string(name(p)) + ".r8";
   return out;
 }
 
@@ -253,9 +275,11 @@ int simd_paths() {
   return n;
 }
 
-// [type id][M - 1]: M 1..16, then 17 for more rows. 0: not set (the best single path).
-constexpr int TYPES_MAX = 16, TIER_ROWS = 17;
+// [type id (| R8)][M - 1]: M 1..16, then 17 for more rows. 0: not set (the best single path).
+constexpr int TYPES_MAX = 32, TIER_ROWS = 17;
 std::atomic<int> tier_table[TYPES_MAX][TIER_ROWS];
+
+bool known(int type) { return (type & ~(TYPES_MAX - 1)) == 0 && sx::type_info(sx::base_type(type)).qk; }
 
 int tier_of(int type, int64_t M) {
   const int p = tier_table[type & (TYPES_MAX - 1)][std::min<int64_t>(std::max<int64_t>(M, 1), TIER_ROWS) - 1]
@@ -268,26 +292,34 @@ void tiers_gemm(int type, const void* act, int64_t M, int64_t K, const uint8_t* 
   kernels(tier_of(type, M)).gemm(type, act, M, K, W, n0, n1, Y, ldy);
 }
 
+// The path a pass runs on: the tier table's for SX_TIERS.
+int pass_path(int path, int type, int64_t M) { return path == SX_TIERS ? tier_of(type, M) : path; }
+
 }  // namespace
 
 extern "C" int sx_set_tier(int type, int M, int path) {
-  if (!sx::type_info(type).qk || M < 1 || M > TIER_ROWS || path == SX_REF || path == SX_TIERS || !runnable(path)) return 1;
+  if (!known(type) || M < 1 || M > TIER_ROWS || path == SX_REF || path == SX_TIERS || !runnable(path)) return 1;
   tier_table[type][M - 1].store(path, std::memory_order_relaxed);
   return 0;
 }
 
-extern "C" int sx_tier(int type, int M) { return sx::type_info(type).qk ? tier_of(type, M) : -1; }
+extern "C" int sx_tier(int type, int M) { return known(type) ? tier_of(type, M) : -1; }
 
 extern "C" int sx_own_kernel(int path, int type) {
+  if (!known(type)) return 0;
 #if defined(__x86_64__)
+  if (sx::is_r8(type)) return kernels(path).gemm_r8 ? path == SX_AVX2 : 1;  // one r8 kernel for every x86 path
   if (path == SX_AVX512) return sx_avx512_owns && sx_avx512_owns(type);
   if (path == SX_AMX) return sx_amx_owns && sx_amx_owns(type);
   if (path == SX_AVX2LANES) return sx_avx2lanes_owns(type);
 #endif
-  return sx::type_info(type).qk != 0;
+  return 1;
 }
 
-extern "C" int sx_version(void) { return 5; }  // 5: one integer and one float step per block (sx_ref.cc)
+extern "C" int sx_r8_kernel(int path) { return runnable(path) && kernels(path).gemm_r8 != nullptr; }
+
+// 5: one integer and one float step per block (sx_ref.cc); 6: the r8 layout (sx_layout.h), N in the gemm calls
+extern "C" int sx_version(void) { return 6; }
 
 extern "C" const char* sx_paths(void) {
   static const std::string out = names_where(1);
@@ -304,6 +336,8 @@ extern "C" const char* sx_refused_why(void) {
     std::string o;
     for (int p : ALL)
       if (state(p) == -1) o += (o.empty() ? "" : "; ") + std::string(name(p)) + ": " + states().why[p];
+    for (int p : ALL)
+      if (!states().r8_why[p].empty()) o += (o.empty() ? "" : "; ") + std::string(name(p)) + ".r8: " + states().r8_why[p];
     return o;
   }();
   return out.c_str();
@@ -337,19 +371,71 @@ extern "C" int sx_resolve(int forced) {
 
 
 extern "C" void sx_quantize(int type, int path, const float* X, int64_t M, int64_t K, void* act) {
-  const sx::TypeInfo ti = sx::type_info(type);
+  const sx::TypeInfo ti = sx::type_info(sx::base_type(type));
   const SxKernels k = kernels(path);
   for (int64_t m = 0; m < M; ++m) k.quantize(X + m * K, K, ti.qk, sx::act_row(act, m, K, ti.qk));
 }
 
-extern "C" void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
-                           int64_t n1, float* Y, int64_t ldy) {
-  kernels(path).gemm(type, act, M, K, W, n0, n1, Y, ldy);
+namespace {
+
+template <class In>
+using FileGemm = void (*)(int, In, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
+
+// r8's groups [g0, g1) (multiples of 8) on the path's r8 kernel (int8 mode), else on its file kernel through
+// file-layout chunks. W: the tensor's base; Y's columns: its rows.
+template <class In>
+void groups(SxGemm r8, FileGemm<In> file, int type, In in, int64_t M, int64_t K, const uint8_t* W, int64_t g0,
+            int64_t g1, float* Y, int64_t ldy) {
+  if constexpr (std::is_same_v<In, const void*>)
+    if (r8) return r8(type, in, M, K, W, g0, g1, Y, ldy);
+  sx::r8_through_file(file, type, in, M, K, W, g0, g1, Y, ldy);
 }
 
-extern "C" void sx_gemm_exact(int type, int path, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
-                              int64_t n1, float* Y, int64_t ldy) {
-  kernels(path).exact(type, X, M, K, W, n0, n1, Y, ldy);
+template <class In>
+void by_layout(SxGemm r8, FileGemm<In> file, int type, In in, int64_t M, int64_t K, const uint8_t* W, int64_t N,
+               int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  if (!sx::is_r8(type)) return file(type, in, M, K, W, n0, n1, Y, ldy);
+  const int64_t G = sx::GROUP, grouped = N / G * G;
+  if (n1 > grouped) {  // the rows past the last group: the file's layout, in their own place
+    file(sx::base_type(type), in, M, K, W, std::max(n0, grouped), n1, Y, ldy);
+    n1 = grouped;
+  }
+  if (n0 >= n1) return;
+  // a group the range cuts: its eight columns into scratch, the range's kept
+  auto cut = [&](int64_t g, int64_t c0, int64_t c1) {
+    thread_local std::vector<float> scratch;
+    scratch.assign((size_t)(M * G), 0.f);
+    groups(r8, file, type, in, M, K, W + g * (int64_t)sx_row_bytes(type, K), 0, G, scratch.data(), G);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t c = c0; c < c1; ++c) Y[m * ldy + c] = scratch[(size_t)(m * G + c - g)];
+  };
+  const int64_t a = (n0 + G - 1) / G * G, b = n1 / G * G;
+  if (a > b) return cut(b, n0, n1);  // inside one group
+  groups(r8, file, type, in, M, K, W, a, b, Y, ldy);
+  if (n0 < a) cut(a - G, n0, a);
+  if (b < n1) cut(b, b, n1);
+}
+
+}  // namespace
+
+void sx_gemm_layout(const SxKernels& k, int type, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t N,
+                    int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  by_layout<const void*>(k.gemm_r8, k.gemm, type, act, M, K, W, N, n0, n1, Y, ldy);
+}
+
+void sx_exact_layout(const SxKernels& k, int type, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t N,
+                     int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  by_layout<const float*>(nullptr, k.exact, type, X, M, K, W, N, n0, n1, Y, ldy);
+}
+
+extern "C" void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t N,
+                           int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  sx_gemm_layout(kernels(pass_path(path, type, M)), type, act, M, K, W, N, n0, n1, Y, ldy);
+}
+
+extern "C" void sx_gemm_exact(int type, int path, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t N,
+                              int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  sx_exact_layout(kernels(path), type, X, M, K, W, N, n0, n1, Y, ldy);
 }
 
 extern "C" void sx_attend(int path, const float* q, const float* K, const float* V, const float* bias, int64_t total,
@@ -371,11 +457,11 @@ extern "C" int sx_matmul(int type, int path, int exact, const float* X, int64_t 
   const int p = sx_resolve(path);
   if (p < 0) return 2;
   if (exact) {
-    sx_gemm_exact(type, p, X, M, K, W, 0, N, Y, N);
+    sx_gemm_exact(type, p, X, M, K, W, N, 0, N, Y, N);
     return 0;
   }
   std::vector<uint8_t> act(sx_act_bytes(type, M, K));
   sx_quantize(type, p, X, M, K, act.data());
-  sx_gemm_q8(type, p, act.data(), M, K, W, 0, N, Y, N);
+  sx_gemm_q8(type, p, act.data(), M, K, W, N, 0, N, Y, N);
   return 0;
 }

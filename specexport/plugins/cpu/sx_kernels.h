@@ -1,5 +1,6 @@
 // specexport's CPU kernels on GGUF blocks: the C interface (ctypes, the ONNX Runtime ops, the test binary).
-//   Y[M, N] = X[M, K] . W^T, W = N rows of the file's blocks, verbatim.
+//   Y[M, N] = X[M, K] . W^T, W = N rows of the file's blocks, verbatim or in the r8 layout (sx_layout.h: the
+//   same bytes, eight rows interleaved; `type` | 16 names a weight in it, ggml's type id alone the file's).
 // Every output is computed by one thread in a fixed order (block by block, the same integer and float
 // operations whatever M, the other rows or the path), so a row's bits never depend on the pass.
 #pragma once
@@ -35,13 +36,18 @@ SX_API const char* sx_selfcheck(void);
 // The path SX_AUTO resolves to (or `forced` if runnable; -1 if not): SX_TIERS where more than one SIMD path
 // runs here, else the one that does.
 SX_API int sx_resolve(int forced);
-// SX_TIERS's table: passes of M rows (1..16; 17: more) of weights of `type` run on `path` (a runnable SIMD
-// path). Returns 0, or 1 for an unknown type, row count or path. Until set: the best path for every M.
+// SX_TIERS's table: passes of M rows (1..16; 17: more) of weights of `type` (either layout: each has its own
+// entries) run on `path` (a runnable SIMD path). Returns 0, or 1 for an unknown type, row count or path. Until
+// set: the best path for every M.
 SX_API int sx_set_tier(int type, int M, int path);
 SX_API int sx_tier(int type, int M);
 // 1 where `path` runs a kernel of its own for `type`; 0 where it hands the type to another path's (the 512-bit
-// tier's Q5_K, AMX's Q5 types): timing it there would time that path's kernel twice.
+// tier's Q5_K, AMX's Q5 types; every x86 path's r8 weights, avx2's lanes): timing it there would time that
+// path's kernel twice.
 SX_API int sx_own_kernel(int path, int type);
+// 1 where `path` runs r8 weights on an r8 kernel (one read of a group's bytes a block); 0 where it runs them
+// through its file kernels (a copy back to the file's layout per 64 rows), or cannot run.
+SX_API int sx_r8_kernel(int path);
 // Bytes per row of W for `type` and K; 0 if the type is unknown or K not a multiple of its block.
 SX_API size_t sx_row_bytes(int type, int64_t K);
 // Activation buffer bytes for M rows (int8 mode).
@@ -49,14 +55,17 @@ SX_API size_t sx_act_bytes(int type, int64_t M, int64_t K);
 // int8 mode, step 1: quantize M rows of X into `act` (per block of the type: one scale, int8 values,
 // sums per 16 and, for the 32-weight types, per 4), on `path` (every path writes the reference's bytes).
 SX_API void sx_quantize(int type, int path, const float* X, int64_t M, int64_t K, void* act);
-// int8 mode, step 2: columns [n0, n1) of Y for all M rows.
-SX_API void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64_t K, const uint8_t* W,
+// int8 mode, step 2: columns [n0, n1) of Y for all M rows; W has N rows (where r8's groups end).
+SX_API void sx_gemm_q8(int type, int path, const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t N,
                 int64_t n0, int64_t n1, float* Y, int64_t ldy);
 // Exact mode: float activations, weights dequantized as the gguf package does, dot products in double
 // (per block in four lanes, sx_ref.cc).
-SX_API void sx_gemm_exact(int type, int path, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t n0,
-                          int64_t n1, float* Y, int64_t ldy);
-// Rows `ids` of W dequantized (an embedding's gather). Returns the first id out of [0, N), or -1.
+SX_API void sx_gemm_exact(int type, int path, const float* X, int64_t M, int64_t K, const uint8_t* W, int64_t N,
+                          int64_t n0, int64_t n1, float* Y, int64_t ldy);
+// W [N, row bytes] of ggml type `type` from the file's layout to r8 (to_r8 = 1) or back (0) into out (the same
+// size; rows past the last group of 8 copied as they are). Returns 0, or 1 for an unknown type or K.
+SX_API int sx_repack(int type, int to_r8, const uint8_t* W, int64_t N, int64_t K, uint8_t* out);
+// Rows `ids` of W (either layout) dequantized (an embedding's gather). Returns the first id out of [0, N), or -1.
 SX_API int64_t sx_gather(int type, const uint8_t* W, int64_t N, int64_t K, const int64_t* ids, int64_t count, float* out);
 // Attention for one query row over its KV head's rows in cache order (sx_attn.h): out [D], scratch [total].
 // bias [total] (null: none); a bias <= -1e30 hides the key. D a multiple of 8.

@@ -2,12 +2,14 @@
 // Debian's libonnxruntime-dev; the C API is versioned, so a library built on 1.21 headers runs on later
 // runtimes):
 //   GgufMatMul(X float [..., K], W uint8 [N, row bytes][, C float]) -> Y float [..., N]   attributes: type,
-//     K, N, exact. C (optional), added after the product: a bias [N] or a tensor of Y's shape (a residual);
-//     Y = X W^T + C in float, the bits of an Add after it.
+//     K, N, exact, layout. C (optional), added after the product: a bias [N] or a tensor of Y's shape (a
+//     residual); Y = X W^T + C in float, the bits of an Add after it. layout (optional): "file" (the file's
+//     blocks verbatim, the default) or "r8" (sx_layout.h); another is refused by name.
 //   GgufMatMulN(X, W_0 .. W_n-1, C...) -> Y_0 .. Y_n-1: n GgufMatMuls of one input in one node (q, k, v;
 //     gate, up), each output's bits those of its own GgufMatMul   attributes: types, Ns (one per weight),
-//     K, exact, adds (optional, one 0/1 per output: the C inputs after the weights, in the outputs' order)
-//   GgufGather(W uint8 [N, row bytes], ids int64 [...]) -> Y float [..., K]    attributes: type, K, N
+//     K, exact, adds (optional, one 0/1 per output: the C inputs after the weights, in the outputs' order),
+//     layout (every weight's)
+//   GgufGather(W uint8 [N, row bytes], ids int64 [...]) -> Y float [..., K]    attributes: type, K, N, layout
 //   GroupQueryAttention: ONNX Runtime's contract, each row computed alone (below)
 #define ORT_API_MANUAL_INIT
 #include "onnxruntime_cxx_api.h"
@@ -22,6 +24,7 @@
 
 #include "sx_blocks.h"
 #include "sx_kernels.h"
+#include "sx_layout.h"
 
 namespace {
 
@@ -39,12 +42,31 @@ int64_t exact_attr(const Ort::ConstKernelInfo& ki) {
   try { return ki.GetAttribute<int64_t>("exact"); } catch (const Ort::Exception&) { return 0; }
 }
 
+// The weights' layout: 0 (the file's; graphs written before the attribute) or sx::R8; -1 for a name this
+// library does not know (*name: it, for the error).
+int layout_attr(const Ort::ConstKernelInfo& ki, std::string* name) {
+  try {
+    *name = ki.GetAttribute<std::string>("layout");
+  } catch (const Ort::Exception&) {
+    *name = "file";
+  }
+  return *name == "file" ? 0 : *name == "r8" ? sx::R8 : -1;
+}
+
+Ort::Status bad_layout(const char* op, const std::string& name) {
+  return Ort::Status((std::string(op) + ": weight layout '" + name + "' is not one these kernels know (file, r8; kernel "
+                      "version " + std::to_string(sx_version()) + "): the graph was written by a newer specexport").c_str(),
+                     ORT_INVALID_ARGUMENT);
+}
+
 struct Attrs {
-  int64_t type, K, N, exact;
-  int path;
+  int64_t type, K, N, exact;  // type: ggml's id | the layout's (sx_layout.h)
+  int path, layout;
+  std::string layout_name;
   Attrs(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
-    type = ki.GetAttribute<int64_t>("type");
+    layout = layout_attr(ki, &layout_name);
+    type = ki.GetAttribute<int64_t>("type") | std::max(layout, 0);
     K = ki.GetAttribute<int64_t>("K");
     N = ki.GetAttribute<int64_t>("N");
     exact = exact_attr(ki);
@@ -52,6 +74,7 @@ struct Attrs {
   }
   // Errors are returned by Compute (a kernel's constructor cannot return a status).
   Ort::Status check(const char* op) const {
+    if (layout < 0) return bad_layout(op, layout_name);
     if (!sx_row_bytes((int)type, K))
       return Ort::Status((std::string(op) + ": K=" + std::to_string(K) + " is not a multiple of ggml type " +
                           std::to_string(type) + "'s block, or the type is not one of ours").c_str(), ORT_INVALID_ARGUMENT);
@@ -106,9 +129,9 @@ void run_task(void* p, size_t i) {
   const Task& t = *(const Task*)p;
   const int64_t n0 = (int64_t)i * t.cols, n1 = std::min(n0 + t.cols, t.a->N);
   if (t.a->exact)
-    sx_gemm_exact((int)t.a->type, t.a->path, t.X, t.M, t.a->K, t.W, n0, n1, t.Y, t.a->N);
+    sx_gemm_exact((int)t.a->type, t.a->path, t.X, t.M, t.a->K, t.W, t.a->N, n0, n1, t.Y, t.a->N);
   else
-    sx_gemm_q8((int)t.a->type, t.a->path, t.act, t.M, t.a->K, t.W, n0, n1, t.Y, t.a->N);
+    sx_gemm_q8((int)t.a->type, t.a->path, t.act, t.M, t.a->K, t.W, t.a->N, n0, n1, t.Y, t.a->N);
   if (t.C) add_cols(t.Y, t.C, t.full, t.M, t.a->N, n0, n1);
 }
 
@@ -147,12 +170,15 @@ struct GgufMatMul : Attrs {
 // cost (the op call, the quantization, waking the pool) is a large part of it, and a lone 192-column
 // matmul is three tasks on two threads.
 struct GgufMatMulN {
-  std::vector<int64_t> types, Ns, adds;
+  std::vector<int64_t> types, Ns, adds;  // types: ggml's ids | the layout's
   int64_t K, exact;
-  int path;
+  int path, layout;
+  std::string layout_name;
   GgufMatMulN(const OrtApi*, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo ki(info);
+    layout = layout_attr(ki, &layout_name);
     types = ki.GetAttributes<int64_t>("types");
+    for (int64_t& t : types) t |= std::max(layout, 0);
     Ns = ki.GetAttributes<int64_t>("Ns");
     try { adds = ki.GetAttributes<int64_t>("adds"); } catch (const Ort::Exception&) { adds.assign(types.size(), 0); }
     K = ki.GetAttribute<int64_t>("K");
@@ -180,9 +206,9 @@ struct GgufMatMulN {
     const Job& j = *(const Job*)p;
     const Part& t = j.parts[i];
     if (j.op->exact)
-      sx_gemm_exact(t.type, j.op->path, j.X, j.M, j.op->K, t.W, t.n0, t.n1, t.Y, t.N);
+      sx_gemm_exact(t.type, j.op->path, j.X, j.M, j.op->K, t.W, t.N, t.n0, t.n1, t.Y, t.N);
     else
-      sx_gemm_q8(t.type, j.op->path, t.act, j.M, j.op->K, t.W, t.n0, t.n1, t.Y, t.N);
+      sx_gemm_q8(t.type, j.op->path, t.act, j.M, j.op->K, t.W, t.N, t.n0, t.n1, t.Y, t.N);
     if (t.C) add_cols(t.Y, t.C, t.full, j.M, t.N, t.n0, t.n1);
   }
 
@@ -191,6 +217,7 @@ struct GgufMatMulN {
     const size_t n = types.size();
     size_t n_adds = 0;
     for (int64_t a : adds) n_adds += a != 0;
+    if (layout < 0) return bad_layout("GgufMatMulN", layout_name);
     if (Ns.size() != n || adds.size() != n || Ws.Size() != n + n_adds)
       return Ort::Status("GgufMatMulN: the attributes types, Ns and adds, the weights and the addends are not one per output",
                          ORT_INVALID_ARGUMENT);
@@ -223,7 +250,7 @@ struct GgufMatMulN {
         c = C.GetTensorData<float>();
       }
       float* y = Ys.AllocateOutput<float>(i, shape);
-      std::vector<uint8_t>& act = sx::type_info(type).qk == 32 ? act32 : act256;
+      std::vector<uint8_t>& act = sx::type_info(sx::base_type(type)).qk == 32 ? act32 : act256;
       if (!exact && M > 0 && act.empty()) {
         act.resize(sx_act_bytes(type, M, K));
         sx_quantize(type, path, X.Data(), M, K, act.data());

@@ -1,23 +1,25 @@
 // The reference path (portable C++): defines every result the SIMD paths must equal bit for bit.
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "sx_act.h"
 #include "sx_attn.h"
 #include "sx_blocks.h"
 #include "sx_kernels.h"
+#include "sx_layout.h"
 
 using namespace sx;
 
 extern "C" size_t sx_row_bytes(int type, int64_t K) {
-  const TypeInfo ti = type_info(type);
+  const TypeInfo ti = type_info(base_type(type));
   if (!ti.qk || K <= 0 || K % ti.qk) return 0;
   return (size_t)(K / ti.qk) * ti.bytes;
 }
 
 extern "C" size_t sx_act_bytes(int type, int64_t M, int64_t K) {
-  const TypeInfo ti = type_info(type);
+  const TypeInfo ti = type_info(base_type(type));
   if (!ti.qk) return 0;
   return (size_t)M * act_row_bytes(K, ti.qk);
 }
@@ -88,17 +90,29 @@ void sx_ref_gemm_exact(int type, const float* X, int64_t M, int64_t K, const uin
   gemm_exact(type, X, M, K, W, n0, n1, Y, ldy, block_dot_ref);
 }
 
+extern "C" int sx_repack(int type, int to_r8, const uint8_t* W, int64_t N, int64_t K, uint8_t* out) {
+  const int t = base_type(type);
+  const size_t rb = sx_row_bytes(t, K);
+  if (!rb || N < 0) return 1;
+  const int64_t grouped = N / GROUP * GROUP, nb = K / type_info(t).qk;
+  (to_r8 ? file_to_r8 : r8_to_file)(t, W, nb, 0, grouped, out);
+  std::memcpy(out + grouped * rb, W + grouped * rb, (size_t)(N - grouped) * rb);  // the rows past the last group
+  return 0;
+}
+
 extern "C" int64_t sx_gather(int type, const uint8_t* W, int64_t N, int64_t K, const int64_t* ids, int64_t count,
                              float* out) {
-  const TypeInfo ti = type_info(type);
-  const size_t rb = sx_row_bytes(type, K);
+  const int t = base_type(type);
+  const TypeInfo ti = type_info(t);
+  const size_t rb = sx_row_bytes(t, K);
   Unpacked u;
+  uint8_t blk[256];
   for (int64_t r = 0; r < count; ++r) {
     const int64_t id = ids[r];
     if (id < 0 || id >= N) return r;
     for (int64_t b = 0; b < K / ti.qk; ++b) {
-      unpack(type, W + id * rb + b * ti.bytes, u);
-      dequant(type, u, out + r * K + b * ti.qk);
+      unpack(t, block_at(type, W, N, rb, id, b, blk), u);
+      dequant(t, u, out + r * K + b * ti.qk);
     }
   }
   return -1;

@@ -10,6 +10,7 @@
 
 #include "sx_blocks.h"
 #include "sx_kernels.h"
+#include "sx_layout.h"
 #include "sx_tiers.h"
 
 namespace {
@@ -93,6 +94,36 @@ std::string check_matmuls(const SxKernels& k, const SxKernels& ref, int type, in
   return "";
 }
 
+// The r8 layout: the same weights interleaved (four groups and a tail of five rows), k's r8 kernel (or its
+// file kernels through r8_through_file) against the reference on the file's bytes.
+std::string check_r8(const SxKernels& k, const SxKernels& ref, int type, int64_t K, Rng& rng) {
+  const sx::TypeInfo ti = sx::type_info(type);
+  const std::vector<uint8_t> W = blocks(type, K, rng);
+  std::vector<float> X((size_t)(MMAX * K));
+  for (auto& x : X) x = rng.normalish();
+  const size_t ab = sx_act_bytes(type, MMAX, K);
+  std::vector<uint8_t> act(ab);
+  for (int64_t m = 0; m < MMAX; ++m) ref.quantize(X.data() + m * K, K, ti.qk, sx::act_row(act.data(), m, K, ti.qk));
+  std::vector<float> want((size_t)(MMAX * N)), got((size_t)(MMAX * N));
+  ref.gemm(type, act.data(), MMAX, K, W.data(), 0, N, want.data(), N);
+  const int64_t n0 = 5, n1 = 29, M = 6;  // a range that cuts the first and last of its groups
+  std::vector<uint8_t> W8(W.size());
+  sx_repack(type, 1, W.data(), N, K, W8.data());
+  for (int64_t M : ROWS) {
+    sx_gemm_layout(k, type | sx::R8, act.data(), M, K, W8.data(), N, 0, N, got.data(), N);
+    if (!same(got.data(), want.data(), (size_t)(M * N))) return where(type, K, M, "int8 matmul, r8 layout");
+  }
+  std::fill(got.begin(), got.end(), 0.f);
+  sx_gemm_layout(k, type | sx::R8, act.data(), M, K, W8.data(), N, n0, n1, got.data(), N);
+  for (int64_t m = 0; m < M; ++m)
+    if (!same(got.data() + m * N + n0, want.data() + m * N + n0, (size_t)(n1 - n0)))
+      return where(type, K, M, "int8 matmul of columns 5..28, r8 layout");
+  ref.exact(type, X.data(), 3, K, W.data(), 0, N, want.data(), N);
+  sx_exact_layout(k, type | sx::R8, X.data(), 3, K, W8.data(), N, 0, N, got.data(), N);
+  if (!same(got.data(), want.data(), (size_t)(3 * N))) return where(type, K, 3, "exact matmul, r8 layout");
+  return "";
+}
+
 std::string check_attention(const SxKernels& k, const SxKernels& ref, Rng& rng) {
   for (int64_t D : {(int64_t)64, (int64_t)80}) {
     const int64_t total = 37, n = 6;
@@ -120,21 +151,37 @@ std::string check_attention(const SxKernels& k, const SxKernels& ref, Rng& rng) 
 
 }  // namespace
 
-std::string sx_check_against(const SxKernels& k, const SxKernels& ref) {
-  Rng rng;
+namespace {
+
+template <class Check>
+std::string each_type(Rng& rng, Check check) {
   for (int type : TYPES) {
     const int qk = sx::type_info(type).qk;
     // 32-weight types: odd counts of blocks (a kernel's tail) and an even one (the AMX tiles take blocks in
     // pairs: without it their tile kernels would fall back here and never be checked)
     const std::vector<int64_t> counts = qk == 256 ? std::vector<int64_t>{1, 3} : std::vector<int64_t>{1, 5, 6};
     for (int64_t nb : counts) {
-      std::string bad = check_matmuls(k, ref, type, nb * qk, rng);
+      std::string bad = check(type, nb * qk);
       if (!bad.empty()) return bad;
     }
   }
-  return check_attention(k, ref, rng);
+  return "";
+}
+
+}  // namespace
+
+std::string sx_check_against(const SxKernels& k, const SxKernels& ref) {
+  Rng rng;
+  const std::string bad = each_type(rng, [&](int type, int64_t K) { return check_matmuls(k, ref, type, K, rng); });
+  return bad.empty() ? check_attention(k, ref, rng) : bad;
+}
+
+std::string sx_check_r8_against(const SxKernels& k, const SxKernels& ref) {
+  Rng rng;
+  return each_type(rng, [&](int type, int64_t K) { return check_r8(k, ref, type, K, rng); });
 }
 
 const char* sx_check_scope() {
-  return "quantizer, int8 matmul (8 types, 2 K, rows 1-9/12/13/16/17, 37 columns), exact matmul, attention";
+  return "quantizer, int8 matmul (8 types, 2 K, rows 1-9/12/13/16/17, 37 columns; file and r8 layouts), exact matmul, "
+         "attention";
 }

@@ -55,7 +55,7 @@ def cpu_id() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-RULE = 7                                      # the measurement's version: a new rule measures anew
+RULE = 8                                      # the measurement's version: a new rule measures anew (8: r8 types)
 
 
 def table_file(lib: Path) -> Path:
@@ -81,37 +81,52 @@ def load_or_measure(kernels, lib: Path) -> dict[str, list[str]]:
 
 def _valid(table, kernels) -> bool:
     paths = set(kernels.paths())
-    return isinstance(table, dict) and all(isinstance(v, list) and len(v) == MAX_ROWS and set(v) <= paths
+    return isinstance(table, dict) and set(table) == set(keys()) and all(isinstance(v, list) and len(v) == MAX_ROWS and set(v) <= paths
                                            for v in table.values())
 
 
-def measure(kernels) -> dict[str, list[str]]:
-    """Time each type on each SIMD path at ROWS, interleaved; per type, the fastest path for each M."""
-    from specexport.plugins.cpu import TYPES
+def keys() -> list[str]:
+    """The table's entries: each type in the file's layout ("Q4_K") and in r8 ("Q4_K.r8")."""
+    from specexport.plugins.cpu import LAYOUTS, TYPES
 
+    return [q if layout == "file" else f"{q}.{layout}" for layout in LAYOUTS for q in TYPES]
+
+
+def split(key: str) -> tuple[str, str]:
+    """"Q4_K.r8" -> ("Q4_K", "r8"); "Q4_K" -> ("Q4_K", "file")."""
+    qtype, _, layout = key.partition(".")
+    return qtype, layout or "file"
+
+
+def measure(kernels) -> dict[str, list[str]]:
+    """Time each type (in each layout) on each SIMD path at ROWS, interleaved; per type, the fastest path for
+    each M."""
     candidates = [p for p in ORDER if p in kernels.paths()]
     rng = np.random.default_rng(0)
     N, K = SHAPE
     table, timed = {}, {}
-    for qtype in TYPES:
-        here = [p for p in candidates if kernels.own_kernel(p, qtype)]   # a path lending another's kernel: not timed
+    for key in keys():
+        qtype, layout = split(key)
+        here = [p for p in candidates if kernels.own_kernel(p, qtype, layout)]   # a path lending another's: not timed
         if len(here) < 2:
-            table[qtype] = [here[0] if here else "ref"] * MAX_ROWS
+            table[key] = [(here or candidates or ["ref"])[0]] * MAX_ROWS
         else:
-            timed[qtype] = (here, _blocks(rng, kernels.row_bytes(qtype, K), qtype, N))
+            w = _blocks(rng, kernels.row_bytes(qtype, K), qtype, N)
+            timed[key] = (here, w if layout == "file" else kernels.repack(qtype, w, K, to=layout))
     x = rng.standard_normal((max(ROWS), K)).astype(np.float32)
     times = {(q, m, p): [] for q, (here, _) in timed.items() for m in TIMED for p in here}
     for _ in range(REPS):            # every type in each repetition: a busy spell spoils a few of each's runs, not all
-        for qtype, (here, w) in timed.items():
+        for key, (here, w) in timed.items():
+            qtype, layout = split(key)
             for m in TIMED:
                 for p in here:
                     t = time.perf_counter()
-                    kernels.matmul(qtype, x[:m], w, path=p)
-                    times[(qtype, m, p)].append(time.perf_counter() - t)
+                    kernels.matmul(qtype, x[:m], w, path=p, layout=layout)
+                    times[(key, m, p)].append(time.perf_counter() - t)
     for qtype, (here, _) in timed.items():
         best = choose({(m, p): min(times[(qtype, m, p)]) for m in TIMED for p in here}, here)  # min: what each can do
         table[qtype] = [best[max(r for r in ROWS if r <= m)] for m in range(1, MAX_ROWS + 1)]
-    return {q: table[q] for q in TYPES}
+    return {k: table[k] for k in keys()}
 
 
 def choose(fastest: dict[tuple[int, str], float], paths: list[str]) -> dict[int, str]:
@@ -145,11 +160,12 @@ def _blocks(rng, row_bytes: int, qtype: str, N: int) -> np.ndarray:
 
 def apply(c, table: dict[str, list[str]]) -> None:
     """Set the library's tier table (c: the library through ctypes)."""
-    from specexport.plugins.cpu import PATHS, TYPES
+    from specexport.plugins.cpu import PATHS
+    from specexport.plugins.cpu.capi import type_id
 
-    for qtype, paths in table.items():
+    for key, paths in table.items():
         for m, p in enumerate(paths, start=1):
-            c.sx_set_tier(TYPES[qtype], m, PATHS[p])
+            c.sx_set_tier(type_id(*split(key)), m, PATHS[p])
 
 
 def describe(table: dict[str, list[str]]) -> str:

@@ -97,6 +97,7 @@ def open_model(out_dir, manifest: dict, role: str, *, precision: str, kind: str,
                               f"{', '.join(entry['precisions'])}{hint}")
     stage = entry["precisions"][precision]
     check_files(out_dir, stage["files"])        # cheap: sizes; a truncated or missing file names itself
+    _check_layout(stage, manifest, f"{role}/{precision}")
     options = _stage_options(stage, role=role, precision=precision, kind=kind, options=options)
     backend = open_backend(kind, out_dir / stage["dir"], io=ModelIO.from_dict(entry["io"]), capacity=capacity,
                            max_tokens=max_tokens, threads=threads, **options)
@@ -159,6 +160,17 @@ def open_eagle(out_dir, manifest: dict, *, kind: str, capacity: int, max_tokens:
 
 def _on_kernels(manifest: dict, target_precision: str) -> bool:
     return on_our_kernels(manifest["models"]["target"]["precisions"].get(target_precision) or {})
+
+
+def _check_layout(stage: dict, manifest: dict, what: str) -> None:
+    """A graph whose weights are in a layout this version's kernels do not read is refused before any pass."""
+    from specexport.plugins.cpu import LAYOUTS, layout as layouts
+
+    layout = layouts.of(stage)
+    if on_our_kernels(stage) and layout not in LAYOUTS:
+        raise SpecexportError(f"{what}: its weights are in the layout {layout!r}, written by specexport "
+                              f"{manifest.get('specexport_version', '?')}; this version reads {', '.join(LAYOUTS)}: "
+                              "upgrade specexport, or build again with this one")
 
 
 def on_our_kernels(stage: dict) -> bool:
