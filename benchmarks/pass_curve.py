@@ -2,8 +2,11 @@
 the paths alternated), beside llama.cpp's `llama-bench -p M -n 0` on the same file (and ik_llama.cpp's with
 `-rtr 1`, where built: benchmarks/build_ik_llama_cpp.py).
 
-    python benchmarks/pass_curve.py engines/qwen --paths tiers,avx512vnni,avx2 --rounds 2 \\
+    python benchmarks/pass_curve.py engines/qwen [engines/qwen-file ...] --paths tiers,avx512vnni,avx2 --rounds 2 \\
         [--llama-cpp "$(python benchmarks/build_llama_cpp.py)"] [--ik-llama-cpp DIR]
+
+Several builds of one file (one per weight layout: quantization.gguf.layout) are timed side by side, each row
+named by its build and layout.
 
 Each process: one 64-token prefill, then M-row forwards (M = 1, 2, 4, 8, 16) interleaved, 9 each, nothing
 committed (report/timing.py's _pass_curve, what `specexport bench` prints); medians over rounds; the CPU named.
@@ -40,19 +43,24 @@ def llama(bin_dir: Path, gguf: Path, threads: int, extra: tuple[str, ...] = ()) 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("build")
+    ap.add_argument("builds", nargs="+", help="builds of one GGUF file (e.g. the r8 and the file layout)")
     ap.add_argument("--paths", default="tiers,avx512vnni,avx2")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--llama-cpp", type=Path, default=None, help="the folder with llama-bench")
     ap.add_argument("--ik-llama-cpp", type=Path, default=None, help="the folder with ik_llama.cpp's llama-bench")
     args = ap.parse_args()
-    manifest = json.loads((Path(args.build) / "manifest.json").read_text())
-    gguf = Path(manifest["models"]["target"]["precisions"]["gguf"]["quantization"]["source"])
+    from specexport.plugins.cpu.layout import of as layout_of
+
+    entries = {b: json.loads((Path(b) / "manifest.json").read_text())["models"]["target"]["precisions"]["gguf"]
+               for b in args.builds}
+    gguf = Path(entries[args.builds[0]]["quantization"]["source"])
     runs: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
         for p in args.paths.split(","):
-            runs.setdefault(p, []).append(one(args.build, p, args.threads))
+            for b, entry in entries.items():
+                name = p if len(entries) == 1 else f"{p}, {b} ({layout_of(entry)})"
+                runs.setdefault(name, []).append(one(b, p, args.threads))
         if args.llama_cpp:
             runs.setdefault("llama.cpp", []).append(llama(args.llama_cpp, gguf, args.threads))
         if args.ik_llama_cpp:

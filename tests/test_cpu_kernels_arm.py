@@ -40,10 +40,11 @@ def _run(driver: Path, *args) -> None:
     subprocess.run([QEMU, str(driver), *map(str, args)], check=True, timeout=300)
 
 
-def _matmul(driver, tmp, qtype, path, exact, x, w) -> np.ndarray:
+def _matmul(driver, tmp, qtype, path, exact, x, w, layout: str = "file") -> np.ndarray:
     (tmp / "in").write_bytes(x.astype(np.float32).tobytes() + w.tobytes())
     M, K = x.shape
-    _run(driver, "matmul", cpu.TYPES[qtype], cpu.PATHS[path], int(exact), M, K, w.shape[0], tmp / "in", tmp / "out")
+    _run(driver, "matmul", cpu.capi.type_id(qtype, layout), cpu.PATHS[path], int(exact), M, K, w.shape[0], tmp / "in",
+         tmp / "out")
     return np.frombuffer((tmp / "out").read_bytes(), np.float32).reshape(M, w.shape[0])
 
 
@@ -63,6 +64,19 @@ def test_neon_and_i8mm_equal_the_reference_and_the_reference_is_portable(driver,
         for path in ("neon", "i8mm"):
             assert np.array_equal(_matmul(driver, tmp_path, qtype, path, exact, x, w), ref), (qtype, path, exact)
         assert np.array_equal(here.matmul(qtype, x, w, path="ref", exact=exact), ref), (qtype, exact)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_0", "Q8_0"])
+def test_the_arm_paths_run_r8_weights_with_the_references_bits(driver, tmp_path, qtype):
+    """The r8 layout written on this machine (sx_layout.h: bytes, the same on every architecture) runs on
+    AArch64 through its paths' file kernels with the reference's bits (a tail of five rows past the groups)."""
+    rng = np.random.default_rng(13)
+    k = QK[qtype] * 2
+    w, x = blocks(rng, qtype, 21, k), rng.standard_normal((5, k)).astype(np.float32)
+    r8 = cpu.Kernels().repack(qtype, w, k)
+    ref = _matmul(driver, tmp_path, qtype, "ref", False, x, w)
+    for path in ("ref", "neon", "i8mm"):
+        assert np.array_equal(_matmul(driver, tmp_path, qtype, path, False, x, r8, "r8"), ref), (qtype, path)
 
 
 def test_neon_attention_equals_the_reference(driver, tmp_path):

@@ -113,25 +113,21 @@ static inline const uint8_t* block_at(int t, const uint8_t* W, int64_t rows, siz
   return out;
 }
 
-// Whole groups: rows [n, n + rows) of an r8 tensor W to the file's layout (out: rows x rb), or back.
-static inline void r8_to_file(int t, const uint8_t* W, int64_t nb, int64_t n, int64_t rows, uint8_t* out) {
+// Whole groups: rows [n, n + rows) of W from the file's layout to r8 (to_r8), or from r8 back to the file's;
+// out holds those rows alone (rows x rb).
+static inline void r8_convert(int t, bool to_r8, const uint8_t* W, int64_t nb, int64_t n, int64_t rows, uint8_t* out) {
   const int bytes = type_info(base_type(t)).bytes;
   const size_t rb = (size_t)nb * bytes;
   for (int64_t g = 0; g < rows / GROUP; ++g)
     for (int64_t b = 0; b < nb; ++b)
-      for (int c = 0; c < GROUP; ++c)
-        r8_get(t, W + (size_t)(n + GROUP * g) * rb + (size_t)b * GROUP * bytes, c,
-               out + (size_t)(GROUP * g + c) * rb + (size_t)b * bytes);
-}
-
-static inline void file_to_r8(int t, const uint8_t* W, int64_t nb, int64_t n, int64_t rows, uint8_t* out) {
-  const int bytes = type_info(base_type(t)).bytes;
-  const size_t rb = (size_t)nb * bytes;
-  for (int64_t g = 0; g < rows / GROUP; ++g)
-    for (int64_t b = 0; b < nb; ++b)
-      for (int c = 0; c < GROUP; ++c)
-        r8_put(t, W + (size_t)(n + GROUP * g + c) * rb + (size_t)b * bytes, c,
-               out + (size_t)(GROUP * g) * rb + (size_t)b * GROUP * bytes);
+      for (int c = 0; c < GROUP; ++c) {
+        const size_t file = (size_t)(GROUP * g + c) * rb + (size_t)b * bytes;       // from the rows' start
+        const size_t group = (size_t)(GROUP * g) * rb + (size_t)b * GROUP * bytes;
+        if (to_r8)
+          r8_put(t, W + (size_t)n * rb + file, c, out + group);
+        else
+          r8_get(t, W + (size_t)n * rb + group, c, out + file);
+      }
 }
 
 // Groups [n0, n1) (multiples of 8) of an r8 tensor through a kernel of the file's layout (a path with no r8
@@ -149,7 +145,7 @@ static inline void r8_through_file(void (*gemm)(int, In, int64_t, int64_t, const
   buf.resize(CHUNK * rb);
   for (int64_t n = n0; n < n1; n += CHUNK) {
     const int64_t rows = n1 - n < CHUNK ? n1 - n : CHUNK;
-    r8_to_file(t, W, nb, n, rows, buf.data());
+    r8_convert(t, false, W, nb, n, rows, buf.data());
     gemm(base_type(t), in, M, K, buf.data(), 0, rows, Y + n, ldy);
   }
 }

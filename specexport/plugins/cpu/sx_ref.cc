@@ -95,7 +95,7 @@ extern "C" int sx_repack(int type, int to_r8, const uint8_t* W, int64_t N, int64
   const size_t rb = sx_row_bytes(t, K);
   if (!rb || N < 0) return 1;
   const int64_t grouped = N / GROUP * GROUP, nb = K / type_info(t).qk;
-  (to_r8 ? file_to_r8 : r8_to_file)(t, W, nb, 0, grouped, out);
+  r8_convert(t, to_r8 != 0, W, nb, 0, grouped, out);
   std::memcpy(out + grouped * rb, W + grouped * rb, (size_t)(N - grouped) * rb);  // the rows past the last group
   return 0;
 }
