@@ -142,9 +142,10 @@ struct Q4KLanes {
     mp[0] = byte_pair(m03, 0, 1), mp[1] = byte_pair(m03, 2, 3), mp[2] = byte_pair(m47, 0, 1), mp[3] = byte_pair(m47, 2, 3);
   }
   // Row r's block integer I (lane c: column c) into I[r], every row of the pass; then the float steps.
+  template <int NR = 0>  // NR: the pass's rows when known at compile time (one row: registers), else R.M
   void rows(const Rows& R, int64_t b, __m256i* I, float* acc) const {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const int64_t M = R.M, stride = R.stride;  // locals: R is thread_local (an address call per use otherwise)
+    const int64_t M = NR ? NR : R.M, stride = R.stride;  // locals: R is thread_local (an address call per use otherwise)
     for (int64_t r = 0; r < M; ++r) I[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
@@ -218,8 +219,9 @@ struct Q6KLanes {
     const __m256i hb = q == 0 ? _mm256_slli_epi16(H, 4) : q == 1 ? _mm256_slli_epi16(H, 2) : q == 2 ? H : _mm256_srli_epi16(H, 2);
     return _mm256_or_si256(lo, _mm256_and_si256(hb, m30));
   }
+  template <int NR = 0>  // NR: the pass's rows when known at compile time (one row: registers), else R.M
   void rows(const Rows& R, int64_t b, __m256i* I, float* acc) const {
-    const int64_t M = R.M, stride = R.stride;
+    const int64_t M = NR ? NR : R.M, stride = R.stride;
     const int32_t* tab = R.tab + (size_t)(b * M) * TAB;
     for (int64_t r = 0; r < M; ++r) {  // -32 x sum_j s_j A_j
       __m256i z = _mm256_madd_epi16(sp[0], _mm256_set1_epi32(tab[TAB * r]));
@@ -308,8 +310,9 @@ struct SmallLanes {
         code[t] = _mm256_or_si256(code[t], _mm256_and_si256(t <= 4 ? _mm256_slli_epi32(qh, 4 - t) : _mm256_srli_epi32(qh, t - 4), m10));
     }
   }
+  template <int NR = 0>
   void rows(const Rows& R, int64_t b, __m256i*, float* acc) const {
-    const int64_t M = R.M, stride = R.stride;
+    const int64_t M = NR ? NR : R.M, stride = R.stride;
     const int32_t* tab = R.tab + (size_t)(b * M);
     const float* da = R.da + (size_t)(b * M);
     const __m256i ones = _mm256_set1_epi16(1);
@@ -341,8 +344,9 @@ struct Q8Lanes {
 #pragma GCC unroll 8
     for (int t = 0; t < 8; ++t) v[t] = _mm256_loadu_si256((const __m256i*)(gb + 16 + 32 * t)), u[t] = _mm256_sign_epi8(v[t], v[t]);
   }
+  template <int NR = 0>
   void rows(const Rows& R, int64_t b, __m256i*, float* acc) const {
-    const int64_t M = R.M, stride = R.stride;
+    const int64_t M = NR ? NR : R.M, stride = R.stride;
     const float* da = R.da + (size_t)(b * M);
     const __m256i ones = _mm256_set1_epi16(1);
     const int8_t* x = R.q + 32 * b;
@@ -364,8 +368,8 @@ struct Q8Lanes {
 // Columns [n0, n1) of every row of the pass, eight columns a group, each group's blocks in order, unpacked
 // once for all the rows. R8: W in the r8 layout (sx_layout.h) and n0, n1 multiples of 8: a group's block is
 // one run of bytes, read with plain loads; else the file's rows, transposed into the lanes per call.
-template <class L, bool R8 = false>
-void lanes8_gemm(const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
+template <class L, bool R8 = false, int NR = 0>
+void lanes8_rows(const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
                  int64_t ldy) {
   const int64_t nb = K / L::QK;
   const size_t rb = (size_t)nb * L::BYTES;
@@ -384,8 +388,10 @@ void lanes8_gemm(const void* act, int64_t M, int64_t K, const uint8_t* W, int64_
   I_buf.resize((size_t)M);
   acc_buf.resize((size_t)(M * LC));
   const Rows R{act_row(act, 0, K, L::QK).q, (int64_t)act_row_bytes(K, L::QK), M, tab.data(), da.data()};
-  __m256i* I = &I_buf.data()->v;
-  float* acc = acc_buf.data();
+  alignas(32) __m256i I_here[NR ? NR : 1];  // NR rows: the sums and outputs in locals (registers)
+  alignas(32) float acc_here[NR ? NR * LC : 1];
+  __m256i* I = NR ? I_here : &I_buf.data()->v;
+  float* acc = NR ? acc_here : acc_buf.data();
   alignas(32) L g;
   for (int64_t n = n0; n < n1; n += LC) {
     const int valid = (int)std::min<int64_t>(LC, n1 - n);
@@ -403,10 +409,21 @@ void lanes8_gemm(const void* act, int64_t M, int64_t K, const uint8_t* W, int64_
         for (int c = 0; c < LC; ++c) p[c] = col[c] + (size_t)b * L::BYTES;
         g.unpack(p);
       }
-      g.rows(R, b, I, acc);
+      g.template rows<NR>(R, b, I, acc);
     }
     for (int64_t r = 0; r < M; ++r)
       for (int c = 0; c < valid; ++c) Y[r * ldy + n + c] = acc[r * LC + c];
+  }
+}
+
+// Up to four rows (a one-row pass: vanilla decoding and every draft step; a short chain's verify) with their
+// sums in registers; more rows in a loop over the pass's rows.
+template <class L, bool R8 = false>
+void lanes8_gemm(const void* act, int64_t M, int64_t K, const uint8_t* W, int64_t n0, int64_t n1, float* Y,
+                 int64_t ldy) {
+  switch (M) {
+    case 1: return lanes8_rows<L, R8, 1>(act, M, K, W, n0, n1, Y, ldy);
+    default: return lanes8_rows<L, R8>(act, M, K, W, n0, n1, Y, ldy);
   }
 }
 
