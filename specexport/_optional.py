@@ -23,7 +23,7 @@ _EXTRA = {
     "tokenizers": "ort",
     "fastapi": "serve",
     "uvicorn": "serve",
-    "jinja2": "serve",
+    "jinja2": "ort",          # in the base install too: chat templates are the runtime's
     "prometheus_client": "serve",
 }
 

@@ -27,6 +27,15 @@ def test_every_extra_the_code_names_exists():
     assert named <= extras, f"named in messages but not in pyproject.toml: {sorted(named - extras)}"
 
 
+def test_the_base_install_renders_chat_templates():
+    """`generate --chat` is the runtime's: jinja2 comes with `pip install specexport`, not with an extra."""
+    base = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert any(re.match(r"jinja2\b", d) for d in base), base
+    from specexport._optional import _EXTRA
+
+    assert _EXTRA["jinja2"] == "ort"
+
+
 @pytest.mark.parametrize("module", ["specexport", "specexport.runtime.pipeline", "specexport.runtime.backends.ort",
                                     "specexport.cli", "specexport.report.bench", "specexport.manifest"])
 def test_runtime_imports_stay_light(module):

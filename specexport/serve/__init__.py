@@ -1,5 +1,5 @@
 """`specexport serve`: an OpenAI-compatible HTTP server on the embedded runtime (the `[serve]` extra:
-FastAPI, uvicorn, jinja2 for chat templates, prometheus-client for /metrics).
+FastAPI, uvicorn, prometheus-client for /metrics; jinja2, for chat templates, is in the base install).
 
     app.py       the routes, the OpenAI response and stream shapes
     guard.py     the API key, the body limit, malformed bodies; the Limits
