@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--llama-cpp", type=Path, default=None, help="the folder with llama-bench")
     ap.add_argument("--ik-llama-cpp", type=Path, default=None, help="the folder with ik_llama.cpp's llama-bench")
     args = ap.parse_args()
-    from specexport.plugins.cpu.layout import of as layout_of
+    from specexport.plugins.cpu import layout_of
 
     entries = {b: json.loads((Path(b) / "manifest.json").read_text())["models"]["target"]["precisions"]["gguf"]
                for b in args.builds}

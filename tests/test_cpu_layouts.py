@@ -187,9 +187,11 @@ def test_auto_takes_r8_where_the_one_row_path_is_avx2_and_the_file_elsewhere(ker
     st = cpu.status()
     if not st.available:
         kernels_missing(st.line())
-    layout, why = cpu.layout.choose("auto", st)
+    from specexport.plugins.cpu import layout as layouts
+
+    layout, why = layouts.choose("auto", st)
     expected = cpu.expected_paths() or set()
     best = [p for p in ("neon", "amx", "avx512vnni", "avxvnni", "avx512", "avx2", "ref") if p in expected][0]
     assert layout == ("r8" if best == "avx2" else "file"), (layout, why, sorted(expected))
-    assert cpu.layout.choose("file", st) == ("file", "layout: file")
-    assert cpu.layout.choose("auto", cpu.Status(None, reason="x"))[0] == "file"
+    assert layouts.choose("file", st) == ("file", "layout: file")
+    assert layouts.choose("auto", cpu.Status(None, reason="x"))[0] == "file"

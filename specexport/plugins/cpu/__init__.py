@@ -36,11 +36,11 @@ from pathlib import Path
 
 from specexport.config import cache_base
 from specexport.errors import KernelsUnavailable
-from specexport.plugins.cpu import headers, layout, tiers
+from specexport.plugins.cpu import headers, tiers
 from specexport.plugins.cpu.capi import LAYOUTS, PATHS, TYPES, Kernels
 
 __all__ = ["KernelsUnavailable", "Kernels", "Status", "status", "build", "register", "describe", "on_ours", "uses_kernels",
-           "expected_paths", "LAYOUTS"]
+           "expected_paths", "LAYOUTS", "layout_of"]
 
 DOMAIN = "specexport.cpu"
 HERE = Path(__file__).parent
@@ -322,6 +322,11 @@ def _check_runtime() -> None:
                                  f"{'.'.join(map(str, ORT_FLOOR))}, whose C API the kernels' ops need")
 
 
+def layout_of(entry: dict) -> str:
+    """A built precision's weight layout (its manifest entry; "file" for builds before layouts: layout.py)."""
+    return ((entry.get("quantization") or {}).get("kernels") or {}).get("layout", "file")
+
+
 def on_ours(entry: dict) -> bool:
     """A built precision (`entry`: the manifest's) whose graph runs our kernels' ops (gguf, blocks)."""
     return ((entry.get("quantization") or {}).get("kernels") or {}).get("ops") == DOMAIN
@@ -334,7 +339,7 @@ def describe(entry: dict) -> str | None:
     if built is None:
         return None
     if on_ours(entry):
-        return status().line() + f"; weights in the {layout.of(entry)} layout"
+        return status().line() + f"; weights in the {layout_of(entry)} layout"
     return f"CPU kernels: ONNX Runtime's stock MatMulNBits (at build: {built.get('why', 'not recorded')})"
 
 
@@ -348,7 +353,7 @@ def tiers_by_rows(entry: dict, rows) -> dict[int, str] | None:
     c = Kernels(st.library).c
     names = {v: k for k, v in PATHS.items()}
     types = sorted(entry["quantization"].get("block_types") or {})
-    kind = layout.of(entry)
+    kind = layout_of(entry)
     out = {}
     for m in rows:
         by_path: dict[str, list[str]] = {}

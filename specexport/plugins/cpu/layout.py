@@ -1,6 +1,7 @@
 """The weights' layout in a graph on our kernels (sx_layout.h defines it; the C library writes it): "file", the
 GGUF blocks verbatim, or "r8", the same bytes with eight rows interleaved so a kernel loads eight rows' codes
-with plain loads. Which one a build writes (quantization.<p>.layout), and what a manifest says was written."""
+with plain loads. Which one a build writes (quantization.<p>.layout); what a manifest says was written:
+plugins.cpu.layout_of."""
 from __future__ import annotations
 
 import functools
@@ -47,7 +48,3 @@ def settled(settings: dict, kernels) -> dict:
         return settings
     return {**settings, "layout": choose("auto", kernels())[0]}
 
-
-def of(entry: dict) -> str:
-    """A built precision's weight layout (its manifest entry; "file" for builds before layouts)."""
-    return ((entry.get("quantization") or {}).get("kernels") or {}).get("layout", "file")

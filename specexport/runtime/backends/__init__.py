@@ -164,9 +164,9 @@ def _on_kernels(manifest: dict, target_precision: str) -> bool:
 
 def _check_layout(stage: dict, manifest: dict, what: str) -> None:
     """A graph whose weights are in a layout this version's kernels do not read is refused before any pass."""
-    from specexport.plugins.cpu import LAYOUTS, layout as layouts
+    from specexport.plugins.cpu import LAYOUTS, layout_of
 
-    layout = layouts.of(stage)
+    layout = layout_of(stage)
     if on_our_kernels(stage) and layout not in LAYOUTS:
         raise SpecexportError(f"{what}: its weights are in the layout {layout!r}, written by specexport "
                               f"{manifest.get('specexport_version', '?')}; this version reads {', '.join(LAYOUTS)}: "
