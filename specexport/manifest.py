@@ -4,6 +4,7 @@ files it lists.
 Layout of an output folder (schema 2):
     manifest.json                      the build: written last, atomically, only when every stage passed
     tokenizer-<hash>/                  tokenizer files copied from the target checkpoint
+    kernels-<hash>/<arch>/             the CPU kernels' library the graphs call (key `kernels`), when they do
     <role>/<precision>-<id>/model.onnx (+ model.onnx.data) per model (target, draft) and precision
     medusa/fp32-<id>/model.onnx        the Medusa heads' graph, when the build has heads (key `heads`)
     eagle/fp32-<id>/model.onnx         the EAGLE head's graph (key `heads.eagle`)
@@ -26,9 +27,10 @@ from pathlib import Path
 
 from specexport.errors import SpecexportError
 
-SCHEMA_VERSION = 3          # 2: stage folders named in the manifest, tokenizer files hashed, γ keyed by (target, draft)
+SCHEMA_VERSION = 4          # 2: stage folders named in the manifest, tokenizer files hashed, γ keyed by (target, draft)
                             # 3: gguf graphs may call specexport's CPU kernels (quantization.kernels says)
-READABLE = (2, 3)           # a version-2 build is a version-3 one without kernels: read as it is
+                            # 4: the engine folder may carry the kernels' library (key `kernels`)
+READABLE = (2, 3, 4)        # an older build is a version-4 one without what came later: read as it is
 MANIFEST_NAME = "manifest.json"
 
 
@@ -83,6 +85,8 @@ _HEADS = {"source": str, "format": str, "num_heads": int, "num_layers": int, "to
           "io": dict, "precisions": _Each(_STAGE)}
 _EAGLE = {"source": str, "version": int, "aux_layers": list, "target_ids": (list, type(None)), "top_k": int,
           "fingerprint": str, "io": dict, "scratch_rows": int, "precisions": _Each(_STAGE)}
+_KERNELS = {"dir": str, "files": _FILES, "libraries": _Each({"file": str, "sha256": str, "arch": str,
+                                                              "kernel_version": int, "paths": list})}
 # What the runtime, the bench and inspect read. Other keys may be present (figures, config echo).
 SCHEMA = {"schema_version": int, "name": str, "created": str, "build_id": str, "max_seq_len": int,
           "max_verify_tokens": int, "tokenizer": {"dir": str, "files": _FILES},
@@ -112,6 +116,8 @@ def read_manifest(output_dir: str | os.PathLike) -> dict:
         _check(data["heads"], dict, str(path), "heads")
         for kind, entry in data["heads"].items():
             _check(entry, _EAGLE if kind == "eagle" else _HEADS, str(path), f"heads.{kind}")
+    if "kernels" in data:                   # optional: builds whose graphs call our CPU kernels
+        _check(data["kernels"], _KERNELS, str(path), "kernels")
     if "target" not in data["models"]:
         raise SpecexportError(f"{path}: models.target: missing key")
     return data
@@ -150,13 +156,14 @@ def stage_dir(output_dir: Path, manifest: dict, role: str, precision: str) -> Pa
 
 
 def listed_files(manifest: dict) -> dict[str, dict]:
-    """Every file the manifest lists (graphs of every model and precision, tokenizer), by relative path."""
+    """Every file the manifest lists (graphs of every model and precision, tokenizer, kernels), by relative path."""
     files = {}
     for m in (*manifest["models"].values(), *manifest.get("heads", {}).values()):
         for entry in m["precisions"].values():
             files.update(entry["files"])
-    tok = manifest["tokenizer"]
-    files.update({f"{tok['dir']}/{name}": meta for name, meta in tok["files"].items()})
+    for part in (manifest["tokenizer"], manifest.get("kernels")):
+        if part:
+            files.update({f"{part['dir']}/{name}": meta for name, meta in part["files"].items()})
     return files
 
 

@@ -552,7 +552,7 @@ def test_an_edit_to_any_source_or_header_builds_the_library_anew(tmp_path, monke
     """The cache key covers every .cc and .h beside the package (sx_attn.h too), the flags and the ORT headers."""
     here = tmp_path / "cpu"
     shutil.copytree(cpu.HERE, here, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(cpu, "HERE", here)
+    monkeypatch.setattr(cpu.toolchain, "HERE", here)
     cxx = cpu.compiler()
     key = cpu.cache_key(cxx, cpu.sources(), None, [])
     for name in sorted(p.name for p in here.iterdir() if p.suffix in (".h", ".cc")):
@@ -685,7 +685,7 @@ def test_the_tiers_path_runs_each_row_count_on_its_tier_with_the_references_bits
 
 
 def test_the_tier_table_is_measured_once_cached_and_said(kernels, tmp_path, monkeypatch):
-    lib = tmp_path / "libspecexport_kernels.so"
+    lib, cache = kernels.lib, tmp_path          # the table goes to the cache, named by the library's bytes
     calls = []
 
     def measured(k):                      # a table the test knows (the real measurement is tested below)
@@ -695,17 +695,17 @@ def test_the_tier_table_is_measured_once_cached_and_said(kernels, tmp_path, monk
     if "avx2" not in kernels.paths():
         pytest.skip("an AVX2 table needs an AVX2 CPU")
     monkeypatch.setattr(cpu.tiers, "measure", measured)
-    table = cpu.tiers.load_or_measure(kernels, lib)
-    assert cpu.tiers.load_or_measure(kernels, lib) == table and cpu.tiers.table_file(lib).is_file()
+    table = cpu.tiers.load_or_measure(kernels, lib, cache)
+    assert cpu.tiers.load_or_measure(kernels, lib, cache) == table and cpu.tiers.table_file(lib, cache).is_file()
     assert len(calls) == 1
     assert cpu.tiers.describe(table) == ("Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K/Q4_0.r8/Q4_1.r8/Q5_0.r8/Q5_1.r8/"
                                          "Q8_0.r8/Q4_K.r8/Q5_K.r8/Q6_K.r8: M 1-8 avx2, M 9+ ref")
     assert cpu.tiers.describe({"Q4_K": ["avx512vnni"] * 7 + ["amx"] * 10, "Q6_K": ["avx2"] * 17}) == \
         "Q4_K: M 1-7 avx512vnni, M 8+ amx; Q6_K: M 1+ avx2"
-    cpu.tiers.table_file(lib).write_text('{"Q4_K": ["no-such-path"]}')           # a damaged cache: measured again
-    assert cpu.tiers.load_or_measure(kernels, lib) == table and len(calls) == 2
-    cpu.tiers.write_json_atomic(cpu.tiers.table_file(lib), {t: table[t] for t in cpu.TYPES})   # no r8 entries: again
-    assert cpu.tiers.load_or_measure(kernels, lib) == table and len(calls) == 3
+    cpu.tiers.table_file(lib, cache).write_text('{"Q4_K": ["no-such-path"]}')           # a damaged cache: measured again
+    assert cpu.tiers.load_or_measure(kernels, lib, cache) == table and len(calls) == 2
+    cpu.tiers.write_json_atomic(cpu.tiers.table_file(lib, cache), {t: table[t] for t in cpu.TYPES})   # no r8 entries: again
+    assert cpu.tiers.load_or_measure(kernels, lib, cache) == table and len(calls) == 3
 
 
 def test_the_tier_rule_keeps_a_crossover_and_drops_one_disturbed_row_count():
@@ -732,7 +732,7 @@ def test_the_bench_measures_a_tier_table_of_its_own_and_leaves_the_cached_one(ke
     st = cpu.status()
     if not st.available or st.path != "tiers":
         pytest.skip(f"the tiers path does not run here ({st.line()})")
-    cached = cpu.tiers.table_file(st.library)
+    cached = cpu.tiers.table_file(st.library, cpu.kernels_dir())
     before = cached.read_text() if cached.is_file() else None
     mine = {t: [kernels.paths()[-1]] * 3 + [kernels.paths()[1]] * 14 for t in cpu.TYPES}   # unlike any measured
     monkeypatch.setattr(cpu, "_measured_here", None)

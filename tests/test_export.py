@@ -314,7 +314,7 @@ def test_graph_without_aux_layers_has_no_aux_output(built_llama):
 def test_manifest_contents(built_llama, tiny_checkpoints, tokenizer):
     out = built_llama
     manifest = read_manifest(out)
-    assert manifest["schema_version"] == SCHEMA_VERSION == 3
+    assert manifest["schema_version"] == SCHEMA_VERSION == 4
     assert manifest["name"] == "tiny-llama" and manifest["max_seq_len"] == 128
     for pkg in ("torch", "transformers", "onnx", "onnxruntime"):
         assert manifest["versions"][pkg] == version(pkg)

@@ -242,7 +242,7 @@ def test_bad_output_folders(built_long, tmp_path):
     m = json.loads((built_long / "manifest.json").read_text())
     m["schema_version"] = 99
     (tmp_path / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(SpecexportError, match="schema_version 99 is not supported; this specexport reads 2, 3"):
+    with pytest.raises(SpecexportError, match="schema_version 99 is not supported; this specexport reads 2, 3, 4"):
         specexport.load(tmp_path)
     from specexport.manifest import read_manifest
 

@@ -27,11 +27,12 @@ def test_stages_are_values_in_run_order_with_their_needs(built_draft_only, tmp_p
                  precisions=["fp32", "int8"])
     stages = plan_build(load_config(path)).stages()
     assert [s.name for s in stages] == ["target/fp32", "target/int8", "draft/vocab", "draft/fp32", "draft/int8",
-                                        "tokenizer"]
+                                        "kernels", "tokenizer"]          # int8: blocks on our kernels, carried
     needs = {s.name: s.needs for s in stages}
+    assert needs["kernels"] == ("target/fp32", "target/int8", "draft/fp32", "draft/int8")
     assert needs["target/int8"] == ("target/fp32",) and needs["draft/vocab"] == ("target/fp32",)
     assert needs["draft/fp32"] == ("draft/vocab",) and needs["draft/int8"] == ("draft/fp32",)
-    assert all(len(s.fingerprint) == 16 or s.name == "tokenizer" for s in stages)
+    assert all(len(s.fingerprint) == 16 or s.name in ("kernels", "tokenizer") for s in stages)
     assert stages[1].selected_by("target") and stages[1].selected_by("target/int8")
     assert not stages[1].selected_by("target/fp32")
 

@@ -4,6 +4,7 @@ the tokenizer copy, and the removal of what no manifest points at (see `specexpo
     <out>/<role>/.<precision>-<id>.partial/   being written (never pointed at)
     <out>/<role>/<precision>-<id>/            checked; pointed at once the new manifest is written
     <out>/tokenizer-<hash>/                   named by the content of the source tokenizer files
+    <out>/kernels-<hash>/<arch>/              the CPU kernels' libraries, named by their content
     <out>/.specexport/                        the lock, temporary files and the journal of the role folders
                                               the build made (locking.work_dir)
 
@@ -89,12 +90,13 @@ def reusable_tokenizer(out: Path, previous: dict, digest: str) -> dict | None:
 
 
 def referenced(manifest: dict) -> set[str]:
-    """Relative paths of the folders a manifest points at (stage folders and the tokenizer)."""
+    """Relative paths of the folders a manifest points at (stage folders, the tokenizer, the kernels)."""
     entries = [*manifest.get("models", {}).values(), *manifest.get("heads", {}).values()]
     refs = {e["dir"] for m in entries if isinstance(m, dict) for e in m.get("precisions", {}).values()
             if isinstance(e, dict) and "dir" in e}
-    if isinstance(manifest.get("tokenizer"), dict) and "dir" in manifest["tokenizer"]:
-        refs.add(manifest["tokenizer"]["dir"])
+    for key in ("tokenizer", "kernels"):
+        if isinstance(manifest.get(key), dict) and "dir" in manifest[key]:
+            refs.add(manifest[key]["dir"])
     return refs
 
 
@@ -120,10 +122,10 @@ def adopt_previous(out: Path, manifest: dict) -> list[str]:
     specexport from before markers), sealed with exactly the files the manifest lists: the manifest is
     our record of having written them. Returns the folders adopted."""
     adopted = []
-    tok = manifest.get("tokenizer")
     listed = {}
-    if isinstance(tok, dict) and isinstance(tok.get("files"), dict) and isinstance(tok.get("dir"), str):
-        listed[tok["dir"]] = list(tok["files"])
+    for part in (manifest.get("tokenizer"), manifest.get("kernels")):
+        if isinstance(part, dict) and isinstance(part.get("files"), dict) and isinstance(part.get("dir"), str):
+            listed[part["dir"]] = list(part["files"])
     for m in [*manifest.get("models", {}).values(), *manifest.get("heads", {}).values()]:
         for e in (m.get("precisions", {}) if isinstance(m, dict) else {}).values():
             if isinstance(e, dict) and isinstance(e.get("dir"), str) and isinstance(e.get("files"), dict):
@@ -138,7 +140,7 @@ def adopt_previous(out: Path, manifest: dict) -> list[str]:
 
 def remove_unreferenced(out: Path, manifest: dict) -> tuple[list[str], list[str]]:
     """Delete what this build command wrote into `out` that `manifest` does not point at: stage folders
-    of replaced, failed or killed builds, partial folders, tokenizer copies, temporary files in the work
+    of replaced, failed or killed builds, partial folders, tokenizer and kernels copies, temporary files in the work
     folder. Only marked folders (and in them the files recorded as the build's) go. Returns (removed,
     left alone): the second names what sits where the build keeps its folders but was not written by it."""
     out = Path(out)
@@ -149,7 +151,7 @@ def remove_unreferenced(out: Path, manifest: dict) -> tuple[list[str], list[str]
         if folder.is_dir() and not folder.is_symlink():
             candidates += [c for c in sorted(folder.iterdir()) if c.name != owned.MARKER]
     candidates += [c for c in sorted(out.iterdir()) if c.name == "tokenizer"
-                   or c.name.startswith(("tokenizer-", ".tokenizer-", f".{MANIFEST_NAME}."))]
+                   or c.name.startswith(("tokenizer-", ".tokenizer-", "kernels-", ".kernels-", f".{MANIFEST_NAME}."))]
     for child in candidates:
         rel = child.relative_to(out).as_posix()
         if rel in keep:

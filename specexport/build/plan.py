@@ -63,7 +63,6 @@ class Plan:
     models: tuple[ModelPlan, ...]
     tokenizer_files: tuple[Path, ...]   # files copied into <output>/tokenizer
     special_tokens: dict = field(default_factory=dict)
-
     eval_ids: tuple[int, ...] | None = None    # eval_text through the target tokenizer (None: no eval_text)
     calibration_ids: tuple[int, ...] | None = None   # calibration_text, the same way
     heads: tuple[HeadsPlan, ...] = ()
@@ -71,12 +70,13 @@ class Plan:
     def stages(self) -> list:
         """The build, in the order it runs (build/stage.py): per model its fp32 graph, then (a draft with
         `vocab: N`, after the target's graph) its measured vocabulary before its own graphs, then each
-        quantized precision; the heads; the tokenizer copy."""
+        quantized precision; the heads; the kernel library (gguf, blocks); the tokenizer copy."""
         from specexport.build.outdir import tokenizer_digest
         from specexport.build.stages.blocks import BlocksStage
         from specexport.build.stages.eagle import EagleStage
         from specexport.build.stages.export import ExportStage
         from specexport.build.stages.gguf import GgufStage
+        from specexport.build.stages.kernels import KernelsStage
         from specexport.build.stages.medusa import MedusaStage
         from specexport.build.stages.quantize import QuantizeStage
         from specexport.build.stages.tokenizer import TokenizerStage
@@ -99,11 +99,12 @@ class Plan:
                     stages.append(GgufStage(name, self.stage_fingerprint(mp, precision),
                                             needs=() if mp.config.lean else (f"{mp.role}/fp32",)))
                 else:
-                    stages.append(QuantizeStage(name, self.stage_fingerprint(mp, precision),
-                                                needs=(f"{mp.role}/fp32",)))
+                    stages.append(QuantizeStage(name, self.stage_fingerprint(mp, precision), needs=(f"{mp.role}/fp32",)))
         for hp in self.heads:
             kind = EagleStage if hp.role == "eagle" else MedusaStage
             stages.append(kind(hp.role, hp.fingerprint, needs=("target/fp32",), heads=hp))
+        if any(mp.config.on_kernels for mp in self.models):      # the library its graphs ran, carried
+            stages.append(KernelsStage("kernels", "carried", needs=tuple(s.name for s in stages if s.precision)))
         stages.append(TokenizerStage("tokenizer", tokenizer_digest(self.tokenizer_files)))
         return stages
 
@@ -356,9 +357,8 @@ def _tokenizer_vocab(mc: ModelConfig) -> dict:
 
 def _check_same_vocabulary(target: ModelPlan, draft: ModelPlan, t_vocab: dict, d_vocab: dict) -> None:
     if target.arch.vocab_size != draft.arch.vocab_size:
-        raise SpecexportError(
-            f"draft.path: vocab_size {draft.arch.vocab_size} differs from the target's {target.arch.vocab_size} "
-            f"(draft {draft.config.path}, target {target.config.path})")
+        raise SpecexportError(f"draft.path: vocab_size {draft.arch.vocab_size} differs from the target's "
+                              f"{target.arch.vocab_size} (draft {draft.config.path}, target {target.config.path})")
     if t_vocab != d_vocab:
         only_t = sorted(set(t_vocab) - set(d_vocab))[:3]
         moved = sorted(k for k in set(t_vocab) & set(d_vocab) if t_vocab[k] != d_vocab[k])[:3]

@@ -55,6 +55,12 @@ def inspect(output_dir, as_json, verify, verbose):
     console.print(table)
     from specexport.plugins import cpu
 
+    cpu.offer(output_dir, m)                  # what a load would use: the engine's library, else one compiled here
+    for arch, lib in (m.get("kernels") or {}).get("libraries", {}).items():
+        console.print(f"kernels carried for {arch}: {m['kernels']['dir']}/{lib['file']} (kernel version "
+                      f"{lib['kernel_version']}, paths {','.join(lib['paths'])}; compiled by {lib.get('compiler') or '?'})")
+    for arch, why in (m.get("kernels") or {}).get("not_carried", {}).items():
+        console.print(f"kernels not carried for {arch}: {why}")
     ours = False
     for role, mm in m["models"].items():
         for precision, e in mm["precisions"].items():

@@ -78,6 +78,10 @@ class Pipeline:
                  draft_threads=AS_TARGET, verify=False, suffix_cache_tokens=SUFFIX_CACHE_TOKENS, **options):
         self.dir = Path(output_dir)
         self.manifest = read_manifest(self.dir)
+        if "kernels" in self.manifest:      # the library the build ran, tried before any compile (plugins/cpu/carry.py)
+            from specexport.plugins import cpu
+
+            cpu.offer(self.dir, self.manifest)
         if verify:
             problems = file_problems(self.dir, listed_files(self.manifest), hashes=True)
             if problems:

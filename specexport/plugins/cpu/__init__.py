@@ -1,16 +1,10 @@
-"""specexport's CPU kernels on GGUF blocks (the C++ beside this file), compiled on first use.
+"""specexport's CPU kernels on GGUF blocks (the C++ beside this file), compiled on first use or carried.
 
     Y[M, N] = X[M, K] . W^T   with W the file's blocks verbatim: ONNX Runtime custom ops in the domain
     "specexport.cpu" (GgufMatMul, GgufGather; sx_ort.cc) and a C interface for tests and benchmarks.
 
-Compiled by the system's C++ compiler into $SPECEXPORT_CACHE/kernels/<key>/ (default ~/.cache/specexport;
-$SPECEXPORT_KERNELS_CACHE names the kernels' folder alone),
-the key a digest of every source and header here, ONNX Runtime's headers, the compiler's version and the
-flags, so an edit or another compiler builds anew and concurrent first uses build once (a file lock, an
-atomic rename). Why not a build backend at install: pip's wheel of ONNX Runtime has no C headers, and a
-missing compiler would fail the install; here a missing piece leaves the stock route (MatMulNBits) running
-and `status()` says why. An optional unit the toolchain cannot compile (the VNNI paths on an assembler older
-than binutils 2.36) is left out, and said, instead of failing the library. ONNX Runtime's headers: headers.py.
+The library: the one an engine folder carries, where the runtime offered it (offer(); carry.py), else
+compiled here into the kernels' cache (toolchain.py). Which, and why, is in status().line().
 
 Environment: SPECEXPORT_KERNELS=off hides the library (the stock route runs); SPECEXPORT_KERNEL_PATH
 (ref, avx2, avx2lanes, avxvnni, avx512vnni, avx512, amx, neon, i8mm, tiers) forces a kernel path; SPECEXPORT_KERNEL_SELFCHECK=off lets a SIMD
@@ -20,188 +14,24 @@ CXX names the compiler (arguments allowed: "ccache g++").
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
 import os
 import platform
 import re
-import shlex
-import shutil
-import subprocess
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-
-from specexport.config import cache_base
 from specexport.errors import KernelsUnavailable
-from specexport.plugins.cpu import headers, tiers
-from specexport.plugins.cpu.capi import LAYOUTS, PATHS, TYPES, Kernels
+from specexport.plugins.cpu import carry, headers, tiers
+from specexport.plugins.cpu.capi import BLOCK, LAYOUTS, PATHS, TYPES, Kernels  # noqa: F401
+from specexport.plugins.cpu.toolchain import (HERE, KERNEL_SOURCES, OPTIONAL, ORT_SOURCE, UNIT_PATHS, build,  # noqa: F401
+                                              cache_key, compiled, compiler, flags, kernels_dir, left_out,
+                                              ort_include, sources)
 
 __all__ = ["KernelsUnavailable", "Kernels", "Status", "status", "build", "register", "describe", "on_ours", "uses_kernels",
-           "expected_paths", "LAYOUTS", "layout_of"]
+           "expected_paths", "LAYOUTS", "layout_of", "offer"]
 
 DOMAIN = "specexport.cpu"
-HERE = Path(__file__).parent
-KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_selfcheck.cc", "sx_avx2.cc", "sx_avx2l.cc", "sx_vnni.cc", "sx_avx512.cc",
-                  "sx_amx.cc", "sx_neon.cc", "sx_i8mm.cc")
-# unit -> the paths it holds: left out (and said) where the toolchain cannot compile it
-OPTIONAL = {"sx_vnni.cc": ("avxvnni", "avx512vnni"), "sx_avx512.cc": ("avx512",), "sx_amx.cc": ("amx",),
-            "sx_i8mm.cc": ("i8mm",)}
-ORT_SOURCE = "sx_ort.cc"
-BLOCK = {t: 256 if t.endswith("_K") else 32 for t in TYPES}   # weights per (super-)block along K
 ORT_FLOOR = (1, headers.API_VERSION)                           # the C API the ops' headers ask for
-
-
-def flags(source: str, defines: list[str] = ()) -> list[str]:
-    """The compiler flags of one source file. -ffp-contract=off: the float steps are the reference's,
-    never fused differently by one translation unit (bit-identical paths). Test libraries (a planted bug, an
-    emulated instruction set) compile at -O1: their bits are the same (no fast-math), they build in half the
-    time, and they are never timed."""
-    test = any(d.startswith(("-DSX_PLANT_", "-DSX_EMULATE_")) for d in defines)
-    out = ["-O1" if test else "-O2", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden"]
-    if source in ("sx_avx2.cc", "sx_avx2l.cc", "sx_vnni.cc", "sx_avx512.cc", "sx_amx.cc"):
-        out += ["-mavx2", "-mfma", "-mf16c"]
-    avx512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]
-    if source == "sx_avx512.cc" and "-DSX_EMULATE_AVX512" not in defines:   # runs only where the CPU has them
-        out += avx512
-    if source == "sx_amx.cc" and "-DSX_EMULATE_AMX" not in defines:   # runs only where the CPU has them
-        out += [*avx512, "-mavx512vbmi", "-mamx-tile", "-mamx-int8"]
-    if source == "sx_neon.cc":
-        out += ["-march=armv8.2-a+dotprod"]
-    if source == "sx_i8mm.cc":     # runs only where the CPU has it (sx_dispatch.cc's cpu_has)
-        out += ["-march=armv8.2-a+dotprod+i8mm"]
-    return out
-
-
-def sources(arch: str | None = None) -> list[str]:
-    """The kernel sources this architecture compiles (the x86 files on x86-64, the NEON one on AArch64)."""
-    arch = arch or platform.machine()
-    x86, arm = ("x86_64", "AMD64"), ("aarch64", "arm64")
-    only = {"sx_avx2.cc": x86, "sx_avx2l.cc": x86, "sx_vnni.cc": x86, "sx_avx512.cc": x86, "sx_amx.cc": x86, "sx_neon.cc": arm,
-            "sx_i8mm.cc": arm}
-    return [s for s in KERNEL_SOURCES if arch in only.get(s, (arch,))]
-
-
-def compiler() -> list[str]:
-    """The C++ compiler's command: $CXX split as a shell would ("ccache g++"), else g++, c++ or clang++."""
-    env = os.environ.get("CXX", "").strip()
-    if env:
-        cmd = shlex.split(env)
-        if not shutil.which(cmd[0]):
-            raise KernelsUnavailable(f"CXX={env}: {cmd[0]} is not a command here")
-        return cmd
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if not cxx:
-        raise KernelsUnavailable("no C++ compiler found (set CXX, or install g++)")
-    return [cxx]
-
-
-def _compiler_id(cxx: list[str]) -> str:
-    try:
-        return subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as err:
-        raise KernelsUnavailable(f"the C++ compiler {' '.join(cxx)} does not run: {err}") from err
-
-
-def ort_include(fetch: bool = True) -> Path:
-    """A folder with ONNX Runtime's C/C++ API headers (headers.py says from where)."""
-    return headers.include(fetch, os.environ.get("SPECEXPORT_ORT_INCLUDE"))
-
-
-def kernels_dir() -> Path:
-    """Where compiled libraries (and the fetched ORT headers) live: $SPECEXPORT_KERNELS_CACHE, else
-    $SPECEXPORT_CACHE/kernels (default ~/.cache/specexport/kernels)."""
-    env = os.environ.get("SPECEXPORT_KERNELS_CACHE")
-    return Path(env) if env else cache_base() / "kernels"
-
-
-def _mkdir(p: Path) -> Path:
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def cache_key(cxx: list[str], srcs: list[str], include: Path | None, defines: list[str]) -> str:
-    """Every file here the compiler may read (all sources and headers, not only the listed ones), the ORT
-    headers, the compiler's version and every unit's flags."""
-    h = hashlib.sha256(_compiler_id(cxx).encode() + " ".join(cxx).encode())
-    for f in sorted(p for p in HERE.iterdir() if p.suffix in (".cc", ".h")):
-        h.update(f.name.encode() + f.read_bytes())
-    for s in srcs:
-        h.update(s.encode() + " ".join(flags(s, defines) + defines).encode())
-    h.update(headers.digest(include).encode() if include else b"no ORT")
-    return h.hexdigest()[:16]
-
-
-def build(with_ort: bool = True, *, plant: str | None = None, emulate_vnni: bool = False,
-          emulate_amx: bool = False, emulate_avx512: bool = False) -> Path:
-    """Compile (once per key) and return the shared library's path. with_ort: the ONNX Runtime ops too
-    (needs the headers); without them: the C interface only. plant: a -DSX_PLANT_<name> build with a
-    deliberate bug, for the tests that must catch it. emulate_vnni: a test library whose VNNI paths run on
-    any AVX2 CPU, their dot-product instructions computed exactly with AVX2 (sx_vnni.cc's VnniDot); emulate_amx:
-    its AMX path too, the tile instructions in C (sx_amx.cc); emulate_avx512: the 512-bit tier's vector
-    operations on pairs of AVX2 registers (sx_v512.h). A unit in
-    OPTIONAL that does not compile is left out (left_out() says which and why)."""
-    cxx = compiler()
-    srcs = sources() + ([ORT_SOURCE] if with_ort else [])
-    include = ort_include() if with_ort else None
-    defines = ([f"-DSX_PLANT_{plant.upper()}"] if plant else []) + (["-DSX_EMULATE_VNNI"] if emulate_vnni else []) + \
-        (["-DSX_EMULATE_AMX"] if emulate_amx else []) + (["-DSX_EMULATE_AVX512"] if emulate_avx512 else [])
-    name = "libspecexport_cpu.so" if with_ort else "libspecexport_kernels.so"
-    folder = kernels_dir() / cache_key(cxx, srcs, include, defines)
-    lib = folder / name
-    if lib.is_file():
-        return lib
-    from filelock import FileLock
-
-    with FileLock(str(_mkdir(folder) / ".lock")):
-        if lib.is_file():
-            return lib
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            def compile_unit(s: str) -> KernelsUnavailable | None:
-                cmd = [*cxx, *flags(s, defines), *defines, "-I", str(HERE), *(["-I", str(include)] if include else []),
-                       "-c", str(HERE / s), "-o", str(Path(tmp) / (s + ".o"))]
-                try:
-                    _run(cmd, s)
-                except KernelsUnavailable as err:
-                    return err
-                return None
-
-            # the units side by side (one compiler a core): the first use waits on the slowest unit, not the sum
-            with ThreadPoolExecutor(max_workers=max(1, min(len(srcs), os.cpu_count() or 1))) as pool:
-                failed = dict(zip(srcs, pool.map(compile_unit, srcs)))
-            objs, left = [], {}
-            for s in srcs:
-                err = failed[s]
-                if err is None:
-                    objs.append(str(Path(tmp) / (s + ".o")))
-                    continue
-                if s not in OPTIONAL:
-                    raise err
-                lines = str(err).splitlines()[1:] or [str(err)]
-                first = next((x for x in lines if "error" in x.lower()), lines[-1])
-                left[s] = {"paths": list(OPTIONAL[s]), "why": first.strip()[:300]}
-            out = Path(tmp) / name
-            _run([*cxx, "-shared", "-o", str(out), *objs], "linking")
-            (folder / f"{name}.left-out.json").write_text(json.dumps(left))
-            out.rename(lib)                          # atomic: a half-written library is never seen
-    return lib
-
-
-def left_out(lib: Path) -> dict:
-    """The optional units a built library lacks: {unit: {"paths": [...], "why": compiler's line}}."""
-    try:
-        return json.loads((lib.parent / f"{lib.name}.left-out.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _run(cmd: list[str], what: str) -> None:
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode:
-        tail = "\n".join((r.stderr or r.stdout).strip().splitlines()[-12:])
-        raise KernelsUnavailable(f"compiling specexport's CPU kernels failed at {what}:\n{tail}")
 
 
 def expected_paths() -> set[str] | None:
@@ -244,6 +74,9 @@ class Status:
     selfcheck: str = ""            # what the self-check covered, or that it was off
     left_out: str = ""             # paths this library lacks because their unit did not compile, and why
     tiers: str = ""                # path "tiers": which path each type's passes of M rows run on (tiers.py)
+    carried: bool = False          # the library is the one an engine folder carries (carry.py), not compiled here
+    carried_why: str = ""          # why an offered engine's library was not used (then compiled here)
+    built: dict = field(default_factory=dict, compare=False)   # its paths, units left out, compiler (compiled())
 
     @property
     def available(self) -> bool:
@@ -257,8 +90,16 @@ class Status:
             off = "; self-check off: SPECEXPORT_KERNEL_SELFCHECK=off" if self.selfcheck.startswith("off") else ""
             tiers = f": {self.tiers}" if self.tiers else ""
             return (f"CPU kernels: specexport's ({self.path} path{tiers}; this CPU runs {self.paths}{refused}{left}"
-                    f"{off})")
+                    f"{off}; {self.source})")
         return f"CPU kernels: ONNX Runtime's stock MatMulNBits ({self.reason})"
+
+    @property
+    def source(self) -> str:
+        """Which library runs: the engine's, or one compiled here (and why not the engine's)."""
+        if self.carried:
+            return f"library: the engine's, {self.library.parent.parent.name}/{self.library.parent.name}"
+        why = f"; the engine's not used: {self.carried_why}" if self.carried_why else ""
+        return f"library: compiled here ({self.library.parent}){why}"
 
 
 @functools.cache
@@ -275,9 +116,43 @@ def status() -> Status:
         return Status(None, reason=f"{type(err).__name__}: {err}")
 
 
+_offered: tuple[Path, dict] | None = None     # an engine folder and its manifest's `kernels` entry (offer())
+
+
+def offer(engine: Path, manifest: dict) -> None:
+    """Offer the library an engine folder carries (its manifest's `kernels` entry) to this process's first
+    load: status() then tries it before any compile. Ignored once the kernels are loaded (the loaded library
+    serves every engine: one kernel version per specexport)."""
+    global _offered
+    if status.cache_info().currsize == 0 and isinstance(manifest.get("kernels"), dict):
+        _offered = (Path(engine), manifest["kernels"])
+
+
+def _carried() -> tuple[Path | None, str]:
+    """The offered engine's library, checked (sha256, architecture, kernel version, loads), or None and why."""
+    if _offered is None:
+        return None, ""
+    path, why = carry.pick(*_offered)
+    if path is None:
+        return None, why
+    try:
+        version = Kernels(path).c.sx_version()
+    except KernelsUnavailable as err:       # another glibc, a damaged file: compiled here instead
+        return None, str(err)
+    if version != carry.VERSION:
+        return None, f"{path}: kernel version {version}, this specexport's is {carry.VERSION}; not used"
+    return path, ""
+
+
 def _status() -> Status:
     _check_runtime()
-    lib = build()
+    lib, why = _carried()
+    carried = lib is not None
+    if not carried:
+        try:
+            lib = build()
+        except KernelsUnavailable as err:
+            raise KernelsUnavailable(f"{err}; the engine's library not used: {why}" if why else str(err)) from None
     k = Kernels(lib)
     c = k.c
     path = c.sx_resolve(-1)
@@ -287,12 +162,18 @@ def _status() -> Status:
     names = {v: k for k, v in PATHS.items()}
     table = ""
     if names[path] == "tiers":        # measured once per CPU and library, cached; set in the loaded library
-        measured = _measured_here or tiers.load_or_measure(k, lib)
+        measured = _measured_here or tiers.load_or_measure(k, lib, kernels_dir())
         tiers.apply(c, measured)
         table = tiers.describe(measured)
-    left = "; ".join(f"{','.join(v['paths'])} ({unit}: {v['why']})" for unit, v in left_out(lib).items())
+    if carried:                      # what the engine's manifest says of it
+        rec = _offered[1]["libraries"][carry.machine()]
+        built = {"paths": rec["paths"], "left_out": rec.get("left_out", {}), "compiler": rec.get("compiler", "")}
+    else:
+        built = compiled(lib)
+    left = "; ".join(f"{','.join(v['paths'])} ({unit}: {v['why']})" for unit, v in built["left_out"].items())
     return Status(lib, c.sx_paths().decode(), names[path], refused=c.sx_refused_why().decode(),
-                  selfcheck=c.sx_selfcheck().decode(), left_out=left, tiers=table)
+                  selfcheck=c.sx_selfcheck().decode(), left_out=left, tiers=table, carried=carried, carried_why=why,
+                  built=built)
 
 
 _measured_here: dict | None = None    # a tier table this process measured for itself (remeasure_tiers)

@@ -9,12 +9,14 @@ import numpy as np
 
 from specexport.errors import KernelsUnavailable
 
+VERSION = 6          # sx_version(): the C API these ctypes signatures follow (a carried library must match)
 PATHS = {"ref": 0, "avx2": 1, "neon": 3, "avxvnni": 4, "avx512vnni": 5, "amx": 6, "tiers": 7, "avx512": 8, "i8mm": 9, "avx2lanes": 10}
 # GGUF type name -> ggml's id (the ops' `type` attribute)
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 # weight layouts (the ops' `layout` attribute) -> the bit the kernels' type ids carry (sx_layout.h): "file" the
 # file's blocks verbatim, "r8" the same bytes with eight rows interleaved, written once by the build
 LAYOUTS = {"file": 0, "r8": 16}
+BLOCK = {t: 256 if t.endswith("_K") else 32 for t in TYPES}   # weights per (super-)block along K
 
 
 def type_id(qtype: str, layout: str = "file") -> int:

@@ -36,9 +36,10 @@ HOW = (f"install Debian's {PACKAGE} ({VERSION}, suite {SUITE}) or point SPECEXPO
        f"ONNX Runtime {VERSION}'s {', '.join(NAMES)}")
 
 
-def include(fetch: bool = True, env: str | None = None) -> Path:
-    """A folder with the headers (see the module's docstring for the order)."""
-    candidates = [Path(env)] if env else [Path("/usr/include/onnxruntime"), cache_folder()]
+def include(fetch: bool = True, env: str | None = None, cache: Path | None = None) -> Path:
+    """A folder with the headers (see the module's docstring for the order); `cache`: the kernels' cache,
+    where a fetched copy is kept (ort-<VERSION>/)."""
+    candidates = [Path(env)] if env else [Path("/usr/include/onnxruntime"), Path(cache) / f"ort-{VERSION}"]
     for c in candidates:
         if all((c / h).is_file() for h in NAMES):
             return c
@@ -47,12 +48,6 @@ def include(fetch: bool = True, env: str | None = None) -> Path:
     if not fetch:
         raise KernelsUnavailable(f"ONNX Runtime's C headers are not here and fetching them was not allowed: {HOW}")
     return _fetch(candidates[-1])
-
-
-def cache_folder() -> Path:
-    from specexport.plugins.cpu import kernels_dir
-
-    return kernels_dir() / f"ort-{VERSION}"
 
 
 def digest(folder: Path) -> str:

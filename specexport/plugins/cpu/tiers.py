@@ -7,7 +7,7 @@ whatever else the machine runs), and each M goes to the fastest; a vector path d
 before it in the library's order (the best vector path first) only when MARGIN faster, so paths that run
 the same kernel (VNNI in two encodings) never trade places on noise; a matrix tier (AMX, i8mm: kernels of
 another structure) needs only MATRIX_MARGIN (at 0.85, AMX's 13% at Q4_K M 4 went unused). Measured once
-per CPU and library and cached beside the library (tiers-<cpu>.json); never assumed. A path that hands a type
+per CPU and library and cached in the kernels' cache (tiers/, by the library's sha256); never assumed. A path that hands a type
 to another path's kernel (the 512-bit tier's Q5_K, AMX's Q5 types) is not timed for it: two
 timings of one kernel would trade places on noise. Each path's time relative to the first path's is
 smoothed over neighbouring M (a median of three: a run of ratios that rises or falls with M is kept as is, one
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport.manifest import write_json_atomic
+from specexport.manifest import sha256_file, write_json_atomic
 
 ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)     # M between two of them takes the lower one's tier
 TIMED = ROWS[1:]                             # measured (one row: the first path)
@@ -58,13 +58,15 @@ def cpu_id() -> str:
 RULE = 8                                      # the measurement's version: a new rule measures anew (8: r8 types)
 
 
-def table_file(lib: Path) -> Path:
-    return lib.parent / f"tiers-{RULE}-{cpu_id()}.json"
+def table_file(lib: Path, cache: Path) -> Path:
+    """The table's file in the kernels' cache, named by the library's bytes and the CPU: never beside the
+    library, which may be an engine folder's (read-only, carried to other machines)."""
+    return cache / "tiers" / f"tiers-{RULE}-{cpu_id()}-{sha256_file(lib)[:16]}.json"
 
 
-def load_or_measure(kernels, lib: Path) -> dict[str, list[str]]:
+def load_or_measure(kernels, lib: Path, cache: Path) -> dict[str, list[str]]:
     """{type: [path for M = 1..17]}: the cached table, else a measurement (then cached, atomically)."""
-    f = table_file(lib)
+    f = table_file(lib, cache)
     try:
         table = json.loads(f.read_text())
         if _valid(table, kernels):
@@ -87,7 +89,7 @@ def _valid(table, kernels) -> bool:
 
 def keys() -> list[str]:
     """The table's entries: each type in the file's layout ("Q4_K") and in r8 ("Q4_K.r8")."""
-    from specexport.plugins.cpu import LAYOUTS, TYPES
+    from specexport.plugins.cpu.capi import LAYOUTS, TYPES
 
     return [q if layout == "file" else f"{q}.{layout}" for layout in LAYOUTS for q in TYPES]
 
@@ -148,7 +150,7 @@ def choose(fastest: dict[tuple[int, str], float], paths: list[str]) -> dict[int,
 
 def _blocks(rng, row_bytes: int, qtype: str, N: int) -> np.ndarray:
     """N rows of random blocks with finite fp16 scales (their speed is what is measured, not their values)."""
-    from specexport.plugins.cpu import BLOCK
+    from specexport.plugins.cpu.capi import BLOCK
 
     size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[qtype]
     w = rng.integers(0, 256, (N, row_bytes // size, size), dtype=np.uint8)
@@ -160,8 +162,7 @@ def _blocks(rng, row_bytes: int, qtype: str, N: int) -> np.ndarray:
 
 def apply(c, table: dict[str, list[str]]) -> None:
     """Set the library's tier table (c: the library through ctypes)."""
-    from specexport.plugins.cpu import PATHS
-    from specexport.plugins.cpu.capi import type_id
+    from specexport.plugins.cpu.capi import PATHS, type_id
 
     for key, paths in table.items():
         for m, p in enumerate(paths, start=1):
