@@ -23,6 +23,7 @@ _EXTRA = {
     "tokenizers": "ort",
     "fastapi": "serve",
     "uvicorn": "serve",
+    "pydantic": "serve",       # with fastapi
     "jinja2": "ort",          # in the base install too: chat templates are the runtime's
     "prometheus_client": "serve",
 }

@@ -641,11 +641,16 @@ def test_the_ort_headers_are_taken_only_with_their_pinned_digests(tmp_path, monk
     assert headers._headers_of(deb(fake)) == fake
     package = tmp_path / "libonnxruntime-dev_1.21.0_amd64.deb"
     package.write_bytes(deb(fake))
+    apt_download = headers._apt_download
     monkeypatch.setattr(headers, "_apt_download", lambda tmp: package)
     with pytest.raises(cpu.KernelsUnavailable, match=r"does not hold 1\.21\.0's onnxruntime_c_api\.h, .* \(sha256 "
-                                                     r"pinned\): install Debian's libonnxruntime-dev"):
+                                                     r"pinned\): install Debian's or Ubuntu's libonnxruntime-dev"):
         headers._fetch(tmp_path / "ort")
     assert not (tmp_path / "ort").exists()
+    monkeypatch.setenv("PATH", str(tmp_path))           # no apt (macOS, a container): the release archive named
+    with pytest.raises(cpu.KernelsUnavailable, match=r"no apt-get to fetch them: .* unpack ONNX Runtime 1\.21\.0's release "
+                                                     r"archive .* SPECEXPORT_ORT_INCLUDE .* carries its kernels"):
+        apt_download(tmp_path)
     one = tmp_path / "sources.list"
     # local mirrors (file: URIs): what the parser takes is the machine's own configuration, whatever it names
     one.write_text("# deb file:///srv/commented/debian bookworm main\n"

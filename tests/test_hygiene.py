@@ -52,3 +52,15 @@ def test_output_that_is_not_a_terminal_is_not_wrapped(monkeypatch):
     assert c.width == WIDE and c.soft_wrap
     monkeypatch.setenv("COLUMNS", "100")
     assert console().width == 100
+
+
+@pytest.mark.parametrize("package", ["fastapi", "pydantic", "uvicorn", "prometheus_client"])
+def test_serve_names_its_extra_before_it_reads_the_build(package, tmp_path):
+    """The base install (no `serve` extra): `specexport serve` says, in one line and before anything loads
+    (the build folder here does not exist), which extra brings the package; no traceback."""
+    code = (f"import sys; sys.modules[{package!r}] = None\n"      # an import of it now fails, as when absent
+            f"from specexport.cli import main; sys.exit(main(['serve', {str(tmp_path / 'absent')!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 1, r.stderr
+    assert package in r.stderr and "pip install 'specexport[serve]'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "absent" not in r.stderr

@@ -28,3 +28,28 @@ def test_long_modules_say_why():
             if "longer than" not in doc.lower():
                 long.append(f"{path.relative_to(ROOT)} ({text.count(chr(10))} lines)")
     assert not long, f"split these modules or say in their docstring why they are longer than {MAX_LINES} lines: {long}"
+
+
+def test_no_import_cycle_at_all_counting_packages_and_imports_in_functions():
+    """acyclic_siblings compares sibling modules only: a package that imports its own module which imports the
+    package back (plugins.cpu and its tiers, serve and its guard, once) passes it. Here every import counts,
+    in functions too (grimp's graph), and no module may reach itself."""
+    import grimp
+
+    graph = grimp.build_graph("specexport", cache_dir=None)
+    edges = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
+    loops, state = [], {}
+
+    def visit(module, path):                     # depth-first; a module met again on the path is a loop
+        state[module] = "open"
+        for nxt in sorted(edges[module]):
+            if state.get(nxt) == "open":
+                loops.append(" -> ".join(path[path.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[module] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert not loops, "import loops:\n" + "\n".join(loops)

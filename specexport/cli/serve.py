@@ -89,6 +89,9 @@ class BatchSize(click.ParamType):
 def serve(output_dir, host, port, method, precision, draft_precision, threads, name, spin, api_key, max_body_bytes,
           max_queue, max_batch, request_timeout, shutdown_grace, suffix_cache, suffix_cache_tokens, log_level, verbose):
     """Serve the build in OUTPUT_DIR: /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics."""
+    from specexport.serve import require_server
+
+    require_server()                    # the `serve` extra, named before anything loads
     from specexport.runtime.pipeline import MEASURED
     from specexport.serve import serve as run
     from specexport.serve.guard import Limits

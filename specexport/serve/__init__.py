@@ -9,27 +9,33 @@ FastAPI, uvicorn, prometheus-client for /metrics; jinja2, for chat templates, is
 """
 from __future__ import annotations
 
-import ipaddress
 import signal
 import sys
 from pathlib import Path
 
 from specexport._optional import require
 from specexport.errors import SpecexportError
+from specexport.serve.net import is_loopback
 
 API_KEY_ENV = "SPECEXPORT_API_KEY"
+SERVER_PACKAGES = ("fastapi", "pydantic", "uvicorn", "prometheus_client")     # the `serve` extra
+
+
+def require_server() -> None:
+    """The server's packages, named with their extra in one line before anything is loaded."""
+    for name in SERVER_PACKAGES:
+        require(name)
 
 
 def serve(output_dir, *, host: str = "127.0.0.1", port: int = 8000, method: str = "auto", name: str | None = None,
           log_level: str = "info", api_key: str | None = None, limits=None, suffix_cache: str | None = None,
           **load_options) -> None:
     """Load the build and serve it until SIGTERM or Ctrl-C (then shut down gracefully: see make_server)."""
+    require_server()
     import specexport
     from specexport.serve.app import create_app
     from specexport.serve.guard import Limits
 
-    require("uvicorn")
-    require("fastapi")
     limits = limits or Limits()
     warning = bind_warning(host, port, api_key)
     if warning:
@@ -106,13 +112,3 @@ def bind_warning(host: str, port: int, api_key: str | None) -> str | None:
         return None
     return (f"specexport serve: warning: listening on {host}:{port} without an API key: anyone who can reach it "
             f"can use the model; set --api-key or {API_KEY_ENV}")
-
-
-def is_loopback(host: str) -> bool:
-    """A loopback name or address ("localhost", "127.0.0.1", "[::1]"), without its port."""
-    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from specexport.runtime.batch import check_max_batch
-from specexport.serve import is_loopback
+from specexport.serve.net import is_loopback
 from specexport.serve.protocol import error_body
 
 OPEN_PATHS = frozenset({"/health"})

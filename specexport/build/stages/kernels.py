@@ -41,7 +41,7 @@ class KernelsStage(Stage):
         with ctx.reporter.stage("carry the CPU kernels"):
             libs = {cpu.carry.machine(): (st.library, st.built)}
             missing = {}
-            for arch in sorted(set(cpu.carry.CROSS) - set(libs)):
+            for arch in sorted(set(cpu.toolchain.CROSS) - set(libs)):
                 try:
                     lib = cpu.build(arch=arch)
                 except KernelsUnavailable as err:

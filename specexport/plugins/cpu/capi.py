@@ -58,7 +58,7 @@ class Kernels:
 
     def __init__(self, lib: Path | None = None):
         if lib is None:                   # the C interface alone (no ONNX Runtime headers needed)
-            from specexport.plugins.cpu import build
+            from specexport.plugins.cpu.toolchain import build
 
             lib = build(with_ort=False)
         self.lib = lib

@@ -12,38 +12,14 @@ never loaded.
 """
 from __future__ import annotations
 
-import os
 import platform
-import shlex
-import shutil
 from pathlib import Path
 
-from specexport.errors import KernelsUnavailable
 from specexport.manifest import sha256_file
 from specexport.plugins.cpu.capi import VERSION
+from specexport.plugins.cpu.toolchain import machine
 
 NAME = "libspecexport_cpu.so"
-# an architecture other than this machine's -> its cross compiler (Debian's g++-aarch64-linux-gnu);
-# $SPECEXPORT_CXX_AARCH64 names another
-CROSS = {"aarch64": "aarch64-linux-gnu-g++"}
-_ALIASES = {"AMD64": "x86_64", "amd64": "x86_64", "arm64": "aarch64"}
-
-
-def machine() -> str:
-    """This machine's architecture as the manifest names it (x86_64, aarch64)."""
-    m = platform.machine()
-    return _ALIASES.get(m, m)
-
-
-def cross_compiler(arch: str) -> list[str]:
-    """The command that compiles for `arch` on this machine, or KernelsUnavailable saying what to install."""
-    env = os.environ.get(f"SPECEXPORT_CXX_{arch.upper()}", "").strip()
-    cmd = shlex.split(env) if env else [CROSS.get(arch, "")]
-    if not cmd[0] or not shutil.which(cmd[0]):
-        raise KernelsUnavailable(f"no C++ compiler for {arch} here ({env or CROSS.get(arch, 'none known')}: "
-                                 f"apt-get install g++-{arch.replace('_', '-')}-linux-gnu, or set "
-                                 f"SPECEXPORT_CXX_{arch.upper()})")
-    return cmd
 
 
 def record(lib: Path, arch: str, paths: list[str], left_out: dict, compiler: str) -> dict:

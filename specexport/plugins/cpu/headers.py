@@ -32,8 +32,14 @@ SHA256 = {
     "onnxruntime_lite_custom_op.h": "967e36eb375e975a3b88e599129394317f790a987f266d522fbe3d02c5211fd3",
 }
 NAMES = tuple(SHA256)
-HOW = (f"install Debian's {PACKAGE} ({VERSION}, suite {SUITE}) or point SPECEXPORT_ORT_INCLUDE at a folder with "
-       f"ONNX Runtime {VERSION}'s {', '.join(NAMES)}")
+# No PyPI package carries these headers (checked December 2026: onnxruntime, onnxruntime-genai,
+# onnxruntime-extensions, ortpy and sherpa-onnx wheels; none has an sdist); ONNX Runtime's own release archives
+# (onnxruntime-linux-x64-<v>.tgz, onnxruntime-osx-<arch>-<v>.tgz) hold them under include/, for any machine apt
+# does not serve. An engine built with the kernels carries its library (carry.py): loading it needs none of this.
+HOW = (f"install Debian's or Ubuntu's {PACKAGE} ({VERSION}, Debian suite {SUITE}), or unpack ONNX Runtime {VERSION}'s "
+       f"release archive for this platform (onnxruntime-<os>-<arch>-{VERSION}.tgz) and point SPECEXPORT_ORT_INCLUDE "
+       f"at its include/ folder ({', '.join(NAMES)}); or run an engine that carries its kernels (built where they "
+       f"compile), which needs no headers")
 
 
 def include(fetch: bool = True, env: str | None = None, cache: Path | None = None) -> Path:

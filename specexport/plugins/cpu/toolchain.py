@@ -8,7 +8,7 @@ wheel of ONNX Runtime has no C headers, and a missing compiler would fail the in
 leaves the stock route (MatMulNBits) running and `status()` says why. An optional unit the toolchain cannot
 compile (the VNNI paths on an assembler older than binutils 2.36) is left out, and said, instead of failing
 the library. ONNX Runtime's headers: headers.py. Another architecture's library (for an engine folder to
-carry): carry.py's cross compiler. CXX names the compiler (arguments allowed: "ccache g++").
+carry): its cross compiler (CROSS). CXX names the compiler (arguments allowed: "ccache g++").
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from specexport.config import cache_base
 from specexport.errors import KernelsUnavailable
-from specexport.plugins.cpu import carry, headers
+from specexport.plugins.cpu import headers
 
 HERE = Path(__file__).parent
 KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_selfcheck.cc", "sx_avx2.cc", "sx_avx2l.cc", "sx_vnni.cc", "sx_avx512.cc",
@@ -34,6 +34,9 @@ KERNEL_SOURCES = ("sx_ref.cc", "sx_dispatch.cc", "sx_selfcheck.cc", "sx_avx2.cc"
 OPTIONAL = {"sx_vnni.cc": ("avxvnni", "avx512vnni"), "sx_avx512.cc": ("avx512",), "sx_amx.cc": ("amx",),
             "sx_i8mm.cc": ("i8mm",)}
 UNIT_PATHS = {"sx_avx2.cc": ("avx2",), "sx_avx2l.cc": ("avx2lanes",), "sx_neon.cc": ("neon",), **OPTIONAL}
+# an architecture other than this machine's -> its cross compiler (Debian's g++-aarch64-linux-gnu);
+# $SPECEXPORT_CXX_AARCH64 names another
+CROSS = {"aarch64": "aarch64-linux-gnu-g++"}
 ORT_SOURCE = "sx_ort.cc"
 
 
@@ -81,6 +84,26 @@ def compiler() -> list[str]:
     return [cxx]
 
 
+_ALIASES = {"AMD64": "x86_64", "amd64": "x86_64", "arm64": "aarch64"}
+
+
+def machine() -> str:
+    """This machine's architecture as a manifest names it (x86_64, aarch64)."""
+    m = platform.machine()
+    return _ALIASES.get(m, m)
+
+
+def cross_compiler(arch: str) -> list[str]:
+    """The command that compiles for `arch` on this machine, or KernelsUnavailable saying what to install."""
+    env = os.environ.get(f"SPECEXPORT_CXX_{arch.upper()}", "").strip()
+    cmd = shlex.split(env) if env else [CROSS.get(arch, "")]
+    if not cmd[0] or not shutil.which(cmd[0]):
+        raise KernelsUnavailable(f"no C++ compiler for {arch} here ({env or CROSS.get(arch, 'none known')}: "
+                                 f"apt-get install g++-{arch.replace('_', '-')}-linux-gnu, or set "
+                                 f"SPECEXPORT_CXX_{arch.upper()})")
+    return cmd
+
+
 def _compiler_id(cxx: list[str]) -> str:
     try:
         return subprocess.run([*cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
@@ -126,8 +149,8 @@ def build(with_ort: bool = True, *, plant: str | None = None, emulate_vnni: bool
     its AMX path too, the tile instructions in C (sx_amx.cc); emulate_avx512: the 512-bit tier's vector
     operations on pairs of AVX2 registers (sx_v512.h). A unit in
     OPTIONAL that does not compile is left out (left_out() says which and why). arch: another architecture's
-    library (carry.CROSS names its cross compiler), for an engine folder to carry."""
-    cxx = compiler() if arch in (None, platform.machine()) else carry.cross_compiler(arch)
+    library (CROSS names its cross compiler), for an engine folder to carry."""
+    cxx = compiler() if arch in (None, machine()) else cross_compiler(arch)
     srcs = sources(arch) + ([ORT_SOURCE] if with_ort else [])
     include = ort_include() if with_ort else None
     defines = ([f"-DSX_PLANT_{plant.upper()}"] if plant else []) + (["-DSX_EMULATE_VNNI"] if emulate_vnni else []) + \
