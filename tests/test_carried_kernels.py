@@ -190,3 +190,20 @@ def test_the_aarch64_library_loads_and_passes_its_self_check_on_an_arm_cpu(engin
     from specexport.plugins import cpu
 
     assert r.stdout.split() == [str(cpu.capi.VERSION), "ref,neon,i8mm", "[]"], (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["bench", "--max-new-tokens", "4", "--rounds", "1"]])
+def test_inspect_and_bench_use_the_carried_library_too(engine, tmp_path, command):
+    """Commands that read the kernels before opening a model (inspect's line, the bench's tier measurement)
+    take the engine's library as well, with no compiler."""
+    deployed = copy_of(engine, tmp_path)
+    code = "import sys; from specexport.cli import main; sys.exit(main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", code, command[0], str(deployed), *command[1:]], capture_output=True,
+                       text=True, env={**bare_env(tmp_path), "COLUMNS": "400"}, timeout=600)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-2000:]
+    out = " ".join((r.stdout + r.stderr).split())
+    if command[0] == "inspect":
+        assert "library: the engine's, kernels-" in out, out[-2000:]
+        assert "kernels carried for aarch64" in out or not shutil.which(CROSS), out[-2000:]
+    else:
+        assert "kernel tiers measured for this run" in out, out[-2000:]

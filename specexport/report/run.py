@@ -40,6 +40,7 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
     import specexport
 
     manifest = read_manifest(cfg.output_dir)
+    cpu.offer(cfg.output_dir, manifest)          # the engine's library, before the tier measurement loads one
     precisions, has_draft = _check_request(cfg, manifest)
     claim_report_folder(Path(cfg.out or cfg.output_dir / "bench"))
     configs = _configs(precisions, manifest, cfg, has_draft)
