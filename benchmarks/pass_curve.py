@@ -9,7 +9,7 @@ Several builds of one file (one per weight layout: quantization.gguf.layout) are
 named by its build and layout.
 
 Each process: one 64-token prefill, then M-row forwards (M = 1, 2, 4, 8, 16) interleaved, 9 each, nothing
-committed (report/timing.py's _pass_curve, what `specexport bench` prints); medians over rounds; the CPU named.
+committed (report/timing.py's pass_curve, what `specexport bench` prints); medians over rounds; the CPU named.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ ROWS = (1, 2, 4, 8, 16)
 
 
 def one(build: str, path: str, threads: int) -> dict:
-    code = ("import json, sys, time; import specexport; from specexport.report.timing import _pass_curve; "
+    code = ("import json, sys, time; import specexport; from specexport.report.timing import pass_curve; "
             f"p = specexport.load({build!r}, precision='gguf', threads={threads}); "
-            "c = _pass_curve(p, time.perf_counter, reps=9); print(json.dumps({m: t * 1e3 for m, t in c.items()}))")
+            "c = pass_curve(p, time.perf_counter, reps=9); print(json.dumps({m: t * 1e3 for m, t in c.items()}))")
     env = {**os.environ, "SPECEXPORT_KERNEL_PATH": path}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if out.returncode:

@@ -39,14 +39,14 @@ def main() -> None:
 
     import specexport
     from specexport.prompts import read_prompts
-    from specexport.report.timing import _pass_curve
+    from specexport.report.timing import pass_curve
     from specexport.runtime.budget import relative_costs
 
     cpu = re.search(r"^model name\s*:(.*)$", Path("/proc/cpuinfo").read_text(), re.M)
     prompts = read_prompts(args.prompts)
     threads = {} if args.threads is None else {"threads": args.threads}
     with specexport.load(args.build, precision=args.precision, **threads) as pipe:
-        curve = _pass_curve(pipe, time.perf_counter)
+        curve = pass_curve(pipe, time.perf_counter)
         costs = relative_costs(curve, pipe.max_verify_tokens)
         print(f"CPU: {cpu.group(1).strip() if cpu else 'unknown'}; threads {args.threads}; pass curve "
               + ", ".join(f"c({m}) {t * 1e3:.1f} ms ({t / curve[1]:.2f}x)" for m, t in curve.items()))

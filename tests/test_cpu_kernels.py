@@ -374,25 +374,25 @@ def test_a_kernels_graph_where_the_library_is_hidden_says_why_and_what_to_do(tmp
 def test_model_yaml_chooses_the_kernels(monkeypatch):
     """quantization: {gguf: {kernels: auto | ours | stock}}: stock writes ONNX Runtime's ops and says why; ours
     fails, naming the field and the reason, where the kernels do not run; anything else is named."""
-    from specexport.build.stages.gguf import _kernels
+    from specexport.build.stages.gguf import choose_kernels
     from specexport.errors import SpecexportError
     from specexport.schemes import quantization_settings
 
     assert quantization_settings(None, "quantization", None)["gguf"]["kernels"] == "auto"
     with pytest.raises(SpecexportError, match=r"quantization\.gguf\.kernels: expected one of auto, ours, stock, got 'fast'"):
         quantization_settings({"gguf": {"kernels": "fast"}}, "quantization", None)
-    stock = _kernels("stock", 64, "target")
+    stock = choose_kernels("stock", 64, "target")
     assert not stock.available and "quantization.gguf.kernels: stock" in stock.line()
     if cpu.status().available:
-        assert _kernels("ours", 64, "target").available and _kernels("auto", 64, "target").available
-        assert "head_dim 60" in _kernels("auto", 60, "target").reason
+        assert choose_kernels("ours", 64, "target").available and choose_kernels("auto", 64, "target").available
+        assert "head_dim 60" in choose_kernels("auto", 60, "target").reason
     monkeypatch.setenv("SPECEXPORT_KERNELS", "off")
     cpu.status.cache_clear()
     try:
-        assert _kernels("auto", 64, "target").reason == "SPECEXPORT_KERNELS=off"
+        assert choose_kernels("auto", 64, "target").reason == "SPECEXPORT_KERNELS=off"
         with pytest.raises(SpecexportError, match=r"target gguf: quantization\.gguf\.kernels is 'ours', but .*"
                                                   r"SPECEXPORT_KERNELS=off \(kernels: auto takes"):
-            _kernels("ours", 64, "target")
+            choose_kernels("ours", 64, "target")
     finally:
         monkeypatch.undo()
         cpu.status.cache_clear()

@@ -84,12 +84,12 @@ def test_a_layout_this_version_does_not_know_is_refused_before_any_pass(two_layo
 
 
 def test_layout_r8_where_the_kernels_do_not_run_is_refused_naming_the_key(monkeypatch):
-    from specexport.build.stages.gguf import _layout
+    from specexport.build.stages.gguf import choose_layout
     from specexport.errors import SpecexportError
     from specexport.plugins import cpu
 
     stock = cpu.Status(None, reason="SPECEXPORT_KERNELS=off")
     with pytest.raises(SpecexportError, match=r"target\.quantization\.gguf\.layout: r8 is a layout of specexport's CPU "
                                               r"kernels, which do not run here \(SPECEXPORT_KERNELS=off\)"):
-        _layout("r8", stock, "target.quantization.gguf")
-    assert _layout("auto", stock, "x")[0] == "file" and _layout("file", stock, "x") == ("file", "layout: file")
+        choose_layout("r8", stock, "target.quantization.gguf")
+    assert choose_layout("auto", stock, "x")[0] == "file" and choose_layout("file", stock, "x") == ("file", "layout: file")

@@ -53,3 +53,19 @@ def test_no_import_cycle_at_all_counting_packages_and_imports_in_functions():
         if module not in state:
             visit(module, [module])
     assert not loops, "import loops:\n" + "\n".join(loops)
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A name with a leading underscore is its module's own: a function two modules share is public in one of
+    them (the GGUF stages' helpers, the bench's row and timing functions once were not)."""
+    shared = []
+    for path in sorted((ROOT / "specexport").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specexport"):
+                source = ROOT / Path(*node.module.split("."))
+                for alias in node.names:
+                    private = alias.name.startswith("_") and not alias.name.startswith("__")
+                    module = (source / f"{alias.name}.py").is_file() or (source / alias.name).is_dir()
+                    if private and not module:
+                        shared.append(f"{path.relative_to(ROOT)}: {alias.name} from {node.module}")
+    assert not shared, "make these public where they are defined:\n" + "\n".join(shared)

@@ -107,7 +107,7 @@ def test_public_binding_fallback_gives_the_same_logits(built_long):
 
     fast, public = _backend(built_long, "target"), _backend(built_long, "target")
     no_c_level = type("NoCLevel", (), {})()          # an onnxruntime without OrtDevice.make
-    public._bind_in, public._bind_out, public._run = ort_backend._binding_calls(no_c_level, public.session,
+    public._bind_in, public._bind_out, public._run = ort_backend.binding_calls(no_c_level, public.session,
                                                                                 public.binding)
     assert fast._run.__code__ is not public._run.__code__ and hasattr(onnxruntime, "OrtDevice")
     for step in (np.array([1, 40, 41, 42, 43]), np.array([44]), np.array([45, 46, 47])):

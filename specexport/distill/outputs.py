@@ -18,7 +18,7 @@ def atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _state_dir(out: Path) -> Path:
+def distill_state_dir(out: Path) -> Path:
     """The resumable state, beside the output folder (which only ever appears complete). State that
     an older version kept inside the output folder is moved here."""
     state = out.parent / f".{out.name}.distill"

@@ -27,7 +27,7 @@ from pathlib import Path
 from specexport._optional import require
 from specexport.config import DRAFT_VOCAB_FILE
 from specexport.distill import core
-from specexport.distill.outputs import _state_dir, json_config, output_partial, place_outputs, state_folder
+from specexport.distill.outputs import json_config, output_partial, distill_state_dir, place_outputs, state_folder
 from specexport.errors import SpecexportError
 
 
@@ -63,7 +63,7 @@ def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
     """Run (or resume) distillation; returns the report written to <out>/distill_report.json."""
     torch = require("torch")
     core.check(cfg)
-    state_dir = state_folder(_state_dir(cfg.out), cfg)
+    state_dir = state_folder(distill_state_dir(cfg.out), cfg)
     device, tokenizer, target = core.load_target(cfg)
     data = core.load_or_make_data(cfg, target, tokenizer, state_dir, console)
     vocab = core.vocab_ids(cfg, data, target)

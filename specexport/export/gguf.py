@@ -302,7 +302,7 @@ def _check_tokenizer(tok, meta: dict, path: Path) -> dict:
     splits = LLAMA_CPP_SPLITS.get(meta["pre"]) if meta["model"] == "gpt2" else None
     checked["pre_tokenizer"] = f"not checked: no llama.cpp reference here for {meta['pre']!r}"
     for text in SAMPLES if splits else ():
-        got, want = backend.encode(text, add_special_tokens=False).ids, _llama_cpp_ids(backend, text, splits)
+        got, want = backend.encode(text, add_special_tokens=False).ids, llama_cpp_ids(backend, text, splits)
         if got != want:
             fail(f"gives {got} for {text!r}, llama.cpp's {meta['pre']!r} pre-tokenizer gives {want}")
         checked["pre_tokenizer"] = f"{len(SAMPLES)} sample strings give llama.cpp's {meta['pre']!r} ids"
@@ -315,7 +315,7 @@ def _byte_level_spelling():
     return lambda s: "".join(table[b] for b in s.encode("utf-8"))
 
 
-def _llama_cpp_ids(backend, text: str, splits: tuple[str, ...]) -> list[int]:
+def llama_cpp_ids(backend, text: str, splits: tuple[str, ...]) -> list[int]:
     """llama.cpp's ids for `text`: its regex splits in turn (each match isolated), then BPE per piece.
 
     Example: splits ("\\p{N}", GPT2) on "a  12" -> pieces "a", "  ", "1", "2" -> 'a', 'ĠĠ', '1', '2'.

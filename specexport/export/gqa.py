@@ -53,7 +53,7 @@ def lengths(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def translation_table() -> dict:
     """What torch.onnx.export(custom_translation_table=...) needs to emit the node."""
-    _register_schema()
+    register_gqa_schema()
     return {torch.ops.specexport.group_query_attention.default: _to_onnx}
 
 
@@ -66,7 +66,7 @@ def _to_onnx(q, k, v, cache_k, cache_v, seqlens_k, total_length, bias, num_heads
                                   num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale)
 
 
-def _register_schema() -> None:
+def register_gqa_schema() -> None:
     """The onnx package has no schemas for ORT's contrib ops, and onnxscript (the exporter's graph
     builder) needs one to emit a node: declare the inputs, outputs and attributes used here."""
     onnx = require("onnx")

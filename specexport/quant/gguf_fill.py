@@ -11,9 +11,9 @@ from specexport._optional import require
 from specexport.quant.gguf_blocks import SUPPORTED
 from specexport.quant.gguf_graph import (
     GgufReport,
-    _Builder,
-    _data_file,
-    _take_rows,
+    Builder,
+    data_file,
+    take_block_rows,
     save,
     tensor_codes,
     wide_tensors,
@@ -48,7 +48,7 @@ def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: 
     shapes = {i.name: tuple(d.dim_value for d in i.type.tensor_type.shape.dim) for i in graph.input}
     wide = wide_tensors(weights.tensors.values())
     report, values = GgufReport(), []
-    builder = _Builder(model, accuracy_level, wide, _data_file(dest), kernels=kernels, layout=layout)
+    builder = Builder(model, accuracy_level, wide, data_file(dest), kernels=kernels, layout=layout)
     for name, source in sources.items():
         if source[0] == "buffer":
             values.append(numpy_helper.from_array(np.ascontiguousarray(source[1]), name))
@@ -63,7 +63,7 @@ def fill(skeleton: Path, sources: dict, weights, dest: Path, *, accuracy_level: 
             codes = tensor_raw(t, weights.rows(hf)) if kernels else tensor_codes(t, weights.rows(hf))
             prefix = tname if rows is None else f"{tname}.vocab"
             if rows is not None:
-                codes = codes.take_rows(rows) if kernels else _take_rows(codes, rows)
+                codes = codes.take_rows(rows) if kernels else take_block_rows(codes, rows)
             shape = codes.shape if kernels else codes.codes.shape
             if shapes[name] != shape:
                 raise ValueError(f"{name}: the graph wants {list(shapes[name])}, the file's {tname} "

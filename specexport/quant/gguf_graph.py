@@ -94,13 +94,13 @@ def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, a
     model = onnx.load(str(fp32_graph), load_external_data=False)     # weights read one at a time below
     inits = {i.name: i for i in model.graph.initializer}
     by_hash: dict = {}                                  # content digest -> [(initializer, node, kind)]
-    for init, node, kind in _weight_users(model, inits):
-        arr = _read(inits[init], fp32_graph.parent)
+    for init, node, kind in weight_users(model, inits):
+        arr = read_initializer(inits[init], fp32_graph.parent)
         by_hash.setdefault(_digest(arr.T if kind == "matmul" else arr), []).append((init, node, kind))
         del arr
     reader_tensors = require("gguf").GGUFReader(str(gguf_path)).tensors
     report = GgufReport()
-    builder = _Builder(model, accuracy_level, wide_tensors(reader_tensors), _data_file(dest), kernels=kernels, layout=layout)
+    builder = Builder(model, accuracy_level, wide_tensors(reader_tensors), data_file(dest), kernels=kernels, layout=layout)
     for tname, qtype, codes, raw in gguf_tensors(gguf_path, hf_config, raw=kernels):
         if codes is None:
             report.unsupported[tname] = qtype
@@ -108,7 +108,7 @@ def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, a
         variants = [(tname, codes, raw)]
         if vocab_ids is not None and tname in ("output.weight", "token_embd.weight"):
             ids = np.asarray(vocab_ids, np.int64)
-            variants.append((f"{tname}.vocab", _take_rows(codes, ids), raw.take_rows(ids) if kernels else None))
+            variants.append((f"{tname}.vocab", take_block_rows(codes, ids), raw.take_rows(ids) if kernels else None))
         for name, c, r in variants:
             for init, node, kind in by_hash.pop(_digest(c.dequantize()), []):
                 builder.replace(node, "gather" if kind == "gather" else "matmul", c, prefix=name, raw=r)
@@ -127,7 +127,7 @@ def rewrite(fp32_graph: Path, gguf_path: Path, dest: Path, *, hf_config: dict, a
 
 # -- matching ----------------------------------------------------------------------------------------
 
-def _weight_users(model, inits) -> list:
+def weight_users(model, inits) -> list:
     """(initializer, node, kind) for each 2-D float initializer used as a MatMul's B [K, N] ("matmul"),
     through a Transpose as B (a tied lm_head: "matmul_t", the initializer is [N, K]), or as an embedding
     Gather's data [V, H] ("gather")."""
@@ -144,7 +144,7 @@ def _weight_users(model, inits) -> list:
     return out
 
 
-def _read(tensor, folder: Path) -> np.ndarray:
+def read_initializer(tensor, folder: Path) -> np.ndarray:
     """One initializer's values, read from the graph's external data file by offset (the fp32 graph's
     weights are never all in memory: the 1.5B's are 7 GB)."""
     from onnx import numpy_helper
@@ -188,10 +188,10 @@ def tensor_codes(t, rows=None) -> BlockCodes:
     rows in the order `rows` (None: the file's)."""
     K, N = (int(x) for x in t.shape)                   # ggml order: ne0 = K (the row length)
     codes = decode(t.tensor_type.name, t.data, (N, K))
-    return codes if rows is None else _take_rows(codes, rows)
+    return codes if rows is None else take_block_rows(codes, rows)
 
 
-def _take_rows(c: BlockCodes, rows: np.ndarray) -> BlockCodes:
+def take_block_rows(c: BlockCodes, rows: np.ndarray) -> BlockCodes:
     """The same blocks with the output rows (N) reordered: blocks run along K, so rows move whole."""
     def take(x):
         return None if x is None else x[rows]
@@ -228,7 +228,7 @@ def wide_tensors(tensors) -> set[str]:
     return wide
 
 
-class _Builder:
+class Builder:
     """Adds the block-quantized nodes and their compact initializers; removes what they replace."""
 
     def __init__(self, model, accuracy_level: int, wide: set[str] = frozenset(), data: Path | None = None,
@@ -404,7 +404,7 @@ class _Builder:
             self.model.opset_import.append(helper.make_opsetid(domain, 1))
 
 
-def _data_file(dest: Path) -> Path:
+def data_file(dest: Path) -> Path:
     """dest's external data file, new and empty (the builder appends to it; onnx.save appends the rest)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     data = dest.with_name(dest.name + ".data")

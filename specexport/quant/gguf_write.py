@@ -266,7 +266,7 @@ def _pre_tokenizer(hf_dir: Path) -> str:
     """llama.cpp's name for the tokenizer's pre-tokenizer: the one a GGUF conversion recorded, else the first
     of the splits we know whose ids equal the tokenizer's on export/gguf.py's sample strings ("default":
     none does, and llama.cpp may cut text otherwise)."""
-    from specexport.export.gguf import LLAMA_CPP_SPLITS, RECORD, SAMPLES, _llama_cpp_ids
+    from specexport.export.gguf import LLAMA_CPP_SPLITS, RECORD, SAMPLES, llama_cpp_ids
 
     record = hf_dir / RECORD
     if record.is_file():
@@ -275,6 +275,6 @@ def _pre_tokenizer(hf_dir: Path) -> str:
             return pre
     backend = require("tokenizers").Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     for name, splits in {**LLAMA_CPP_SPLITS, "qwen2": (QWEN2,)}.items():
-        if all(backend.encode(t, add_special_tokens=False).ids == _llama_cpp_ids(backend, t, splits) for t in SAMPLES):
+        if all(backend.encode(t, add_special_tokens=False).ids == llama_cpp_ids(backend, t, splits) for t in SAMPLES):
             return name
     return "default"

@@ -46,21 +46,21 @@ def to_blocks(src: Path, dest: Path, qtype: str = "Q8_0", *, exact: bool = False
     onnx = require("onnx")
     from onnx.external_data_helper import load_external_data_for_tensor, uses_external_data
 
-    from specexport.quant.gguf_graph import _Builder, _data_file, _read, _weight_users, save
+    from specexport.quant.gguf_graph import Builder, data_file, read_initializer, weight_users, save
 
     if qtype not in BLOCK_WEIGHTS:
         raise ValueError(f"to_blocks: qtype {qtype!r} is not one of {', '.join(BLOCK_WEIGHTS)}")
     model = onnx.load(str(src), load_external_data=False)
     inits = {i.name: i for i in model.graph.initializer}
-    builder = _Builder(model, 0 if exact else 4, data=_data_file(dest), kernels=True, layout=layout)
+    builder = Builder(model, 0 if exact else 4, data=data_file(dest), kernels=True, layout=layout)
     replaced, kept = {}, []
-    for init, node, kind in _weight_users(model, inits):
+    for init, node, kind in weight_users(model, inits):
         shape = tuple(inits[init].dims)
         rows = shape[::-1] if kind == "matmul" else shape            # [N, K]: MatMul's B is [K, N]
         if not fits(rows, qtype):
             kept.append(init)
             continue
-        arr = _read(inits[init], src.parent)
+        arr = read_initializer(inits[init], src.parent)
         raw = quantized(arr.T if kind == "matmul" else arr, qtype)
         builder.replace(node, "gather" if kind == "gather" else "matmul", None, prefix=init, raw=raw)
         replaced[init] = qtype

@@ -123,9 +123,9 @@ def _quantize(job: dict) -> None:
     """The child's work: ModelOpt's PTQ on the prepared graph with the saved feeds."""
     with _quiet():
         mo = require("modelopt.onnx.quantization")
-    from specexport.export.gqa import _register_schema
+    from specexport.export.gqa import register_gqa_schema
 
-    _register_schema()                   # the onnx checker ModelOpt runs must know the attention op
+    register_gqa_schema()                   # the onnx checker ModelOpt runs must know the attention op
     stored = np.load(job["feeds"])
     feeds: list[dict] = []
     for key in stored.files:

@@ -9,7 +9,7 @@ from specexport.report.model import choose_gamma, extend, predicted_speedup
 from specexport.runtime.methods import configuration
 
 
-def _gamma_choice(rows, costs, isolated, max_gamma: int) -> dict:
+def gamma_choice(rows, costs, isolated, max_gamma: int) -> dict:
     """Per (target, draft) precision: the γ the measured acceptance (at the largest fixed γ run) and
     step costs predict best; step costs from the runs, sizes they did not make from the isolated timing."""
     choice = {}
@@ -57,7 +57,7 @@ def method_choices(rows) -> dict:
     return choices
 
 
-def _acceptance_drop(rows) -> list:
+def acceptance_drop(rows) -> list:
     """Acceptance of each quantized combination against fp32/fp32 at the same γ."""
     ref = {r["gamma"]: r["acceptance_rate"] for r in rows
            if r["method"] == "draft" and r["precision"] == "fp32" and r["draft_precision"] == "fp32" and not r["draft_stop"]

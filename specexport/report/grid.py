@@ -68,7 +68,7 @@ class BenchConfig:
                                                     #   from it, and suffix rows share one cache per round
 
 
-def _check_request(cfg: BenchConfig, manifest: dict) -> tuple[list[str], bool]:
+def check_request(cfg: BenchConfig, manifest: dict) -> tuple[list[str], bool]:
     models = manifest["models"]
     built = list(models["target"]["precisions"])
     for m in cfg.methods:
@@ -90,7 +90,7 @@ def _check_request(cfg: BenchConfig, manifest: dict) -> tuple[list[str], bool]:
     return precisions, "draft" in models and "draft" in cfg.methods
 
 
-def _configs(precisions, manifest, cfg, has_draft):
+def bench_configs(precisions, manifest, cfg, has_draft):
     """Per target precision: vanilla; the draft of the same precision at every γ (and the adaptive
     rows); with an fp32 target, every quantized draft at every γ (the edge trick: quantize the draft
     harder); with a quantized target, the fp32 draft at the first γ (acceptance cost of that side)."""

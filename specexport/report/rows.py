@@ -24,7 +24,7 @@ SPEED_KEYS = ("tokens_per_s", "ttft_ms", "prefill_ms", "draft_prefill_ms", "tpot
               "speedup_vs_fp32_vanilla", "speedup_vs_fp32_ci95")
 
 
-def _row(c: Config, runs, costs) -> dict:
+def config_row(c: Config, runs, costs) -> dict:
     method, tp, dp, g, stop = c.method, c.precision, c.draft_precision, c.gamma, c.draft_stop
     st = runs[c]
     vanilla = runs.get(Config(VANILLA, tp, None, 0))
@@ -78,7 +78,7 @@ PEER_FAMILIES = ("transformers", "onnxruntime-genai", "llama.cpp", "ik_llama.cpp
 SERVERS = ("llama.cpp", "ik_llama.cpp")          # report/llama_cpp.py's families
 
 
-def _open_peers(manifest, precisions, cfg, log):
+def open_peers(manifest, precisions, cfg, log):
     if not cfg.peers:
         return [], [{"peer": "all", "skipped": "peers not requested"}]
     if cfg.temperature > 0:
@@ -108,7 +108,7 @@ def _open_peers(manifest, precisions, cfg, log):
     return peers, skipped
 
 
-def _peer_row(peer, name: str, runs, references: dict, manifest: dict) -> dict:
+def peer_row(peer, name: str, runs, references: dict, manifest: dict) -> dict:
     """A peer's decode-time tokens/s, and how often its whole output equals our vanilla output on the same
     weights (fp32; llama.cpp: the gguf precision, where built)."""
     eos = set(manifest["special_tokens"]["eos_token_ids"] or [])
@@ -141,7 +141,7 @@ def _same_output(got: list[int], ref: list[int] | None, eos: set) -> bool:
     return strip(list(got)) == strip(list(ref))
 
 
-def _memory(manifest, pipes, peers) -> dict:
+def memory(manifest, pipes, peers) -> dict:
     weights = {f"{role}/{p}": e["size_bytes"] for role, m in (*manifest["models"].items(),
                                                               *manifest.get("heads", {}).items())
                for p, e in m["precisions"].items()}

@@ -16,13 +16,13 @@ from specexport.gamma import store_gamma_choices
 from specexport.manifest import read_manifest, write_json_atomic, write_text_atomic
 from specexport.plugins import cpu
 from specexport.report import accounting as acc
-from specexport.report.choice import _acceptance_drop, _gamma_choice, method_choices
+from specexport.report.choice import acceptance_drop, gamma_choice, method_choices
 from specexport.report.folder import REPORT_FILES, claim_report_folder, record_report_files
-from specexport.report.grid import BenchConfig, Config, _check_request, _configs, accuracy_only
-from specexport.report.rows import _memory, _open_peers, _peer_row, _row
+from specexport.report.grid import BenchConfig, Config, check_request, bench_configs, accuracy_only
+from specexport.report.rows import memory, open_peers, peer_row, config_row
 from specexport.report.threads import ThreadSetting, fastest_for_vanilla
-from specexport.report.timing import (_clocked, _encode, _isolated_costs, _ms, _pass_curve, _reference_outputs, _run,
-                                      _step_costs)
+from specexport.report.timing import (clocked, encode_prompt, isolated_costs, to_ms, pass_curve, reference_outputs, run_config,
+                                      step_costs)
 from specexport.report.workload import expand_workload, suffix_caches
 from specexport.runtime.methods import HEAD_METHODS, configuration
 
@@ -41,9 +41,9 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
 
     manifest = read_manifest(cfg.output_dir)
     cpu.offer(cfg.output_dir, manifest)          # the engine's library, before the tier measurement loads one
-    precisions, has_draft = _check_request(cfg, manifest)
+    precisions, has_draft = check_request(cfg, manifest)
     claim_report_folder(Path(cfg.out or cfg.output_dir / "bench"))
-    configs = _configs(precisions, manifest, cfg, has_draft)
+    configs = bench_configs(precisions, manifest, cfg, has_draft)
     if open_pipeline is None:
         def open_pipeline(**kw):
             return specexport.load(cfg.output_dir, **kw)
@@ -55,10 +55,10 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
     for tp in precisions:
         if cfg.threads is None:
             settings[tp], probes[tp] = fastest_for_vanilla(
-                open_pipeline, tp, lambda pipe: _encode(pipe, first_prompt, cfg.chat), log=log)
+                open_pipeline, tp, lambda pipe: encode_prompt(pipe, first_prompt, cfg.chat), log=log)
         else:
             settings[tp] = ThreadSetting(cfg.threads, True)
-    pipes = {tp: _clocked(open_pipeline(precision=tp, **settings[tp].options()), clock) for tp in precisions}
+    pipes = {tp: clocked(open_pipeline(precision=tp, **settings[tp].options()), clock) for tp in precisions}
     try:
         if cfg.workload is not None:                # its conversations' turns carry the target's own answers
             cfg = replace(cfg, prompts=expand_workload(cfg.workload, pipes[precisions[0]], chat=cfg.chat,
@@ -71,32 +71,32 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
 
 def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps) -> dict:
     _open_proposers(configs, pipes, clock)
-    prompt_ids = {p: _encode(next(iter(pipes.values())), p, cfg.chat) for p in cfg.prompts}
+    prompt_ids = {p: encode_prompt(next(iter(pipes.values())), p, cfg.chat) for p in cfg.prompts}
     log(f"bench: warm-up, {len(configs)} configurations")
     steps.total(len(configs) * (1 + cfg.rounds * len(cfg.prompts)))
     for c in configs:
-        _run(pipes, c, prompt_ids[cfg.prompts[0]], cfg.max_new_tokens, cfg.temperature)
+        run_config(pipes, c, prompt_ids[cfg.prompts[0]], cfg.max_new_tokens, cfg.temperature)
         steps.advance()
-    peers, peer_skips = _open_peers(manifest, list(pipes), cfg, log)
+    peers, peer_skips = open_peers(manifest, list(pipes), cfg, log)
     built = manifest["models"]["target"]["precisions"]
-    reference = {p: _reference_outputs(cfg, pipes, prompt_ids, precision=p)      # what peers' outputs must equal
+    reference = {p: reference_outputs(cfg, pipes, prompt_ids, precision=p)      # what peers' outputs must equal
                  for p in sorted({getattr(peer, "reference_precision", "fp32") for peer in peers}) if p in built}
     for pipe in pipes.values():                     # time every forward from here on
         for b in pipe.opened:
             b.timings = {}
     runs, peer_runs = _interleave(cfg, configs, pipes, peers, prompt_ids, log, steps)
-    costs = _step_costs(configs, pipes)
+    costs = step_costs(configs, pipes)
     for pipe in pipes.values():                     # the isolated timing below is not part of the runs
         for b in pipe.opened:
             b.timings = None
     max_t = max(cfg.gammas) + 1
     # only the γ choice uses these, and only for draft models: timing them for every key (vanilla, lookup, heads)
     # repeated the same target timings once per key
-    isolated = {(tp, key): _isolated_costs(pipes[tp], key, max_t, clock)
+    isolated = {(tp, key): isolated_costs(pipes[tp], key, max_t, clock)
                 for tp, key in costs if key is not None and key not in HEAD_METHODS and not accuracy_only(tp, key)}
-    curves = {tp: _pass_curve(pipe, clock) for tp, pipe in pipes.items() if not accuracy_only(tp, None)}
-    rows = [_row(c, runs, costs) for c in configs]
-    choice = _gamma_choice(rows, costs, isolated, max(cfg.gammas))
+    curves = {tp: pass_curve(pipe, clock) for tp, pipe in pipes.items() if not accuracy_only(tp, None)}
+    rows = [config_row(c, runs, costs) for c in configs]
+    choice = gamma_choice(rows, costs, isolated, max(cfg.gammas))
     report = {
         "command": " ".join(sys.argv),
         "output_dir": str(cfg.output_dir),
@@ -113,15 +113,15 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
                      "sized_by_pass_curve": {tp: getattr(pipe, "verify_costs", lambda: None)() is not None
                                              for tp, pipe in pipes.items()}},
         "rows": rows,
-        "step_costs_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in costs.items()},
-        "step_costs_isolated_ms": {f"{tp}/{key or '-'}": _ms(v) for (tp, key), v in isolated.items()},
+        "step_costs_ms": {f"{tp}/{key or '-'}": to_ms(v) for (tp, key), v in costs.items()},
+        "step_costs_isolated_ms": {f"{tp}/{key or '-'}": to_ms(v) for (tp, key), v in isolated.items()},
         "pass_curve_ms": {tp: {str(m): t * 1e3 for m, t in curve.items()} for tp, curve in curves.items()},
         "pass_curve_tiers": {tp: {str(m): v for m, v in by_rows.items()} for tp, curve in curves.items()
                              if (by_rows := cpu.tiers_by_rows(manifest["models"]["target"]["precisions"][tp], curve))},
         "gamma_auto": {f"{tp}/{dp}": c for (tp, dp), c in choice.items()},
-        "acceptance_drop": _acceptance_drop(rows),
-        "memory": _memory(manifest, pipes, peers),
-        "peers": [{**_peer_row(p, name, peer_runs[name], reference, manifest),
+        "acceptance_drop": acceptance_drop(rows),
+        "memory": memory(manifest, pipes, peers),
+        "peers": [{**peer_row(p, name, peer_runs[name], reference, manifest),
                    "ours_vs_peer": _ours_vs_peer(p, peer_runs[name], rows, runs, configs)}
                   for p in peers for name in p.names] + peer_skips,
     }
@@ -187,7 +187,7 @@ def _interleave(cfg, configs, pipes, peers, prompt_ids: dict, log, steps) -> tup
                         peer_runs[name].append((i, peer.run(name, prompt_ids[prompt], cfg.max_new_tokens)))
                         time.sleep(PEER_SETTLE_S)
                         continue
-                    runs[slot].append(_run(pipes, slot, prompt_ids[prompt], cfg.max_new_tokens, cfg.temperature,
+                    runs[slot].append(run_config(pipes, slot, prompt_ids[prompt], cfg.max_new_tokens, cfg.temperature,
                                            seed=r * 1000 + i, cache=caches.get(slot)))
                     steps.advance()
             log(f"  round {r + 1}/{cfg.rounds} done")

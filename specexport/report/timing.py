@@ -14,16 +14,16 @@ from specexport.report.grid import Config
 from specexport.runtime.methods import HEAD_METHODS
 
 
-def _clocked(pipe, clock):
+def clocked(pipe, clock):
     pipe.clock = pipe.target.clock = clock
     return pipe
 
 
-def _encode(pipe, prompt: str, chat: bool) -> list[int]:
+def encode_prompt(pipe, prompt: str, chat: bool) -> list[int]:
     return pipe.chat_ids(prompt) if chat else pipe.encode(prompt)
 
 
-def _run(pipes, c: Config, prompt_ids, max_new_tokens: int, temperature: float = 0.0, *, seed: int = 0,
+def run_config(pipes, c: Config, prompt_ids, max_new_tokens: int, temperature: float = 0.0, *, seed: int = 0,
          cache=None):
     """One generation; sampled (temperature > 0) with the same seed for every configuration of a cell.
     cache: a suffix row's SuffixCache (a workload's: it reads and stores through it); without one a
@@ -46,7 +46,7 @@ def _run(pipes, c: Config, prompt_ids, max_new_tokens: int, temperature: float =
     return stats
 
 
-def _reference_outputs(cfg, pipes, prompt_ids: dict, *, precision: str = "fp32") -> list[list[int]]:
+def reference_outputs(cfg, pipes, prompt_ids: dict, *, precision: str = "fp32") -> list[list[int]]:
     """Our vanilla output per prompt on the target of `precision`: what a peer row's "same tokens" is checked
     against (fp32 for peers on the checkpoints, gguf for llama.cpp on the GGUF file)."""
     import specexport
@@ -67,7 +67,7 @@ def _proposer_timings(pipe, key) -> dict | None:
     return model.timings if model is not None else None
 
 
-def _step_costs(configs, pipes) -> dict:
+def step_costs(configs, pipes) -> dict:
     """Per (target precision, Config.proposer): the decode costs of the timed runs' forwards."""
     # "draft" prices every forward that is not the target's: the draft model's, or the Medusa / EAGLE
     # heads' (keyed by Config.proposer; lookup rows make none)
@@ -76,7 +76,7 @@ def _step_costs(configs, pipes) -> dict:
             for tp, key in {(c.precision, c.proposer) for c in configs}}
 
 
-def _isolated_costs(pipe, dp, max_t: int, clock, reps: int = 20) -> dict:
+def isolated_costs(pipe, dp, max_t: int, clock, reps: int = 20) -> dict:
     """Median seconds of one forward at a context of 64 tokens (fewer when max_seq_len is small),
     target for T = 1..max_t, draft T = 1: for the γ prediction beyond the sizes the runs made."""
     if dp is not None:
@@ -101,7 +101,7 @@ def _context(pipe, rows: int) -> np.ndarray:
 PASS_ROWS = (1, 2, 4, 8, 16)
 
 
-def _pass_curve(pipe, clock, reps: int = 7) -> dict:
+def pass_curve(pipe, clock, reps: int = 7) -> dict:
     """A target pass by its rows, c(M): median seconds of M-row forwards (M in PASS_ROWS up to the graph's
     max_tokens) after one 64-token prefill, the sizes interleaved per repetition so drift hits them alike;
     nothing committed, so every pass sees the same context. {M: seconds}."""
@@ -130,5 +130,5 @@ def _time_forward(backend, ctx, t: int, clock) -> float:
     return clock() - start
 
 
-def _ms(costs: dict) -> dict:
+def to_ms(costs: dict) -> dict:
     return {role: {str(t): v * 1e3 for t, v in table.items()} for role, table in costs.items()}

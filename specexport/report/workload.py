@@ -55,7 +55,7 @@ def conversation_turn(turns, answers) -> str:
 
 def expand_workload(items, pipe, *, chat: bool, max_new_tokens: int, log=print) -> tuple[str, ...]:
     """The workload as the flat list of request texts the bench sends, in order."""
-    from specexport.report.timing import _encode
+    from specexport.report.timing import encode_prompt
 
     prompts = []
     for item in items:
@@ -66,7 +66,7 @@ def expand_workload(items, pipe, *, chat: bool, max_new_tokens: int, log=print) 
         for k in range(len(item)):
             prompts.append(conversation_turn(item, answers))
             if k + 1 < len(item):
-                out = pipe.generate(prompt_ids=_encode(pipe, prompts[-1], chat), max_new_tokens=max_new_tokens,
+                out = pipe.generate(prompt_ids=encode_prompt(pipe, prompts[-1], chat), max_new_tokens=max_new_tokens,
                                     method="vanilla", suffix_share=False)
                 answers.append(out.text)
     conversations = sum(not isinstance(i, str) for i in items)

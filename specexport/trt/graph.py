@@ -293,9 +293,9 @@ def _register_reference_ops(ext) -> None:
     comes from trt/plugin_graph.py)."""
     if _REGISTERED:
         return
-    from specexport.trt.plugin_graph import _register_reference_op
+    from specexport.trt.plugin_graph import register_reference_op
 
-    _register_reference_op(ext)
+    register_reference_op(ext)
     d = ext.PyCustomOpDef
 
     @ext.onnx_op(op_type=KV_UPDATE_OP, inputs=[d.dt_float, d.dt_float, d.dt_int32], outputs=[d.dt_float],

@@ -121,7 +121,7 @@ def cpu_session(graph, optimization: str = "all"):
     onnx = require("onnx")
     ort = require("onnxruntime")
     ext = require("onnxruntime_extensions")
-    _register_reference_op(ext)
+    register_reference_op(ext)
     model = graph if isinstance(graph, onnx.ModelProto) else onnx.load(str(graph))
     for node in model.graph.node:
         if node.op_type == NAME:
@@ -137,7 +137,7 @@ def cpu_session(graph, optimization: str = "all"):
 _REGISTERED = []
 
 
-def _register_reference_op(ext) -> None:
+def register_reference_op(ext) -> None:
     """The plugin op as an onnxruntime-extensions Python op (once per process)."""
     if _REGISTERED:
         return

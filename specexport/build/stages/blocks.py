@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from specexport import owned
 from specexport.build.context import files_entry
 from specexport.build.stage import ModelStage
-from specexport.build.stages.gguf import _kernels, _kernels_entry, _layout, _lean_graph, _note_layout, _parity, _twin
+from specexport.build.stages.gguf import choose_kernels, kernels_entry, choose_layout, lean_graph, note_layout, parity_check, exact_twin
 from specexport.build.stages.quantize import gate_quality, measure_apart
 from specexport.errors import ParityError, SpecexportError
 from specexport.manifest import describe_files
@@ -37,8 +37,8 @@ class BlocksStage(ModelStage):
         mp, cfg, precision = ctx.model(self.role), ctx.config, self.precision
         settings = mp.config.quantization[precision]
         mix = _mix(settings, precision, self.role)
-        kernels = _kernels(settings["kernels"], mp.io.head_dim, f"{self.role} {precision}")
-        layout, why = _layout(settings["layout"], kernels, f"{self.role}.quantization.{precision}")
+        kernels = choose_kernels(settings["kernels"], mp.io.head_dim, f"{self.role} {precision}")
+        layout, why = choose_layout(settings["layout"], kernels, f"{self.role}.quantization.{precision}")
         ctx.reporter.note(f"  {self.role} {precision}: {kernels.line()}")
         partial, final = ctx.folders.new(self.role, precision)
         start = time.perf_counter()
@@ -49,14 +49,14 @@ class BlocksStage(ModelStage):
                 written = write_gguf(mp.config.path, gguf, mix, importance=importance, steps=steps)
             del importance
             graph = partial / "model.onnx"
-            report, weights = _lean_graph(ctx, mp, graph, LEVEL, kernels.available, gguf=gguf, layout=layout)
-            _note_layout(ctx, f"{self.role} {precision}", layout, why, report)
+            report, weights = lean_graph(ctx, mp, graph, LEVEL, kernels.available, gguf=gguf, layout=layout)
+            note_layout(ctx, f"{self.role} {precision}", layout, why, report)
             if report.kept_fp32:
                 raise ParityError(f"{self.role} {precision}: {len(report.kept_fp32)} weight(s) of the graph "
                                   f"({', '.join(report.kept_fp32[:3])}) are read where no block kernel serves them")
-            twin = _twin(graph, LEVEL)
+            twin = exact_twin(graph, LEVEL)
             with ctx.reporter.stage(f"check {self.role} {precision} against its blocks dequantized (transformers)"):
-                parity, _ = _parity(ctx, mp, weights, twin)
+                parity, _ = parity_check(ctx, mp, weights, twin)
             if not parity.max_rel_error <= cfg.parity_tolerance:
                 raise ParityError(f"{self.role} {precision}: parity with the GGUF's dequantized weights failed: "
                                   f"{parity.describe()} > tolerance {cfg.parity_tolerance:.1e}")
@@ -86,7 +86,7 @@ class BlocksStage(ModelStage):
                                  "tool": "quant/gguf_graph.py (" + ("specexport.cpu GgufMatMul(N), GgufGather"
                                                                     if kernels.available else
                                                                     "MatMulNBits, GatherBlockQuantized") + ")",
-                                 "kernels": _kernels_entry(kernels, layout, why, report)},
+                                 "kernels": kernels_entry(kernels, layout, why, report)},
                 "row_dependence": rows, "min_tokens": min_tokens if mp.role == "target" else 1,
                 "trees": tree_rows_for(rows, "blocks") if mp.role == "target" else "exact",
                 "top1_agreement": quality.top1_agreement, "top1_ties": quality.ties, "mean_kl": quality.mean_kl,

@@ -38,25 +38,25 @@ class GgufStage(ModelStage):
         mp, cfg = ctx.model(self.role), ctx.config
         level = mp.config.quantization["gguf"]["accuracy_level"]
         lean = mp.config.lean
-        kernels = _kernels(mp.config.quantization["gguf"]["kernels"], mp.io.head_dim, self.role)
-        layout, why = _layout(mp.config.quantization["gguf"]["layout"], kernels, f"{self.role}.quantization.gguf")
+        kernels = choose_kernels(mp.config.quantization["gguf"]["kernels"], mp.io.head_dim, self.role)
+        layout, why = choose_layout(mp.config.quantization["gguf"]["layout"], kernels, f"{self.role}.quantization.gguf")
         ctx.reporter.note(f"  {self.role} gguf: {kernels.line()}")
         partial, final = ctx.folders.new(self.role, self.precision)
         start = time.perf_counter()
         try:
             graph = partial / "model.onnx"
-            report, source = (_lean_graph if lean else _rewritten_graph)(ctx, mp, graph, level, kernels.available,
+            report, source = (lean_graph if lean else _rewritten_graph)(ctx, mp, graph, level, kernels.available,
                                                                          layout=layout)
-            _note_layout(ctx, f"{self.role} gguf", layout, why, report)
+            note_layout(ctx, f"{self.role} gguf", layout, why, report)
             if report.kept_fp32:
                 why = (f"are quantized in {mp.config.gguf.name} but read where no block kernel serves them" if lean
                        else f"equal no tensor of {mp.config.gguf.name}: the file and the graph disagree")
                 raise ParityError(f"{self.role} gguf: {len(report.kept_fp32)} weight(s) of the graph "
                                   f"({', '.join(report.kept_fp32[:3])}) {why}")
-            twin = _twin(graph, level)
+            twin = exact_twin(graph, level)
             with ctx.reporter.stage(f"check {self.role} gguf against the file's weights dequantized "
                                     f"({'transformers, layer by layer' if lean else 'fp32 graph'})"):
-                parity, twin_case = _parity(ctx, mp, source, twin)
+                parity, twin_case = parity_check(ctx, mp, source, twin)
             if not parity.max_rel_error <= cfg.parity_tolerance:
                 raise ParityError(f"{self.role} gguf: parity with the file's dequantized weights failed: "
                                   f"{parity.describe()} > tolerance {cfg.parity_tolerance:.1e}")
@@ -87,7 +87,7 @@ class GgufStage(ModelStage):
                                  "tool": "quant/gguf_graph.py (" + ("specexport.cpu GgufMatMul(N), GgufGather"
                                                                     if kernels.available else
                                                                     "MatMulNBits, GatherBlockQuantized") + ")",
-                                 "kernels": _kernels_entry(kernels, layout, why, report)},
+                                 "kernels": kernels_entry(kernels, layout, why, report)},
                 "gguf_file_bytes": mp.config.gguf.stat().st_size,
                 "row_dependence": rows, "min_tokens": min_tokens if mp.role == "target" else 1,
                 "trees": tree_rows_for(rows, "gguf") if mp.role == "target" else "exact",
@@ -117,7 +117,7 @@ def _rewritten_graph(ctx, mp, graph, level, kernels: bool, *, layout: str = "fil
     return report, source
 
 
-def _lean_graph(ctx, mp, graph, level, kernels: bool, gguf: Path | None = None, *, layout: str = "file"):
+def lean_graph(ctx, mp, graph, level, kernels: bool, gguf: Path | None = None, *, layout: str = "file"):
     """A weightless export filled from the file (`gguf`, else the model's own) by name; the parity source
     is the file itself."""
     import transformers
@@ -166,7 +166,7 @@ def _measure_lean(ctx, mp, graph: Path, twin: Path, twin_case: dict, level: int)
     return (quality, rows, compare(twin_case, written_case)), text
 
 
-def _kernels(choice: str, head_dim: int, role: str):
+def choose_kernels(choice: str, head_dim: int, role: str):
     """The ops a gguf graph calls, as quantization.gguf.kernels asks: auto (ours where they build and load
     here, else the stock ops), ours (fail without them), stock."""
     from specexport.plugins import cpu
@@ -182,7 +182,7 @@ def _kernels(choice: str, head_dim: int, role: str):
     return kernels
 
 
-def _layout(choice: str, kernels, where: str) -> tuple[str, str]:
+def choose_layout(choice: str, kernels, where: str) -> tuple[str, str]:
     """The weights' layout for a graph on `kernels` (quantization.<p>.layout), and why."""
     from specexport.plugins.cpu import layout
 
@@ -192,7 +192,7 @@ def _layout(choice: str, kernels, where: str) -> tuple[str, str]:
     return layout.choose(choice, kernels)
 
 
-def _note_layout(ctx, what: str, layout: str, why: str, report) -> None:
+def note_layout(ctx, what: str, layout: str, why: str, report) -> None:
     """The build's log: the layout chosen and the tensors whose last rows (N % 8) keep the file's."""
     ctx.reporter.note(f"  {what}: weights in the {layout} layout ({why})")
     if report.tails:
@@ -200,7 +200,7 @@ def _note_layout(ctx, what: str, layout: str, why: str, report) -> None:
         ctx.reporter.note(f"  {what}: {len(report.tails)} tensor(s) keep their last rows (N % 8) as in the file: {names}")
 
 
-def _kernels_entry(kernels, layout: str, why: str, report) -> dict:
+def kernels_entry(kernels, layout: str, why: str, report) -> dict:
     """The manifest's quantization.kernels: the ops the graph calls, and on ours, the weights' layout."""
     if not kernels.available:
         return {"ops": "onnxruntime", "why": kernels.reason}
@@ -208,7 +208,7 @@ def _kernels_entry(kernels, layout: str, why: str, report) -> dict:
             "layout_why": why, "layout_tails": report.tails}
 
 
-def _twin(graph: Path, level: int) -> Path:
+def exact_twin(graph: Path, level: int) -> Path:
     """The graph computed in fp32: itself at accuracy_level 0 (stock ops), else a twin that shares its
     weights file (the caller removes it): MatMulNBits at accuracy_level 0, our GgufMatMul in its exact mode."""
     import onnx
@@ -227,7 +227,7 @@ def _twin(graph: Path, level: int) -> Path:
     return twin
 
 
-def _parity(ctx, mp, source, twin: Path):
+def parity_check(ctx, mp, source, twin: Path):
     """The graph computed in fp32 against its reference on the parity case (prefill, decode, a tree):
     the fp32 graph (`source` a path), or transformers run layer by layer from the file (`source` the
     file's GgufWeights). Returns (the report, the twin's logits per phase)."""

@@ -94,7 +94,7 @@ class OrtEagleHead(Backend):
     def __init__(self, model_dir, *, io: EagleIO, capacity: int, max_tokens: int, threads: int | None = 1,
                  spin: bool = False, optimization: str = "all", session=None, our_attention: bool = False, **_):
         from specexport.plugins.cpu.graph import with_our_attention
-        from specexport.runtime.backends.ort import _binding_calls, open_session
+        from specexport.runtime.backends.ort import binding_calls, open_session
 
         super().__init__(capacity=capacity, max_tokens=max_tokens, vocab_size=0)
         ort = require("onnxruntime")
@@ -104,7 +104,7 @@ class OrtEagleHead(Backend):
                                                if our_attention else None)
         self.io, self.top_k, self.hidden_size = io, io.top_k, io.hidden_size
         self.binding = self.session.io_binding()
-        self._bind_in, self._bind_out, self._run = _binding_calls(ort, self.session, self.binding)
+        self._bind_in, self._bind_out, self._run = binding_calls(ort, self.session, self.binding)
         self.buffers = b = HeadBuffers.allocate(io, capacity=capacity, max_tokens=max_tokens)
         self.k, self.v, self.ids, self.logprobs, self.hidden = b.k, b.v, b.ids, b.logprobs, b.hidden
         # the buffers never move: their addresses are taken once, and the caches (fixed shape) bound once

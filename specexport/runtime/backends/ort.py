@@ -33,7 +33,7 @@ class OrtBackend(Backend):
                                     session_options=session_options, optimization=optimization)
         self.model_path, self.io = path, io
         self.binding = self.session.io_binding()
-        self._bind_in, self._bind_out, self._run = _binding_calls(ort, self.session, self.binding)
+        self._bind_in, self._bind_out, self._run = binding_calls(ort, self.session, self.binding)
         self.buffers = b = ModelBuffers.allocate(io, capacity=capacity, max_tokens=max_tokens, min_tokens=min_tokens)
         self.k, self.v, self.min_tokens, self.kv_shape = b.k, b.v, b.min_tokens, b.kv_shape
         # the buffers never move: their addresses are taken once (arr.ctypes builds an object per use)
@@ -149,7 +149,7 @@ def _malloc_trim():
         return None
 
 
-def _binding_calls(ort, session, binding):
+def binding_calls(ort, session, binding):
     """(bind_input, bind_output, run) for CPU buffers (float32 unless bind_output is given a dtype) and
     numpy inputs.
 

@@ -61,7 +61,7 @@ class Slots:
     view_class: type = None                             # SlotView, set below
 
     def _setup(self, backend, slots: int, submit, name: str) -> None:
-        from specexport.runtime.backends.ort import _binding_calls
+        from specexport.runtime.backends.ort import binding_calls
 
         if not hasattr(backend, "session"):
             raise SpecexportError(f"batched decoding runs on the onnxruntime CPU backend; the {name} is on "
@@ -70,7 +70,7 @@ class Slots:
         self.capacity, self.max_tokens = backend.capacity, backend.max_tokens
         self.session = backend.session
         self.binding = self.session.io_binding()
-        self._bind_in, self._bind_out, self._run = _binding_calls(require("onnxruntime"), self.session, self.binding)
+        self._bind_in, self._bind_out, self._run = binding_calls(require("onnxruntime"), self.session, self.binding)
         self.views: list[SlotView] = []                 # the slots in use, in slot order
         self.passes = 0                                 # passes run
         self.rows_run = 0                               # real rows over those passes
