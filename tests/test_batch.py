@@ -83,7 +83,7 @@ def test_batched_greedy_equals_each_requests_batch1_output(pipe):
     assert any(o.stats.accepted for o in got)                   # speculation accepted tokens in the batch
     assert got[6].stats.accepted                                # ... Medusa's too
     with pipe.batch(4) as batch:
-        assert batch.exact and batch.slots == 4
+        assert batch.exact and batch.max_batch == 4
         handles = [batch.submit(**r) for r in requests]
         outs = [h.result() for h in handles]
         passes, rows = batch.target.passes, batch.target.rows_run
@@ -239,7 +239,7 @@ def test_a_graph_with_pass_dependent_rows_batches_one_request_at_a_time(built_ll
         requests = [dict(prompt_ids=[1, 5, 9], max_new_tokens=8, method=m) for m in ("vanilla", "lookup")]
         want = _alone(p, requests)
         with p.batch(4) as batch:
-            assert not batch.exact and batch.slots == 1 and "ONNX Runtime's own kernels" in batch.note
+            assert not batch.exact and batch.max_batch == 1 and "ONNX Runtime's own kernels" in batch.note
             assert [h.result().token_ids for h in [batch.submit(**r) for r in requests]] == want
 
 

@@ -212,9 +212,12 @@ def test_eos_and_stop_strings(pipe):
 
 
 def test_stream_pieces_add_up_to_the_text(pipe):
-    pieces = list(pipe.stream("def fib(n):", max_new_tokens=50, gamma=3, temperature=0.9, seed=3))
-    out = pipe.last_output
+    stream = pipe.stream("def fib(n):", max_new_tokens=50, gamma=3, temperature=0.9, seed=3)
+    assert stream.output is None                          # until its pieces end
+    pieces = list(stream)
+    out = stream.output
     assert "".join(pieces) == out.text and len(out.token_ids) == 50
+    assert not hasattr(pipe, "last_output")               # the result is the stream's, not the pipeline's
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -297,11 +297,13 @@ def test_the_cli_serves(chat_build):
 
 
 def test_auto_without_a_measured_choice_serves_vanilla(built_llama):
-    from specexport.runtime.methods import resolve_default_method
+    from specexport.runtime.methods import default_note
 
     with specexport.load(built_llama) as pipe:
         pipe.manifest = {k: v for k, v in pipe.manifest.items() if k != "method_auto"}
-        method, note = resolve_default_method(pipe, "auto")
-        assert method == "vanilla" and "specexport bench" in note
-        with pytest.raises(SpecexportError, match="--method: 'medusa' is not available"):
-            resolve_default_method(pipe, "medusa")
+        note = default_note(pipe, "auto")
+        assert "decoding vanilla" in note and "specexport bench" in note, note
+        out = pipe.generate(prompt_ids=[1, 5], max_new_tokens=4, method="auto")   # the request: the same rule
+        assert out.method == "vanilla" and out.note in note
+        with pytest.raises(SpecexportError, match="method: 'medusa' was not built"):
+            default_note(pipe, "medusa")

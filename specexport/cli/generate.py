@@ -50,7 +50,6 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
              precision, draft_precision, threads, draft_threads, device, stop, chat, compare, verbose):
     """Generate from PROMPT with the build in OUTPUT_DIR, streaming the text."""
     import specexport
-    from specexport.runtime.methods import resolve_default_method
     from specexport.runtime.pipeline import AS_TARGET, MEASURED
 
     pipe = specexport.load(output_dir, precision=precision, draft_precision=draft_precision,
@@ -64,22 +63,18 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
         if given:
             raise SpecexportError(f"{given[0]}: name the method it is for (--method draft, lookup, medusa or eagle); "
                                   f"the default, --method auto, takes its settings from the build's bench")
-        method = "auto"
-    if method == "auto":
-        method, note = resolve_default_method(pipe, method)    # no measured choice: vanilla, and the line says why
-        if method == "vanilla":
-            notes.append(note)
+        method = "auto"                 # resolved with the request (runtime/methods.py), its note printed below
     gamma = gamma if gamma in ("auto", None) else _int_gamma(gamma)
     tree = _tree(tree)
     shown, prompt = prompt, {"prompt_ids": pipe.chat_ids(prompt)} if chat else {"prompt": prompt}
     pieces = pipe.stream(**prompt, max_new_tokens=max_new_tokens, method=method, gamma=gamma, draft_stop=draft_stop,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=stop, tree=tree,
                          sampled_children=sampled_children)
-    first = next(pieces, "")            # input errors surface here, before anything is printed
+    first = next(pieces, "")            # the first round: a failure there surfaces before anything is printed
     click.echo((f"> {shown}\n" if chat else shown) + first, nl=False)
     for piece in pieces:
         click.echo(piece, nl=False)
-    out = pipe.last_output
+    out = pieces.output
     s = out.stats
     click.echo("")                      # the text's last line ends before any note
     if out.note:

@@ -127,25 +127,25 @@ class Batch:
     def __init__(self, pipe, max_batch: int | str = AUTO, *, rows_per_pass: int | None = None):
         self.pipe = pipe
         self.exact = row_exact(pipe)[0]
-        self.slots, self.note = batch_width(pipe, max_batch)
+        self.max_batch, self.note = batch_width(pipe, max_batch)
         self.scheduler = Scheduler()
         self.rows_per_pass = rows_per_pass or pipe.max_verify_tokens
         if not isinstance(self.rows_per_pass, int) or self.rows_per_pass < 1:
             raise SpecexportError(f"rows_per_pass: expected an integer >= 1, got {rows_per_pass!r}")
-        self.target = SlotModel(pipe.target, self.slots, self.scheduler.submit, rows_per_pass=self.rows_per_pass)
+        self.target = SlotModel(pipe.target, self.max_batch, self.scheduler.submit, rows_per_pass=self.rows_per_pass)
         self.target.observer = self._observe
         self._drafts: dict[str, SlotModel] = {}             # the shared draft's slots, by precision
         self._eagle: EagleSlots | bool | None = None        # False: the head's rows are not exact in a pass
         self.observer = None                # observer(model name, B, Tp, real rows) after each pass (metrics)
         self._open_lock = threading.Lock()       # opens the shared draft / heads once
-        self._admit = threading.Semaphore(self.slots)
+        self._admit = threading.Semaphore(self.max_batch)
         self._threads: list[threading.Thread] = []
 
     def draft_model(self, precision: str) -> SlotModel:
         """The slots of the pipeline's draft in `precision` (opened once)."""
         with self._open_lock:
             if precision not in self._drafts:
-                model = SlotModel(self.pipe.draft_of(precision), self.slots, self.scheduler.submit, name="draft",
+                model = SlotModel(self.pipe.draft_of(precision), self.max_batch, self.scheduler.submit, name="draft",
                                   rows_per_pass=self.rows_per_pass)
                 model.observer = self._observe
                 self._drafts[precision] = model
@@ -156,7 +156,7 @@ class Batch:
         with self._open_lock:
             if self._eagle is None:
                 head = self.pipe.eagle
-                self._eagle = EagleSlots(head, self.slots, self.scheduler.submit) if rows_exact(head) else False
+                self._eagle = EagleSlots(head, self.max_batch, self.scheduler.submit) if rows_exact(head) else False
                 if self._eagle:
                     self._eagle.observer = self._observe
             return self._eagle or None
@@ -176,7 +176,7 @@ class Batch:
         """A request's options checked (Pipeline.request's, its proposer's too), in the caller's thread."""
         request = self.pipe.request(prompt, **options)
         o = request.options
-        if self.slots > 1 and o.method == "draft":          # the draft's rows share passes too
+        if self.max_batch > 1 and o.method == "draft":          # the draft's rows share passes too
             exact, why = row_exact(self.pipe, "draft", o.draft_precision)
             if not exact:
                 raise SpecexportError(f"draft_precision: {why}, so it cannot draft in a batch; draft in a precision "
@@ -295,12 +295,12 @@ def batch_width(pipe, max_batch: int | str = AUTO) -> tuple[int, str]:
     return max_batch, f"max_batch {max_batch} (as given)"
 
 
-AUTO_SLOTS = (8, 4, 2)          # the batch sizes auto_max_batch tries, largest first
+AUTO_MAX_BATCH = (8, 4, 2)          # the batch sizes auto_max_batch tries, largest first
 AUTO_BOUND = 2.0                # ... the largest whose pass costs at most this many one-row passes
 
 
 def auto_max_batch(pipe, *, clock=None, reps: int = 5) -> tuple[int, str]:
-    """(max_batch, why): measured here, the largest of AUTO_SLOTS whose one-row-per-request pass costs at
+    """(max_batch, why): measured here, the largest of AUTO_MAX_BATCH whose one-row-per-request pass costs at
     most AUTO_BOUND one-row passes (so a request's time per token stays within about twice a lone
     request's), 1 where none qualifies; on a row-exact target (batch_width checks). A few target passes."""
     import time
@@ -309,9 +309,9 @@ def auto_max_batch(pipe, *, clock=None, reps: int = 5) -> tuple[int, str]:
 
     clock = clock or time.perf_counter
     target = pipe.target
-    tokens = np.zeros(max(AUTO_SLOTS), np.int64)
+    tokens = np.zeros(max(AUTO_MAX_BATCH), np.int64)
 
-    sizes = [1, *(n for n in AUTO_SLOTS if n <= target.max_tokens)]
+    sizes = [1, *(n for n in AUTO_MAX_BATCH if n <= target.max_tokens)]
     times: dict = {n: [] for n in sizes}
     for rep in range(reps + 1):                     # sizes interleaved (the machine drifts); the first round warms
         for n in sizes:

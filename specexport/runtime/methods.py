@@ -68,17 +68,18 @@ def resolve(options: MethodOptions, build) -> tuple[MethodOptions, str]:
     """(the options as they will run, a line saying what "auto" decided or ""). Once per request, before
     any model is touched. `build`: the pipeline's manifest, dir, precision, draft_precision,
     max_verify_tokens and methods (Pipeline has them). method="auto" takes the configuration `specexport
-    bench` stored for these precisions and graphs (vanilla when every one lost); gamma="auto" (draft
+    bench` stored for these precisions and graphs (vanilla when every one lost, or when none was stored:
+    the note says how to measure one); gamma="auto" (draft
     chains) the γ it stored, vanilla when it predicted speculation would lose; gamma=None what the build's
     bench measured for the method (measured_defaults), else DEFAULT_GAMMA."""
     top = build.max_verify_tokens - 1
     if options.method == "auto":
         choice = stored_choice(build)
-        if choice is None:
+        if choice is None:                  # a build no bench measured: vanilla, and the note says how to measure
             dp = build.draft_precision if "draft" in build.manifest["models"] else "-"
-            raise SpecexportError(f"method: 'auto' needs a measured choice for target {build.precision!r}"
-                                  f"{'' if dp == '-' else f' with draft {dp!r}'}: run `specexport bench "
-                                  f"{build.dir}` first (with the --methods to choose from)")
+            return replace(options, method="vanilla", gamma=None, tree=None), (
+                f"no measured choice for target {build.precision!r}{'' if dp == '-' else f' with draft {dp!r}'}: "
+                f"decoding vanilla (run `specexport bench {build.dir}` to measure one)")
         note = auto_summary(choice, build.dir)
         if choice["method"] == "vanilla":
             return replace(options, method="vanilla", gamma=None, tree=None), note
@@ -164,19 +165,11 @@ def auto_summary(choice: dict, output_dir) -> str:
             f"measured {choice['speedup']:.2f}x)")
 
 
-def resolve_default_method(pipe, method: str) -> tuple[str, str]:
-    """(the method a command or request gets by default, a line saying why). `auto` without a measured
-    choice in the build decodes vanilla (and says to run `specexport bench`) rather than refusing."""
-    if method != "auto":
-        if method != "vanilla" and method not in pipe.methods:
-            raise SpecexportError(f"--method: {method!r} is not available in {pipe.dir}; available: "
-                                  f"{', '.join(('auto', 'vanilla', *pipe.methods))}")
-        return method, f"method {method}"
-    choice = stored_choice(pipe)
-    if choice is None:
-        return "vanilla", (f"method auto: {pipe.dir} has no measured choice for target {pipe.precision!r}; "
-                           f"decoding vanilla (run `specexport bench {pipe.dir}` to measure one)")
-    return "auto", f"method auto: {auto_summary(choice, pipe.dir)}"
+def default_note(build, method: str) -> str:
+    """The line a command or a server prints for the method its requests get by default (resolve()'s note, so
+    "auto" is decided in one place); a method this build lacks fails here, before any request."""
+    _, note = resolve(MethodOptions(method=method), build)
+    return f"method {method}" + (f": {note}" if note else "")
 
 
 def dynamic_tree_settings(text: str) -> dict:

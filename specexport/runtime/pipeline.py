@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.methods import METHODS, MethodOptions, resolve, stored_choice
 from specexport.runtime.proposer_table import Resources, make_proposer
+from specexport.runtime.request import GenerationOutput, Request, TextStream
 from specexport.runtime.sampling import Coins, SamplingParams
 from specexport.runtime.suffix import SuffixCache
 
@@ -33,28 +33,6 @@ PREFILL_CHUNK = 64
 MEASURED = "measured"            # load(threads=MEASURED): the thread setting the build's bench measured fastest
 AS_TARGET = "as target"          # load(draft_threads=AS_TARGET): the draft on as many threads as the target
 SUFFIX_CACHE_TOKENS = 500_000    # the default bound of a pipeline's suffix cache (about 28 MB at ~55 bytes a token, measured at 1M tokens: runtime/suffix.py)
-@dataclass
-class Request:
-    """One generation's checked options (Pipeline.request), its method resolved once (methods.resolve)."""
-    ids: np.ndarray
-    params: SamplingParams
-    max_new_tokens: int
-    seed: int | None
-    stop: tuple
-    options: MethodOptions              # as it will run: no "auto" left
-    note: str = ""                      # what method="auto" / gamma="auto" decided ("" when nothing was)
-
-
-@dataclass
-class GenerationOutput:
-    text: str
-    token_ids: list[int]                # generated ids only (EOS included when it ended the output)
-    finish_reason: str                  # "stop" (EOS or a stop string) or "length"
-    stats: DecodeStats
-    method: str = "vanilla"             # the method that ran (what "auto" chose)
-    note: str = ""                      # what method="auto" / gamma="auto" decided, in one line
-
-
 def load(output_dir, *, precision: str | None = None, draft_precision: str | None = None, backend: str = "onnxruntime",
          threads: int | None | str = MEASURED, draft_threads: int | None | str = AS_TARGET, verify: bool = False,
          suffix_cache_tokens: int = SUFFIX_CACHE_TOKENS, **options) -> "Pipeline":
@@ -117,7 +95,6 @@ class Pipeline:
         except Exception as err:            # the tokenizers library raises a bare Exception for a bad file
             raise SpecexportError(f"{tok_path}: the tokenizers library could not read it "
                                   f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-        self.last_output: GenerationOutput | None = None
         self._suffix_tokens = suffix_cache_tokens
         self._suffix_cache: SuffixCache | None = None   # made on first use (method="suffix")
         self.clock = time.perf_counter             # the stats' clock (the bench's tests inject one)
@@ -237,9 +214,10 @@ class Pipeline:
 
     # -- public API -----------------------------------------------------------------------
     def generate(self, prompt: str | None = None, **kwargs) -> GenerationOutput:
-        for _ in self.stream(prompt, **kwargs):
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
             pass
-        return self.last_output
+        return stream.output
 
     def request(self, prompt: str | None = None, *, prompt_ids=None, max_new_tokens: int = 128,
                method: str = "draft", gamma: int | str | None = None, temperature: float = 0.0, top_k: int | None = None,
@@ -284,12 +262,11 @@ class Pipeline:
                                               suffix_scope, suffix_share), self)
         return Request(ids, params, max_new_tokens, seed, tuple(stop), options, note)
 
-    def stream(self, prompt: str | None = None, **options):
-        """Yield text pieces as they are decoded; `self.last_output` holds the result afterwards.
-        Options: request()'s."""
+    def stream(self, prompt: str | None = None, **options) -> TextStream:
+        """The text pieces as they are decoded (iterate it); its `output` holds the GenerationOutput once
+        they end. Options: request()'s, checked here, before any piece."""
         request = self.request(prompt, **options)
-        yield from self.decode_request(request, self.target, self.resources(),
-                                       done=lambda out: setattr(self, "last_output", out))
+        return TextStream(lambda done: self.decode_request(request, self.target, self.resources(), done=done))
 
     def batch(self, max_batch: int | str = "auto", *, rows_per_pass: int | None = None):
         """A Batch (runtime/batch.py): up to max_batch requests decoded together ("auto": as many as measured

@@ -80,10 +80,11 @@ class Metrics:
         self.latency = prom.Histogram("specexport_request_latency_seconds", "Request arrival to the end of its decode.",
                                       buckets=LATENCY_BUCKETS, registry=r)
 
-    def watch_batch(self, slots: int, occupancy) -> None:
-        """Batched decoding's gauges: its slots, and occupancy() (slots in use) read at scrape time."""
+    def watch_batch(self, max_batch: int, occupancy) -> None:
+        """Batched decoding's gauges: its width (the metric keeps its first name, batch_slots, for dashboards),
+        and occupancy() (requests decoding) read at scrape time."""
         r = self.registry
-        prom.Gauge("specexport_batch_slots", "Requests that decode together.", registry=r).set(slots)
+        prom.Gauge("specexport_batch_slots", "Requests that decode together.", registry=r).set(max_batch)
         prom.Gauge("specexport_batch_occupancy", "Requests decoding in the batch now.",
                    registry=r).set_function(occupancy)
         self.batch_passes = prom.Counter("specexport_batch_passes", "Batched passes by model.", ["model"], registry=r)

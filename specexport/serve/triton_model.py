@@ -23,7 +23,7 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def initialize(self, args):
         import specexport
-        from specexport.runtime.methods import resolve_default_method
+        from specexport.runtime.methods import default_note
 
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
@@ -33,7 +33,8 @@ class TritonPythonModel:
         threads = int(params["threads"]) if params.get("threads") else None
         self.pipe = specexport.load(build, precision=params.get("precision") or None,
                                     draft_precision=params.get("draft_precision") or None, threads=threads)
-        self.method, note = resolve_default_method(self.pipe, params.get("method") or "auto")
+        self.method = params.get("method") or "auto"
+        note = default_note(self.pipe, self.method)
         pb_utils.Logger.log_info(f"specexport: {build} ({note})")
 
     def execute(self, requests):
@@ -61,7 +62,7 @@ class TritonPythonModel:
                     sender.send(flags=final)
                     return
                 sender.send(pb_utils.InferenceResponse(output_tensors=[_bytes("text_output", [piece])]))
-            out = self.pipe.last_output
+            out = pieces.output
             stats = {"method": method, "prompt_tokens": len(ids), "completion_tokens": len(out.token_ids),
                      "tokens_per_target_pass": _finite(out.stats.mean_accepted_tokens),
                      "acceptance_rate": _finite(out.stats.acceptance_rate)}

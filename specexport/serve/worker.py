@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from specexport.errors import SpecexportError
 from specexport.runtime.batch import AUTO, batch_width
-from specexport.runtime.methods import resolve_default_method
+from specexport.runtime.methods import default_note
 from specexport.serve.protocol import RequestError
 
 log = logging.getLogger("specexport.serve")
@@ -102,7 +102,7 @@ class ModelWorker:
     def __init__(self, pipe, *, method: str = "auto", max_queue: int = 64, request_timeout_s: float | None = None,
                  metrics=None, max_batch: int | str = AUTO):
         self.pipe = pipe
-        self.default_method, self.method_note = resolve_default_method(pipe, method)
+        self.default_method, self.method_note = method, default_note(pipe, method)   # each request resolves it
         self.max_queue, self.request_timeout_s, self.metrics = max_queue, request_timeout_s, metrics
         self.max_batch, self.batch_note = batch_width(pipe, max_batch)   # requests decoding together
         self.batch = pipe.batch(self.max_batch) if self.max_batch > 1 else None
@@ -113,7 +113,7 @@ class ModelWorker:
         self._executor = ThreadPoolExecutor(max_workers=self.max_batch, thread_name_prefix="specexport-decode")
         self._lock = threading.Lock()
         self.waiting = 0            # queued jobs
-        self.running = 0            # decoding jobs (up to slots)
+        self.running = 0            # decoding jobs (up to max_batch)
         self.drain_deadline: float | None = None             # set by drain(): time.monotonic() the grace ends
         self.grace_s = 0.0
         self._service_s = 0.0       # moving average of a job's decode time (for Retry-After)
@@ -217,7 +217,7 @@ class ModelWorker:
             return self._pieces(job, stream, lambda: result["output"])
         # without a batch the executor has one thread: one request at a time on the pipeline
         stream = self.pipe.stream(prompt_ids=job.prompt_ids, method=method, **options)
-        return self._pieces(job, stream, lambda: self.pipe.last_output)
+        return self._pieces(job, stream, lambda: stream.output)
 
     def _pieces(self, job: Job, stream, result) -> Event:
         """Run a decode's pieces into the job's events; result() -> its GenerationOutput at the end."""
