@@ -21,26 +21,37 @@ def _draft_threads(st: dict) -> str:
 
 
 def render_markdown(report: dict) -> str:
+    """report.md: the settings, the rows, then a section per part of the report."""
+    lines = [*_header_lines(report), *_row_lines(report), *_suffix_lines(report), *_time_lines(report),
+             *_curve_lines(report), *_choice_lines(report), *_step_lines(report), *_peer_lines(report),
+             *_memory_lines(report), ""]
+    return "\n".join(lines)
+
+
+def _header_lines(report: dict) -> list[str]:
     st = report["settings"]
     threads = "; ".join(f"{tp} target: {label}" for tp, label in st["target_threads"].items())
     decoding = "greedy" if st.get("greedy", True) else \
         f"sampled at temperature {st['temperature']} (each cell's runs share a seed)"
-    lines = [f"# specexport bench: {report['output_dir']}", "",
-             f"`{report['command']}`: {st['prompts']} prompts x {st['rounds']} rounds, {st['max_new_tokens']} new "
-             f"tokens, {decoding}, every configuration interleaved per prompt after an untimed warm-up.", "",
-             "tok/s, TPOT and speedup are on decode time (first token to last delivered token; prefill is in "
-             "TTFT) and count delivered tokens only. Speedup: tok/s over vanilla's on the same target session, "
-             f"with a 95% paired-bootstrap interval over (prompt, round) cells ({st['bootstrap_resamples']} "
-             "resamples). Ideal: the speedup if only the forwards cost time, from the forwards the rounds "
-             "actually made and the mean in-run cost of each size; efficiency = speedup / ideal. vs fp32: a "
-             "quantized target's row over the fp32 target's vanilla tok/s, interval alike. \"accuracy only\": a "
-             "GPU precision (fp16, fp8, int8_sq) run on ONNX Runtime CPU, where its Q/DQ is emulated: its "
-             "acceptance and tokens per pass are what the GPU engine gets, its time is not.", "",
-             f"Threads: {threads} (the fastest for vanilla of those tried; speculative rows use the same "
-             f"session); draft: {_draft_threads(st)}.", "",
-             *([f"Kernels: {'; '.join(f'{tp} target: {k}' for tp, k in st['kernels'].items())}.", ""]
-               if st.get("kernels") else []),
-             "| target | draft | method | γ | tok/s | TTFT ms | TPOT p50 | TPOT p90 | acceptance | tokens/pass "
+    return [f"# specexport bench: {report['output_dir']}", "",
+            f"`{report['command']}`: {st['prompts']} prompts x {st['rounds']} rounds, {st['max_new_tokens']} new "
+            f"tokens, {decoding}, every configuration interleaved per prompt after an untimed warm-up.", "",
+            "tok/s, TPOT and speedup are on decode time (first token to last delivered token; prefill is in "
+            "TTFT) and count delivered tokens only. Speedup: tok/s over vanilla's on the same target session, "
+            f"with a 95% paired-bootstrap interval over (prompt, round) cells ({st['bootstrap_resamples']} "
+            "resamples). Ideal: the speedup if only the forwards cost time, from the forwards the rounds "
+            "actually made and the mean in-run cost of each size; efficiency = speedup / ideal. vs fp32: a "
+            "quantized target's row over the fp32 target's vanilla tok/s, interval alike. \"accuracy only\": a "
+            "GPU precision (fp16, fp8, int8_sq) run on ONNX Runtime CPU, where its Q/DQ is emulated: its "
+            "acceptance and tokens per pass are what the GPU engine gets, its time is not.", "",
+            f"Threads: {threads} (the fastest for vanilla of those tried; speculative rows use the same "
+            f"session); draft: {_draft_threads(st)}.", "",
+            *([f"Kernels: {'; '.join(f'{tp} target: {k}' for tp, k in st['kernels'].items())}.", ""]
+              if st.get("kernels") else [])]
+
+
+def _row_lines(report: dict) -> list[str]:
+    lines = ["| target | draft | method | γ | tok/s | TTFT ms | TPOT p50 | TPOT p90 | acceptance | tokens/pass "
              "| speedup [95% CI] | ideal | efficiency | vs fp32 vanilla [95% CI] |", "|" + "---|" * 14]
     for r in report["rows"]:
         g = (f"≤{r['gamma']}, stop {r['draft_stop']:g}" if r["draft_stop"] else
@@ -53,25 +64,34 @@ def render_markdown(report: dict) -> str:
                      f"{'accuracy only' if r.get('accuracy_only') else _speedup(r)} | "
                      f"{_f(r['ideal_speedup'], '.2f', 'x')} | {_f(r['efficiency'], '.2f')} | "
                      f"{_speedup(r, 'speedup_vs_fp32_vanilla', 'speedup_vs_fp32_ci95')} |")
+    return lines
+
+
+def _suffix_lines(report: dict) -> list[str]:
     suffix = [r for r in report["rows"] if r["method"] == "suffix" and r.get("suffix_hit_rate") is not None]
-    if suffix:
-        lines += ["", "## Suffix decoding", "",
-                  "Hit rate: rounds whose lookup found a match and proposed; from the cache: of those, the share "
-                  "whose tree came from earlier requests (only with --workload, which replays the requests in "
-                  "order through one cache per round); proposal: the mean time of a lookup and its tree.", "",
-                  "| target | hit rate | from the cache | proposal µs | proposal / target step |", "|" + "---|" * 5]
-        for r in suffix:
-            step = report.get("step_costs_ms", {}).get(f"{r['precision']}/-", {}).get("target", {}).get("1")
-            ratio = r["suffix_propose_us"] / 1e3 / step if step and r["suffix_propose_us"] else None
-            lines.append(f"| {r['precision']} | {_f(r['suffix_hit_rate'], '.2f')} | "
-                         f"{_f(r['suffix_from_shared'], '.2f')} | {_f(r['suffix_propose_us'], '.0f')} | "
-                         f"{_f(ratio, '.3f')} |")
-    lines += ["", "## Where the time goes", "",
-              "Draft: the draft's (or heads') cost of one call in target decode steps. Verify: a target pass's "
-              "mean cost in decode steps over the passes the row made. The ideal with a free draft and with "
-              "free verification (every pass at one step's cost); the smaller one names what caps the row.", "",
-              "| target | draft | method | γ | draft / step | verify pass / step | ideal | ideal, free draft "
-              "| ideal, free verify | capped by |", "|" + "---|" * 10]
+    if not suffix:
+        return []
+    lines = ["", "## Suffix decoding", "",
+             "Hit rate: rounds whose lookup found a match and proposed; from the cache: of those, the share "
+             "whose tree came from earlier requests (only with --workload, which replays the requests in "
+             "order through one cache per round); proposal: the mean time of a lookup and its tree.", "",
+             "| target | hit rate | from the cache | proposal µs | proposal / target step |", "|" + "---|" * 5]
+    for r in suffix:
+        step = report.get("step_costs_ms", {}).get(f"{r['precision']}/-", {}).get("target", {}).get("1")
+        ratio = r["suffix_propose_us"] / 1e3 / step if step and r["suffix_propose_us"] else None
+        lines.append(f"| {r['precision']} | {_f(r['suffix_hit_rate'], '.2f')} | "
+                     f"{_f(r['suffix_from_shared'], '.2f')} | {_f(r['suffix_propose_us'], '.0f')} | "
+                     f"{_f(ratio, '.3f')} |")
+    return lines
+
+
+def _time_lines(report: dict) -> list[str]:
+    lines = ["", "## Where the time goes", "",
+             "Draft: the draft's (or heads') cost of one call in target decode steps. Verify: a target pass's "
+             "mean cost in decode steps over the passes the row made. The ideal with a free draft and with "
+             "free verification (every pass at one step's cost); the smaller one names what caps the row.", "",
+             "| target | draft | method | γ | draft / step | verify pass / step | ideal | ideal, free draft "
+             "| ideal, free verify | capped by |", "|" + "---|" * 10]
     for r in report["rows"]:
         if r["method"] == "vanilla" or r.get("ideal_free_draft") is None:
             continue
@@ -80,8 +100,12 @@ def render_markdown(report: dict) -> str:
                      f"{_f(r['draft_step_ratio'], '.2f')} | {_f(r['verify_step_ratio'], '.2f')} | "
                      f"{_f(r['ideal_speedup'], '.2f', 'x')} | {_f(r['ideal_free_draft'], '.2f', 'x')} | "
                      f"{_f(r['ideal_free_verify'], '.2f', 'x')} | {r['capped_by'] or '-'} |")
-    lines += _curve_lines(report)
-    lines += ["", "## γ chosen for `--gamma auto`", ""]
+    return lines
+
+
+def _choice_lines(report: dict) -> list[str]:
+    """What --gamma auto and --method auto chose, and what quantization cost in acceptance."""
+    lines = ["", "## γ chosen for `--gamma auto`", ""]
     for key, c in report["gamma_auto"].items():
         verdict = "vanilla (speculation predicted to lose)" if c["gamma"] == 0 else f"γ = {c['gamma']}"
         lines.append(f"- target/draft {key}: {verdict}, predicted speedup {c['predicted_speedup']:.2f}x "
@@ -99,21 +123,27 @@ def render_markdown(report: dict) -> str:
             lines.append(f"- target {d['target']}, draft {d['draft']}, γ {d['gamma']}: {d['acceptance']:.3f} "
                          f"(fp32 {d['fp32_acceptance']:.3f}, drop {d['drop']:+.3f}; "
                          f"{_f(d.get('tokens_per_pass'), '.2f')} tokens per pass)")
-    lines += ["", "## Step costs (ms per forward; in-run: mean of the decode-time forwards of the runs, "
-              "used for the ideal and the γ choice; isolated: median of one forward at a 64-token context, "
-              "used to predict γ beyond the sizes the runs made)", ""]
+    return lines
+
+
+def _step_lines(report: dict) -> list[str]:
+    lines = ["", "## Step costs (ms per forward; in-run: mean of the decode-time forwards of the runs, "
+             "used for the ideal and the γ choice; isolated: median of one forward at a 64-token context, "
+             "used to predict γ beyond the sizes the runs made)", ""]
     for title, table in (("in-run", report["step_costs_ms"]), ("isolated", report["step_costs_isolated_ms"])):
         for key, roles in table.items():
             parts = [f"{role} T={t}: {c:.3f}" for role, costs in roles.items() for t, c in costs.items()]
             lines.append(f"- {key} ({title}): " + ", ".join(parts))
-    lines += _peer_lines(report)
+    return lines
+
+
+def _memory_lines(report: dict) -> list[str]:
     mem = report["memory"]
-    lines += ["", "## Memory", "", f"- bench process peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB "
-              f"({mem['peak_rss_note']})"]
+    lines = ["", "## Memory", "", f"- bench process peak RSS {mem['peak_rss_bytes'] / 2**20:.0f} MiB "
+             f"({mem['peak_rss_note']})"]
     for name, rss in mem["peers_peak_rss_bytes"].items():
         lines.append(f"- {name} (own process): peak RSS {_f(rss and rss / 2**20, '.0f')} MiB")
-    lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def _curve_lines(report: dict) -> list[str]:
