@@ -52,9 +52,7 @@ COMPLETION_RESPONSES = {200: {"description": "The completion (JSON), or with `st
 def create_app(pipe, *, method: str = "auto", name: str | None = None, api_key: str | None = None,
                limits: Limits | None = None, host: str = "127.0.0.1"):
     """host: where the server listens (a keyless one on loopback answers loopback Host names only: guard.py)."""
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-    from starlette.exceptions import HTTPException
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
     limits = limits or Limits()
     metrics = Metrics()
@@ -75,6 +73,59 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None, api_key: 
     app.state.worker, app.state.model_name, app.state.metrics, app.state.limits = worker, name, metrics, limits
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, metrics=metrics,
                        loopback=is_loopback(host))
+
+    _add_error_handlers(app)
+
+    @app.get("/health", responses={503: {"description": "Shutting down"}})
+    async def health():
+        body = {"status": "draining" if worker.draining else "ok", "model": name, "pending": worker.pending}
+        return JSONResponse(body, status_code=503 if worker.draining else 200)
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=AUTH_ERRORS)
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", responses=AUTH_ERRORS)
+    async def models():
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(pipe.dir.stat().st_mtime), "owned_by": "specexport",
+            "specexport": {"methods": ["auto", *pipe.methods], "default_method": worker.default_method,
+                           "precision": pipe.precision, "max_seq_len": pipe.capacity}}]}
+
+    @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
+    async def completions(body: CompletionRequest, request: Request):
+        arrived = time.monotonic()
+        _check_model(body.model, name)
+        # tokenizing a body of up to --max-body-bytes is CPU work: off the event loop, which serves everyone
+        ids = await run_in_threadpool(_prompt_ids, pipe, body.prompt, param="prompt")
+        return await _respond(app, body, request, ids, max_new=body.max_tokens, chat=False, arrived=arrived)
+
+    @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
+    async def chat_completions(body: ChatRequest, request: Request):
+        arrived = time.monotonic()
+        _check_model(body.model, name)
+        if chat_template is None:
+            raise RequestError(f"messages: the model {name!r} has no chat template (its tokenizer defines none); "
+                               f"use /v1/completions", param="messages")
+
+        def chat_ids() -> list[int]:
+            text = chat_template.render(body.rendered_messages())
+            return pipe.tokenizer.encode(text, add_special_tokens=False).ids
+
+        ids = await run_in_threadpool(chat_ids)
+        _check_length(pipe, ids, param="messages")
+        max_new = body.max_completion_tokens or body.max_tokens or pipe.capacity - len(ids)
+        return await _respond(app, body, request, ids, max_new=max_new, chat=True, arrived=arrived)
+
+    return app
+
+
+def _add_error_handlers(app) -> None:
+    """Every error in OpenAI's shape: a body that fails validation (naming its field), a request refused, an
+    unknown path or method, and a bug (its details logged, never sent)."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, err):
@@ -111,83 +162,45 @@ def create_app(pipe, *, method: str = "auto", name: str | None = None, api_key: 
         log.error("internal error %s on %s %s", ref, request.method, request.url.path, exc_info=err)
         return JSONResponse(error_body(f"internal error (logged as {ref})", kind="server_error"), status_code=500)
 
-    @app.get("/health", responses={503: {"description": "Shutting down"}})
-    async def health():
-        body = {"status": "draining" if worker.draining else "ok", "model": name, "pending": worker.pending}
-        return JSONResponse(body, status_code=503 if worker.draining else 200)
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses=AUTH_ERRORS)
-    async def prometheus_metrics():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+async def _respond(app, body, request, ids: list[int], *, max_new: int, chat: bool, arrived: float):
+    """Submit a completion to the worker; its answer whole, or streamed (server-sent events)."""
+    from fastapi.responses import Response, StreamingResponse
 
-    @app.get("/v1/models", responses=AUTH_ERRORS)
-    async def models():
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": int(pipe.dir.stat().st_mtime), "owned_by": "specexport",
-            "specexport": {"methods": ["auto", *pipe.methods], "default_method": worker.default_method,
-                           "precision": pipe.precision, "max_seq_len": pipe.capacity}}]}
-
-    @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
-    async def completions(body: CompletionRequest, request: Request):
-        arrived = time.monotonic()
-        _check_model(body.model, name)
-        # tokenizing a body of up to --max-body-bytes is CPU work: off the event loop, which serves everyone
-        ids = await run_in_threadpool(_prompt_ids, pipe, body.prompt, param="prompt")
-        return await _respond(body, request, ids, max_new=body.max_tokens, chat=False, arrived=arrived)
-
-    @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
-    async def chat_completions(body: ChatRequest, request: Request):
-        arrived = time.monotonic()
-        _check_model(body.model, name)
-        if chat_template is None:
-            raise RequestError(f"messages: the model {name!r} has no chat template (its tokenizer defines none); "
-                               f"use /v1/completions", param="messages")
-
-        def chat_ids() -> list[int]:
-            text = chat_template.render(body.rendered_messages())
-            return pipe.tokenizer.encode(text, add_special_tokens=False).ids
-
-        ids = await run_in_threadpool(chat_ids)
-        _check_length(pipe, ids, param="messages")
-        max_new = body.max_completion_tokens or body.max_tokens or pipe.capacity - len(ids)
-        return await _respond(body, request, ids, max_new=max_new, chat=True, arrived=arrived)
-
-    async def _respond(body, request, ids: list[int], *, max_new: int, chat: bool, arrived: float):
-        if body.method not in (None, "auto", "vanilla", *pipe.methods):
-            raise RequestError(f"method: {body.method!r} is not available; available: "
-                               f"{', '.join(('auto', 'vanilla', *pipe.methods))}", param="method")
-        job = worker.submit(ids, body.stream_kwargs(max_new), stream=body.stream, arrived=arrived)
-        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
-                "model": name}
+    worker, name, pipe = app.state.worker, app.state.model_name, app.state.worker.pipe
+    if body.method not in (None, "auto", "vanilla", *pipe.methods):
+        raise RequestError(f"method: {body.method!r} is not available; available: "
+                           f"{', '.join(('auto', 'vanilla', *pipe.methods))}", param="method")
+    job = worker.submit(ids, body.stream_kwargs(max_new), stream=body.stream, arrived=arrived)
+    meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+            "model": name}
+    try:
+        first = await _next_event(job, request)
+    except ClientGone:
+        return Response(status_code=499)        # nobody reads it; the model is already free
+    except BaseException:
+        job.cancel()
+        raise
+    if first.kind == "error":
+        job.cancel()
+        raise RequestError(first.text, status=first.status, code=first.code,
+                           kind="invalid_request_error" if first.status == 400 else "server_error")
+    if not body.stream:
+        event = first
         try:
-            first = await _next_event(job, request)
+            while event.kind == "text":
+                event = await _next_event(job, request)
         except ClientGone:
-            return Response(status_code=499)        # nobody reads it; the model is already free
-        except BaseException:
+            return Response(status_code=499)
+        finally:
             job.cancel()
-            raise
-        if first.kind == "error":
-            job.cancel()
-            raise RequestError(first.text, status=first.status, code=first.code,
-                               kind="invalid_request_error" if first.status == 400 else "server_error")
-        if not body.stream:
-            event = first
-            try:
-                while event.kind == "text":
-                    event = await _next_event(job, request)
-            except ClientGone:
-                return Response(status_code=499)
-            finally:
-                job.cancel()
-            if event.kind == "error":
-                raise RequestError(event.text, status=event.status, kind="server_error", code=event.code)
-            if event.kind != "done":                # cancelled: only when its client went away
-                return Response(status_code=499)
-            return _full_response(meta, event, len(ids), chat)
-        return StreamingResponse(_sse(job, first, meta, len(ids), chat, body.include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-    return app
+        if event.kind == "error":
+            raise RequestError(event.text, status=event.status, kind="server_error", code=event.code)
+        if event.kind != "done":                # cancelled: only when its client went away
+            return Response(status_code=499)
+        return _full_response(meta, event, len(ids), chat)
+    return StreamingResponse(_sse(job, first, meta, len(ids), chat, body.include_usage),
+                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 class ClientGone(Exception):
