@@ -69,3 +69,17 @@ def test_no_module_imports_another_modules_private_names():
                     if private and not module:
                         shared.append(f"{path.relative_to(ROOT)}: {alias.name} from {node.module}")
     assert not shared, "make these public where they are defined:\n" + "\n".join(shared)
+
+
+def test_the_architecture_map_names_every_package_long_module_and_kernel_unit():
+    """ARCHITECTURE.md stays current: every package (by its path, `runtime/backends/`), every module over 300
+    lines (by its path, or its file name where its package's line names it) and every C++ unit is named."""
+    text = (ROOT / "ARCHITECTURE.md").read_text()
+    package = ROOT / "specexport"
+    missing = [f"package {p.parent.relative_to(package).as_posix()}/" for p in sorted(package.rglob("__init__.py"))
+               if p.parent != package and f"{p.parent.relative_to(package).as_posix()}/" not in text]
+    missing += [f"module {p.relative_to(package).as_posix()}" for p in sorted(package.rglob("*.py"))
+                if p.read_text().count("\n") > 300 and p.relative_to(package).as_posix() not in text
+                and p.name not in text]
+    missing += [f"unit {p.name}" for p in sorted(package.rglob("*.cc")) if p.name not in text]
+    assert not missing, "ARCHITECTURE.md does not name: " + ", ".join(missing)
