@@ -22,7 +22,7 @@ KV_PREFIXES = ("past_key.", "past_value.", "present_key.", "present_value.")
 
 # The one place a name's string stands for something else: (file, function) -> why. Keep it short.
 NOT_TENSOR_NAMES = {
-    ("specexport/export/gqa.py", "_register_schema"):
+    ("specexport/export/gqa.py", "register_gqa_schema"):
         "ONNX Runtime's GroupQueryAttention schema: the op's own parameter names (past_key, position_ids, ...)",
 }
 
