@@ -193,7 +193,7 @@ def test_each_table_entry_makes_its_proposer_from_the_resources_it_is_given(pipe
     res = dataclasses.replace(pipe.resources(), draft=lambda p: asked.append(("draft", p)) or pipe.draft_of(p),
                               heads=lambda k: asked.append(("heads", k)) or pipe.heads_of(k),
                               suffix_cache=lambda: asked.append(("suffix",)) or pipe.suffix_cache)
-    options, note = resolve(MethodOptions(method, **knobs), pipe)
+    options, note = resolve(MethodOptions(method, **knobs), pipe.view())
     assert options.method == method and note == ""
     assert type(make_proposer(options, res)).__name__ == kind and asked == wants
 

@@ -301,9 +301,9 @@ def test_auto_without_a_measured_choice_serves_vanilla(built_llama):
 
     with specexport.load(built_llama) as pipe:
         pipe.manifest = {k: v for k, v in pipe.manifest.items() if k != "method_auto"}
-        note = default_note(pipe, "auto")
+        note = default_note(pipe.view(), "auto")
         assert "decoding vanilla" in note and "specexport bench" in note, note
         out = pipe.generate(prompt_ids=[1, 5], max_new_tokens=4, method="auto")   # the request: the same rule
         assert out.method == "vanilla" and out.note in note
         with pytest.raises(SpecexportError, match="method: 'medusa' was not built"):
-            default_note(pipe, "medusa")
+            default_note(pipe.view(), "medusa")

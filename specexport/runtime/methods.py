@@ -16,6 +16,8 @@ resolved options into the round's proposer. The bench and the server name method
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
 
 from specexport.errors import SpecexportError
 from specexport.gamma import lookup as lookup_gamma
@@ -64,10 +66,22 @@ class MethodOptions:
     draft_precision: str | None = None  # the draft's graphs (None: the pipeline's)
 
 
-def resolve(options: MethodOptions, build) -> tuple[MethodOptions, str]:
+@dataclass(frozen=True)
+class BuildView:
+    """What resolve() reads of a build: its manifest and folder, the precisions a request runs on, the verify
+    width, the methods built, and this CPU's measured pass curve (Pipeline.view() makes one a request)."""
+    manifest: dict
+    dir: Path
+    precision: str
+    draft_precision: str | None
+    max_verify_tokens: int
+    methods: tuple[str, ...]
+    verify_costs: Callable[[], object] = lambda: None    # c(T)/c(1) measured here, or None (runtime/budget.py)
+
+
+def resolve(options: MethodOptions, build: BuildView) -> tuple[MethodOptions, str]:
     """(the options as they will run, a line saying what "auto" decided or ""). Once per request, before
-    any model is touched. `build`: the pipeline's manifest, dir, precision, draft_precision,
-    max_verify_tokens and methods (Pipeline has them). method="auto" takes the configuration `specexport
+    any model is touched. method="auto" takes the configuration `specexport
     bench` stored for these precisions and graphs (vanilla when every one lost, or when none was stored:
     the note says how to measure one); gamma="auto" (draft
     chains) the γ it stored, vanilla when it predicted speculation would lose; gamma=None what the build's
@@ -114,7 +128,7 @@ def resolve(options: MethodOptions, build) -> tuple[MethodOptions, str]:
             f"γ = {choice['gamma']} (predicted speedup {choice['predicted_speedup']:.2f}x)")
 
 
-def measured_defaults(build, method: str, tree=None) -> tuple[int, object]:
+def measured_defaults(build: BuildView, method: str, tree=None) -> tuple[int, object]:
     """(γ, tree) for a method asked for without a γ: the stored `--method auto` choice's when it chose this
     method (and no other tree was asked for), else for a draft chain the stored `--gamma auto` γ, else
     for lookup "auto" where the build's bench measured this CPU's pass curve (runtime/budget.py), else
@@ -133,7 +147,7 @@ def measured_defaults(build, method: str, tree=None) -> tuple[int, object]:
     return min(DEFAULT_GAMMA, top), tree
 
 
-def stored_choice(build) -> dict | None:
+def stored_choice(build: BuildView) -> dict | None:
     """The `--method auto` choice a bench stored for the build's precisions and graphs, if any."""
     dp = build.draft_precision if "draft" in build.manifest["models"] else "-"
     return lookup_gamma(build.manifest, build.precision, dp, section="method_auto")
@@ -165,7 +179,7 @@ def auto_summary(choice: dict, output_dir) -> str:
             f"measured {choice['speedup']:.2f}x)")
 
 
-def default_note(build, method: str) -> str:
+def default_note(build: BuildView, method: str) -> str:
     """The line a command or a server prints for the method its requests get by default (resolve()'s note, so
     "auto" is decided in one place); a method this build lacks fails here, before any request."""
     _, note = resolve(MethodOptions(method=method), build)

@@ -23,7 +23,7 @@ from specexport.runtime.backends import open_eagle, open_medusa, open_model, req
 from specexport.runtime.budget import relative_costs
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
-from specexport.runtime.methods import METHODS, MethodOptions, resolve, stored_choice
+from specexport.runtime.methods import METHODS, BuildView, MethodOptions, resolve, stored_choice
 from specexport.runtime.proposer_table import Resources, make_proposer
 from specexport.runtime.request import GenerationOutput, Request, TextStream
 from specexport.runtime.sampling import Coins, SamplingParams
@@ -104,7 +104,7 @@ class Pipeline:
         bench stored with its method choice for these graphs (spinning too, unless `spin` was given)."""
         if threads != MEASURED:
             return threads, options, "threads: as given"
-        measured = (stored_choice(self) or {}).get("threads")
+        measured = (stored_choice(self.view()) or {}).get("threads")
         if measured is None:
             return None, options, "threads: ONNX Runtime's default (all cores; no bench stored a measured setting)"
         spin = options.get("spin", measured["spin"])
@@ -118,6 +118,12 @@ class Pipeline:
         from specexport.plugins import cpu
 
         return cpu.describe(self.manifest["models"]["target"]["precisions"][self.precision])
+
+    def view(self) -> BuildView:
+        """What a request's method is resolved from (methods.resolve): this build, now (its draft precision may
+        change between requests: use_draft_precision)."""
+        return BuildView(self.manifest, self.dir, self.precision, self.draft_precision, self.max_verify_tokens,
+                         self.methods, self.verify_costs)
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -259,7 +265,7 @@ class Pipeline:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SpecexportError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
         options, note = resolve(MethodOptions(method, gamma, tree, draft_stop, lookup_branches, sampled_children,
-                                              suffix_scope, suffix_share), self)
+                                              suffix_scope, suffix_share), self.view())
         return Request(ids, params, max_new_tokens, seed, tuple(stop), options, note)
 
     def stream(self, prompt: str | None = None, **options) -> TextStream:

@@ -34,7 +34,7 @@ class TritonPythonModel:
         self.pipe = specexport.load(build, precision=params.get("precision") or None,
                                     draft_precision=params.get("draft_precision") or None, threads=threads)
         self.method = params.get("method") or "auto"
-        note = default_note(self.pipe, self.method)
+        note = default_note(self.pipe.view(), self.method)
         pb_utils.Logger.log_info(f"specexport: {build} ({note})")
 
     def execute(self, requests):

@@ -102,7 +102,7 @@ class ModelWorker:
     def __init__(self, pipe, *, method: str = "auto", max_queue: int = 64, request_timeout_s: float | None = None,
                  metrics=None, max_batch: int | str = AUTO):
         self.pipe = pipe
-        self.default_method, self.method_note = method, default_note(pipe, method)   # each request resolves it
+        self.default_method, self.method_note = method, default_note(pipe.view(), method)   # each request resolves it
         self.max_queue, self.request_timeout_s, self.metrics = max_queue, request_timeout_s, metrics
         self.max_batch, self.batch_note = batch_width(pipe, max_batch)   # requests decoding together
         self.batch = pipe.batch(self.max_batch) if self.max_batch > 1 else None
