@@ -70,9 +70,9 @@ class Pipeline:
         self.precision, self.backend_kind = precision, backend
         require_kind(backend)               # at once, before reading the build: what is missing, in one line
         self.draft_precision = precision if draft_precision is None else draft_precision
-        threads, options, self.thread_note = self._measured_threads(threads, options)
         self.capacity = self.manifest["max_seq_len"]
         self.max_verify_tokens = self.manifest["max_verify_tokens"]
+        threads, options, self.thread_note = self._measured_threads(threads, options)
         self.eos_ids = set(self.manifest["special_tokens"]["eos_token_ids"] or [])
         # The draft on the target's threads, and pools that stop spinning when a run ends: a pool spinning
         # on takes the cores from the other model's run (Qwen2.5-Coder 1.5B + 0.5B draft, 2 cores: draft γ 2-3
