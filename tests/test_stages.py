@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 from specexport.build.plan import plan_build
 from specexport.cli import main
@@ -55,3 +56,42 @@ def test_only_needs_the_other_stages_built(built_draft_only, tmp_path, capsys):
     path = _yaml(tmp_path, built_draft_only, precisions=["fp32", "int8"])
     assert main(["build", str(path), "--no-bench", "--only", "target/int8"]) == 1
     assert "target/fp32 is not in the current build" in capsys.readouterr().err
+
+
+def test_a_stage_is_fingerprinted_on_its_own_module_and_the_makers_it_imports():
+    """A stage's output is reused while its fingerprint holds; the fingerprint hashes hand-kept source lists
+    (build/plan.py). Each stage module, and every module of the makers (export/, quant/, heads/, plugins/,
+    trt/, build/stages/, io_spec) it imports, must be in the lists its fingerprint takes: else an edit there
+    would leave an old output in place (build/stages/gguf.py and plugins/cpu/ once were)."""
+    import ast
+    import fnmatch
+
+    from specexport.build import plan
+
+    package = Path(plan.__file__).resolve().parent.parent
+    model = (*plan.GRAPH_SOURCES, *plan.ENGINE_SOURCES)         # every model stage's fingerprint holds these
+    lists = {"export": model, "engines": model, "gguf": (*model, *plan.QUANTIZER_SOURCES),
+             "blocks": (*model, *plan.QUANTIZER_SOURCES), "quantize": (*model, *plan.QUANTIZER_SOURCES),
+             "medusa": (*model, *plan.HEADS_SOURCES), "eagle": (*model, *plan.EAGLE_SOURCES),
+             "head_blocks": (*model, *plan.HEADS_SOURCES, *plan.EAGLE_SOURCES)}
+    makers = ("export/", "quant/", "heads/", "plugins/", "trt/", "build/stages/", "io_spec.py")
+
+    def file_of(module: str) -> str | None:
+        path = package.parent / Path(*module.split("."))
+        for f in (path.with_suffix(".py"), path / "__init__.py"):
+            if f.is_file():
+                return f.relative_to(package).as_posix()
+        return None
+
+    missing = []
+    for stage, patterns in lists.items():
+        own = f"build/stages/{stage}.py"
+        used = {own}
+        for node in ast.walk(ast.parse((package / own).read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specexport."):
+                for alias in node.names:
+                    found = file_of(f"{node.module}.{alias.name}") or file_of(node.module)
+                    if found and found.startswith(makers):
+                        used.add(found)
+        missing += [f"{stage}: {f}" for f in sorted(used) if not any(fnmatch.fnmatch(f, p) for p in patterns)]
+    assert not missing, "add these to the stage's *_SOURCES in build/plan.py:\n" + "\n".join(missing)
