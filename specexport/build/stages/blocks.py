@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from specexport import owned
 from specexport.build.context import files_entry
 from specexport.build.stage import ModelStage
-from specexport.build.stages.gguf import choose_kernels, kernels_entry, choose_layout, lean_graph, note_layout, parity_check, exact_twin
+from specexport.build.stages.gguf_shared import (choose_kernels, choose_layout, exact_twin, kernels_entry, lean_graph,
+                                                note_layout, parity_check)
 from specexport.build.stages.quantize import gate_quality, measure_apart
 from specexport.errors import ParityError, SpecexportError
 from specexport.manifest import describe_files
