@@ -17,7 +17,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
-from test_gguf_exact import _own_cache, quantized_gguf  # noqa: F401, E402  (fixtures; after the skips)
+from test_gguf_exact import _own_cache, lean_builds, quantized_gguf  # noqa: F401, E402  (fixtures; after the skips)
 
 PROMPT = [1, 40, 41, 42]
 ELF_MACHINE = {b"\x3e\x00": "x86_64", b"\xb7\x00": "aarch64"}      # e_machine, little-endian, at offset 18
@@ -26,20 +26,7 @@ CROSS, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
 
 @pytest.fixture(scope="module")
 def engine(quantized_gguf, tmp_path_factory, write_yaml, run_build):  # noqa: F811
-    from machine import kernels_missing
-
-    from specexport.plugins import cpu
-
-    if not cpu.status().available:
-        kernels_missing(cpu.status().line())
-    base = tmp_path_factory.mktemp("carried")
-    with pytest.MonkeyPatch.context() as mp:        # conversions to test_gguf_exact's cache, not the user's
-        mp.setenv("SPECEXPORT_CACHE", str(tmp_path_factory.getbasetemp() / "gguf-exact-cache"))
-        yaml = write_yaml(base / "m.yaml", name="carried", target={"path": quantized_gguf}, max_seq_len=96,
-                          precisions=["gguf"], output=base / "engine",
-                          quality_gates={"gguf": {"min_top1": 0.0, "max_kl": 100.0}})
-        assert run_build(yaml, "--no-bench") == 0
-    return base / "engine"
+    return lean_builds(quantized_gguf, tmp_path_factory, write_yaml, run_build, "carried", {"engine": {}}) / "engine"
 
 
 def bare_env(tmp: Path) -> dict:

@@ -52,6 +52,27 @@ def quantized_gguf(tmp_path_factory):
     return write_mixed_gguf(tmp_path_factory.mktemp("gguf-exact") / "tiny-mixed.gguf")
 
 
+def lean_builds(gguf_path, tmp_path_factory, write_yaml, run_build, folder: str, builds: dict):
+    """Lean `gguf` builds of the file on our kernels (skipped, or failed when they are required, where they do
+    not load), each {name: extra model.yaml fields} into <fresh folder>/<name>, converted through this
+    module's cache; returns the folder."""
+    from machine import kernels_missing
+
+    from specexport.plugins import cpu
+
+    if not cpu.status().available:
+        kernels_missing(cpu.status().line())
+    base = tmp_path_factory.mktemp(folder)
+    with pytest.MonkeyPatch.context() as mp:        # conversions to this module's cache, not the user's
+        mp.setenv("SPECEXPORT_CACHE", str(tmp_path_factory.getbasetemp() / "gguf-exact-cache"))
+        for name, extra in builds.items():
+            yaml = write_yaml(base / f"{name}.yaml", name=name, target={"path": gguf_path}, max_seq_len=96,
+                              precisions=["gguf"], output=base / name,
+                              quality_gates={"gguf": {"min_top1": 0.0, "max_kl": 100.0}}, **extra)
+            assert run_build(yaml, "--no-bench") == 0
+    return base
+
+
 def write_mixed_gguf(path):
     """A tiny Llama (hidden 256: K-quant rows) as a GGUF file at `path` with the TYPES above."""
     import test_gguf as tg

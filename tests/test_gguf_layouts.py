@@ -11,30 +11,15 @@ import pytest
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("accelerate")
 
-from test_gguf_exact import _own_cache, quantized_gguf  # noqa: F401, E402  (fixtures; after the skips)
+from test_gguf_exact import _own_cache, lean_builds, quantized_gguf  # noqa: F401, E402  (fixtures; after the skips)
 
 
 @pytest.fixture(scope="module")
 def two_layouts(quantized_gguf, tmp_path_factory, write_yaml, run_build):  # noqa: F811
-    from machine import kernels_missing
-
-    from specexport.plugins import cpu
-
-    if not cpu.status().available:
-        kernels_missing(cpu.status().line())
-    base = tmp_path_factory.mktemp("layouts")
-    with pytest.MonkeyPatch.context() as mp:        # conversions to test_gguf_exact's cache, not the user's
-        mp.setenv("SPECEXPORT_CACHE", str(tmp_path_factory.getbasetemp() / "gguf-exact-cache"))
-        for layout in ("file", "r8"):
-            _build(base, layout, quantized_gguf, write_yaml, run_build)
+    base = lean_builds(quantized_gguf, tmp_path_factory, write_yaml, run_build, "layouts",
+                       {layout: {"draft": {"path": quantized_gguf}, "quantization": {"gguf": {"layout": layout}}}
+                        for layout in ("file", "r8")})
     return {layout: base / layout for layout in ("file", "r8")}
-
-
-def _build(base, layout, gguf_path, write_yaml, run_build) -> None:
-    yaml = write_yaml(base / f"{layout}.yaml", name=layout, target={"path": gguf_path}, draft={"path": gguf_path},
-                      max_seq_len=96, precisions=["gguf"], output=base / layout,
-                      quality_gates={"gguf": {"min_top1": 0.0, "max_kl": 100.0}}, quantization={"gguf": {"layout": layout}})
-    assert run_build(yaml, "--no-bench") == 0
 
 
 def _entry(build):
