@@ -57,6 +57,20 @@ class StageFolders:
         """A partial folder for `dest` (a folder directly in the output: the tokenizer copy)."""
         return owned.fresh(dest.parent, f".{dest.name}.partial-", by=BY)
 
+    def addressed(self, prefix: str, digest: str, write) -> Path:
+        """A folder in the output named by its content, `<prefix>-<digest[:8]>` (another name where a damaged
+        copy holds that one), filled by write(partial) in a partial folder and published whole."""
+        dest = self.out / f"{prefix}-{digest[:8]}"
+        if dest.exists():
+            dest = self.out / f"{prefix}-{digest[:8]}-{secrets.token_hex(2)}"
+        partial = self.folder(dest)
+        try:
+            write(partial)
+            self.publish(partial, dest)
+        finally:
+            owned.remove(partial)          # ours: marked when made (gone already once published)
+        return dest
+
     def publish(self, partial: Path, final: Path) -> None:
         """Seal a checked stage (its files recorded as the build's) and rename it into place, beside the
         current build's folders; nothing is replaced."""

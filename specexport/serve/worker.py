@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from specexport.errors import SpecexportError
 from specexport.runtime.batch import AUTO, batch_width
 from specexport.runtime.methods import default_note
+from specexport.runtime.request import TextStream
 from specexport.serve.protocol import RequestError
 
 log = logging.getLogger("specexport.serve")
@@ -211,16 +212,14 @@ class ModelWorker:
         options = dict(job.options)
         method = options.pop("method", None) or self.default_method
         if self.batch is not None:
-            result = {}
             request = self.batch.request(prompt_ids=job.prompt_ids, method=method, **options)
-            stream = self.batch.stream(request, done=lambda out: result.setdefault("output", out))
-            return self._pieces(job, stream, lambda: result["output"])
-        # without a batch the executor has one thread: one request at a time on the pipeline
-        stream = self.pipe.stream(prompt_ids=job.prompt_ids, method=method, **options)
-        return self._pieces(job, stream, lambda: stream.output)
+            stream = TextStream(lambda done: self.batch.stream(request, done=done))
+        else:                   # without a batch the executor has one thread: one request at a time on the pipeline
+            stream = self.pipe.stream(prompt_ids=job.prompt_ids, method=method, **options)
+        return self._pieces(job, stream)
 
-    def _pieces(self, job: Job, stream, result) -> Event:
-        """Run a decode's pieces into the job's events; result() -> its GenerationOutput at the end."""
+    def _pieces(self, job: Job, stream: TextStream) -> Event:
+        """Run a decode's pieces into the job's events; the stream's output at the end."""
         first = None
         try:
             for piece in stream:
@@ -234,7 +233,7 @@ class ModelWorker:
                     job.emit(Event("text", text=piece))
         finally:
             stream.close()
-        output = result()
+        output = stream.output
         if self.metrics is not None:
             self.metrics.finished(output=output, prompt_tokens=len(job.prompt_ids), arrived=job.arrived,
                                   first_token=first, ended=time.monotonic())

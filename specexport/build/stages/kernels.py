@@ -7,11 +7,9 @@ libraries keeps its folder."""
 from __future__ import annotations
 
 import hashlib
-import secrets
 import shutil
 from dataclasses import dataclass
 
-from specexport import owned
 from specexport.build.stage import Stage
 from specexport.errors import KernelsUnavailable
 from specexport.manifest import files_intact, sha256_file
@@ -52,19 +50,15 @@ class KernelsStage(Stage):
             old = ctx.previous.get("kernels") or {}
             if old.get("digest") == digest and files_intact(ctx.out, _listed(old)):
                 return {**old, "not_carried": missing}
-            dest = ctx.out / f"kernels-{digest[:8]}"
-            if dest.exists():                       # the same content, damaged: a name of its own
-                dest = ctx.out / f"kernels-{digest[:8]}-{secrets.token_hex(2)}"
-            partial = ctx.folders.folder(dest)
-            try:
-                records = {}
+            records = {}
+
+            def write(partial):
                 for arch, (lib, built) in libs.items():
                     (partial / arch).mkdir()
                     shutil.copy2(lib, partial / arch / cpu.carry.NAME)
                     records[arch] = cpu.carry.record(partial / arch / cpu.carry.NAME, arch, **built)
-                ctx.folders.publish(partial, dest)
-            finally:
-                owned.remove(partial)          # ours: marked when made
+
+            dest = ctx.folders.addressed("kernels", digest, write)
         for arch, why in missing.items():
             ctx.reporter.note(f"[dim]- kernels: no {arch} library carried ({why})[/]")
         files = {r["file"]: {"sha256": r["sha256"], "size": r["size"]} for r in records.values()}

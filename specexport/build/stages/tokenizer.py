@@ -4,11 +4,9 @@ previous copy is kept while its source files are unchanged and its files intact 
 the copy is content-addressed)."""
 from __future__ import annotations
 
-import secrets
 import shutil
 from dataclasses import dataclass
 
-from specexport import owned
 from specexport._optional import require
 from specexport.build.outdir import reusable_tokenizer, tokenizer_digest
 from specexport.build.stage import Stage
@@ -35,21 +33,16 @@ class TokenizerStage(Stage):
             reused = reusable_tokenizer(out, ctx.previous, digest)
             if reused is not None:
                 return reused
-            dest = out / f"tokenizer-{digest[:8]}"
-            if dest.exists():                       # the same content, damaged: a name of its own
-                dest = out / f"tokenizer-{digest[:8]}-{secrets.token_hex(2)}"
-            partial = ctx.folders.folder(dest)
-            try:
+
+            def write(partial):
                 for f in plan.tokenizer_files:
                     shutil.copy2(f, partial / f.name)
                 if not (partial / "tokenizer.json").is_file():
                     # The runtime reads tokenizer.json with the `tokenizers` library; slow tokenizers are converted.
-
                     require("transformers").AutoTokenizer.from_pretrained(plan.target.config.path).save_pretrained(
                         partial)
-                ctx.folders.publish(partial, dest)
-            finally:
-                owned.remove(partial)          # ours: marked when made
+
+            dest = ctx.folders.addressed("tokenizer", digest, write)
         files = {f.name: {"sha256": sha256_file(f), "size": f.stat().st_size} for f in sorted(dest.iterdir())}
         return {"dir": dest.name, "source_sha256": digest, "files": files}
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from specexport.errors import KernelsUnavailable
 from specexport.plugins.cpu import carry, headers, tiers
-from specexport.plugins.cpu.capi import BLOCK, LAYOUTS, PATHS, TYPES, Kernels  # noqa: F401
+from specexport.plugins.cpu.capi import BLOCK, LAYOUTS, PATHS, TYPES, VERSION, Kernels  # noqa: F401
 from specexport.plugins.cpu.toolchain import (HERE, KERNEL_SOURCES, OPTIONAL, ORT_SOURCE, UNIT_PATHS, build,  # noqa: F401
                                               cache_key, compiled, compiler, flags, kernels_dir, left_out,
                                               ort_include, sources)
@@ -139,8 +139,8 @@ def _carried() -> tuple[Path | None, str]:
         version = Kernels(path).c.sx_version()
     except KernelsUnavailable as err:       # another glibc, a damaged file: compiled here instead
         return None, str(err)
-    if version != carry.VERSION:
-        return None, f"{path}: kernel version {version}, this specexport's is {carry.VERSION}; not used"
+    if version != VERSION:
+        return None, f"{path}: kernel version {version}, this specexport's is {VERSION}; not used"
     return path, ""
 
 

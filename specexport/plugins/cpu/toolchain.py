@@ -12,6 +12,7 @@ carry): its cross compiler (CROSS). CXX names the compiler (arguments allowed: "
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -202,10 +203,8 @@ def _note_compiler(lib: Path, cxx: list[str]) -> None:
     """The compiler's version line beside the library (an engine's manifest names it; the key holds it)."""
     note = lib.parent / f"{lib.name}.compiler.txt"
     if not note.is_file():
-        try:
+        with contextlib.suppress(OSError):      # a read-only cache: the manifest says "?"
             note.write_text((_compiler_id(cxx).strip().splitlines() or ["?"])[0])
-        except OSError:                     # a read-only cache: the manifest says "?"
-            pass
 
 
 def left_out(lib: Path) -> dict:
