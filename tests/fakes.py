@@ -22,6 +22,7 @@ import numpy as np
 from scipy import stats as sps
 
 from specexport.runtime.backends.base import Backend, StepOutput
+from specexport.runtime.backends.eagle import HeadStep
 from specexport.runtime.sampling import SamplingParams, warp
 
 BOS = 0
@@ -50,27 +51,25 @@ class TabularBackend(Backend):
         self.history = np.full(capacity, -1, dtype=np.int64)        # [capacity] token per KV row
         self._out = np.empty((max_tokens, V), dtype=np.float32)     # [max_tokens, V] reused
         self._hidden = np.empty((max_tokens, 2), dtype=np.float32)  # [max_tokens, 2] "hidden": (prev2, token)
-        self._chain_parents = np.arange(-1, max_tokens, dtype=np.int64)   # [max_tokens + 1]
         self.forward_calls = 0
         self.forward_tokens = 0
 
     def _forward(self, tokens, depths, tree_mask, last_only) -> StepOutput:
         T, L = len(tokens), self.length
-        if tree_mask is None:                                        # causal chain: fast path
-            parents = self._chain_parents[:T]
-            expected_depths = self._chain_parents[1:T + 1]
-        else:
-            mask = np.asarray(tree_mask, dtype=bool)
-            parents = _check_tree_mask(mask)                         # [T] index among new tokens or -1
-            expected_depths = mask.sum(1) - 1
+        if T == 1 and tree_mask is None:                             # draft and vanilla steps: Python scalars
+            return self._forward_one(int(tokens[0]), depths, L)
+        # [T] each row's parent among the new tokens (clipped to 0), whether it has one, its depth
+        src, has, expected_depths = _chain_rows(T) if tree_mask is None else \
+            _check_tree_mask(np.asarray(tree_mask, dtype=bool))
         if depths is not None:
             assert np.array_equal(np.asarray(depths), expected_depths), \
                 f"depths {np.asarray(depths).tolist()} != {expected_depths.tolist()}"
-        if not 0 <= int(tokens.min()) <= int(tokens.max()) < self.vocab_size:
-            raise AssertionError(f"token ids out of range: {tokens.tolist()}")
+        ids = tokens.tolist()
+        if not 0 <= min(ids) <= max(ids) < self.vocab_size:
+            raise AssertionError(f"token ids out of range: {ids}")
         self.history[L:L + T] = tokens
         before = self.history[L - 1] if L > 0 else BOS             # last committed token
-        prev2 = np.where(parents >= 0, tokens[np.maximum(parents, 0)], before)   # [T]
+        prev2 = np.where(has, tokens[src], before)                  # [T]
         logits = self._out[:T]
         logits[:] = self.table[prev2, tokens]                        # [T, V]
         self.forward_calls += 1
@@ -78,6 +77,21 @@ class TabularBackend(Backend):
         hidden = self._hidden[:T]                                    # [T, 2] what the logits depend on
         hidden[:, 0], hidden[:, 1] = prev2, tokens
         return StepOutput(logits=logits[-1:] if last_only else logits, hidden=hidden)
+
+    def _forward_one(self, token: int, depths, L: int) -> StepOutput:
+        if depths is not None:
+            assert len(depths) == 1 and depths[0] == 0, f"depths {np.asarray(depths).tolist()} != [0]"
+        if not 0 <= token < self.vocab_size:
+            raise AssertionError(f"token ids out of range: [{token}]")
+        self.history[L] = token
+        prev2 = int(self.history[L - 1]) if L > 0 else BOS
+        logits = self._out[:1]
+        logits[0] = self.table[prev2, token]
+        self.forward_calls += 1
+        self.forward_tokens += 1
+        hidden = self._hidden[:1]
+        hidden[0, 0], hidden[0, 1] = prev2, token
+        return StepOutput(logits=logits, hidden=hidden)
 
     def _move_rows(self, keep: np.ndarray) -> None:
         L = self.length
@@ -89,14 +103,28 @@ class TabularBackend(Backend):
 
 
 _CHECKED_MASKS: dict = {}      # a tree's mask repeats round after round: each one checked once
+_CHAINS: dict = {}
 
 
-def _check_tree_mask(mask: np.ndarray) -> np.ndarray:
-    """Parent (among the new tokens) of each row of an ancestor-or-self mask [T, T], -1 for none."""
+def _rows(parents: np.ndarray, depths: np.ndarray) -> tuple:
+    out = (np.maximum(parents, 0), parents >= 0, depths)
+    for a in out:
+        a.flags.writeable = False
+    return out
+
+
+def _chain_rows(T: int) -> tuple:
+    """(parent clipped to 0, has a parent, depth) of each row of a T-token chain."""
+    if T not in _CHAINS:
+        _CHAINS[T] = _rows(np.arange(-1, T - 1), np.arange(T))
+    return _CHAINS[T]
+
+
+def _check_tree_mask(mask: np.ndarray) -> tuple:
+    """_chain_rows for an ancestor-or-self mask [T, T], checked to be one."""
     key = (mask.shape, mask.tobytes())
     if key not in _CHECKED_MASKS:
-        _CHECKED_MASKS[key] = parents = _tree_mask_parents(mask)
-        parents.flags.writeable = False
+        _CHECKED_MASKS[key] = _rows(_tree_mask_parents(mask), mask.sum(1) - 1)
     return _CHECKED_MASKS[key]
 
 
@@ -286,6 +314,7 @@ class TabularEagleHead(Backend):
         logits = np.asarray(table, np.float32)[..., self.vocab_ids]                               # [V, V, Vd]
         self.logprobs_table = log_softmax(logits.astype(np.float64)).astype(np.float32)
         self.order = np.argsort(-self.logprobs_table, axis=-1, kind="stable")[..., :top_k]         # [V, V, K]
+        self.top_logprobs = np.take_along_axis(self.logprobs_table, self.order, -1)                # [V, V, K]
         self.top_k, self.hidden_size = top_k, 2
         self.rows = np.full(capacity, -1, np.int64)                                # [capacity] token per cache row
         self.calls = 0
@@ -295,8 +324,8 @@ class TabularEagleHead(Backend):
         assert 1 <= T <= self.max_tokens and P + T <= self.capacity
         assert (features is None) != (own is None)
         states = np.asarray(features if features is not None else own)
-        assert np.array_equal(np.asarray(positions), P + np.arange(T)) if past_mask is None else \
-            len(set(np.asarray(positions).tolist())) == 1
+        positions = np.asarray(positions).tolist()
+        assert positions == list(range(P, P + T)) if past_mask is None else len(set(positions)) == 1
         self.rows[P:P + T] = tokens
         self._pending = T
         # vectorized (the statistical tests call it ~10^5 times): the last row each row sees, -1 for none
@@ -314,10 +343,9 @@ class TabularEagleHead(Backend):
             raise AssertionError(f"row {P + i}: its input state says previous token {prevs[i]}, its cache "
                                  f"{self.rows[last[i]]}")
         toks = np.asarray(tokens, np.int64)
-        hidden = np.stack([prevs, toks], 1).astype(np.float32)                    # [T, 2]
+        hidden = np.empty((T, 2), np.float32)                                     # [T, 2]
+        hidden[:, 0], hidden[:, 1] = prevs, toks
         ids = self.order[prevs, toks]                                             # [T, K]
-        lps = np.take_along_axis(self.logprobs_table[prevs, toks], ids, -1)
+        lps = self.top_logprobs[prevs, toks]
         self.calls += 1
-        from specexport.runtime.backends.eagle import HeadStep
-
         return HeadStep(ids[-1:] if last_only else ids, lps[-1:] if last_only else lps, hidden)

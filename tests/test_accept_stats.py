@@ -508,6 +508,25 @@ def test_accept_tree_worked_example():
     assert v.tokens.tolist() == [5, 2] and v.path.tolist() == [0, 2]
 
 
+def test_trees_are_shared_read_only_and_built_once_per_shape():
+    """Proposers' trees repeat round after round: tree_of builds each shape once and the arrays of a shared
+    Tree cannot be written (a caller's array is copied, not frozen); the docstring's worked example holds."""
+    from specexport.runtime.tree import tree_of
+
+    parents = np.array([-1, 0, 0, 1])
+    tree = tree_of(parents)
+    assert tree is tree_of([-1, 0, 0, 1]) and tree is not tree_of([-1, 0, 1, 1])
+    assert parents.flags.writeable and tree.depths.tolist() == [0, 1, 1, 2] and tree.children == ((1, 2), (3,), (), ())
+    assert tree.mask.astype(int).tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
+    for a in (tree.parents, tree.depths, tree.mask):
+        with pytest.raises(ValueError, match="read-only"):
+            a[0] = 0
+    assert Tree(np.arange(-1, 3)).is_chain and not tree.is_chain
+    for bad in ([0, 0], [-1, 1], [-1, 0, 3]):
+        with pytest.raises(ValueError, match="parents"):
+            Tree(np.array(bad))
+
+
 # ------------------------------------------------------------------------------------------------
 # warp, sample, SamplingParams
 # ------------------------------------------------------------------------------------------------

@@ -25,6 +25,31 @@ def test_coins_are_keyed_by_position_and_seed():
     assert chi2 < 50, chi2                                              # 19 d.o.f.: p ~ 1e-4 at 50
 
 
+def _splitmix_coin(seed: int, stream: int, counter: int) -> float:
+    """Coins' definition written out once more, plainly: SplitMix64's mixer over a Weyl counter."""
+    m = 2**64 - 1
+
+    def mix(x):
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+        return x ^ (x >> 31)
+
+    key = mix(mix(seed % 2**64) ^ (stream * 0x2545F4914F6CDD1D % 2**64))
+    return (mix((key + (counter + 1) * 0x9E3779B97F4A7C15) & m) >> 11) / 2**53
+
+
+def test_coins_one_at_a_time_and_in_bulk_are_the_same_bits():
+    """Coins draws a round's few coins in Python ints and many in numpy uint64 (faster each way): both are
+    the definition, bit for bit, wrapping at 2^64 included."""
+    counters = [0, 1, 5, 17, 2**40 + 3, 2**63, 2**64 - 2, 2**64 - 1]
+    for seed, stream in ((0, Coins.DRAW), (2**63 - 1, Coins.TEST), (12345, 7)):
+        want = [_splitmix_coin(seed, stream, c) for c in counters]
+        coins = Coins(seed)
+        few = coins.at(counters, stream)                                 # <= 16: the Python path
+        many = coins.at(counters * 3, stream)[:len(counters)]           # > 16: the numpy path
+        assert few.tolist() == many.tolist() == want == [coins.one(c, stream) for c in counters]
+
+
 @pytest.mark.parametrize("temperature", [0.6, 1.0])
 @pytest.mark.parametrize("method,options", [("lookup", {"gamma": 4}), ("lookup", {"gamma": 3, "lookup_branches": 3}),
                                             ("draft", {"tree": "small"}), ("draft", {"tree": "wide"})],

@@ -100,7 +100,7 @@ def _assert_reference_equals_module(w: EagleWeights):
     tree = Tree(np.array([-1, 0, 0, 1, 1, 2, 3]))
     lm = torch.randn(V, H, generator=g)
     for mask, pos in ((torch.ones(7, 7, dtype=torch.bool).tril(), torch.arange(3, 10)),
-                      (torch.from_numpy(tree.mask), torch.from_numpy(12 + tree.depths))):
+                      (torch.tensor(tree.mask), torch.from_numpy(12 + tree.depths))):   # a Tree is read-only
         for own in (False, True) if w.version == 3 else (False,):
             emb = torch.randn(2, 7, H, generator=g)
             feat = torch.randn(2, 7, H if own or w.version == 1 else 3 * H, generator=g)

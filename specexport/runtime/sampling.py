@@ -42,18 +42,19 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     Example: logits [2, 1, 0, -1], temperature 1, top_k 2 -> [0.731, 0.269, 0, 0].
     Greedy (temperature 0) gives the one-hot argmax.
     """
-    logits = np.asarray(logits, dtype=np.float64)
     if params.greedy:
+        logits = np.asarray(logits, dtype=np.float64)
         probs = np.zeros_like(logits)
         np.put_along_axis(probs, logits.argmax(-1)[..., None], 1.0, axis=-1)
         return probs
-    z = logits / params.temperature
+    # ufuncs called directly, in place: the loop warps a few rows per round (the same values as a z - z.max())
+    z = np.divide(logits, params.temperature, dtype=np.float64)
     if params.top_k is not None and params.top_k < z.shape[-1]:
         kth = np.partition(z, -params.top_k, axis=-1)[..., -params.top_k, None]   # [..., 1]
         z = np.where(z < kth, -np.inf, z)            # ties with the k-th value stay, as in transformers
-    z = z - z.max(-1, keepdims=True)
-    probs = np.exp(z)
-    probs /= probs.sum(-1, keepdims=True)
+    z -= np.maximum.reduce(z, axis=-1, keepdims=True)
+    probs = np.exp(z, out=z)
+    probs /= np.add.reduce(probs, axis=-1, keepdims=True)
     if params.top_p is not None and params.top_p < 1:
         probs = _top_p(probs, params.top_p)
     return probs
@@ -61,14 +62,15 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one)."""
-    order = np.argsort(-probs, axis=-1, kind="stable")                 # [..., V]
-    sorted_p = np.take_along_axis(probs, order, axis=-1)
+    flat = probs.reshape(-1, probs.shape[-1])                          # [N, V]: plain fancy indexing, no
+    rows = np.arange(len(flat))[:, None]                               # take_along_axis (slow for a few rows)
+    order = np.argsort(-flat, axis=-1, kind="stable")                 # [N, V]
+    sorted_p = flat[rows, order]
     mass_before = np.cumsum(sorted_p, axis=-1) - sorted_p             # mass of strictly more likely tokens
-    keep_sorted = mass_before < top_p
-    keep = np.empty_like(keep_sorted)
-    np.put_along_axis(keep, order, keep_sorted, axis=-1)
-    out = np.where(keep, probs, 0.0)
-    return out / out.sum(-1, keepdims=True)
+    keep = np.empty(flat.shape, dtype=bool)
+    keep[rows, order] = mass_before < top_p
+    out = np.where(keep.reshape(probs.shape), probs, 0.0)
+    return out / np.add.reduce(out, axis=-1, keepdims=True)
 
 
 class Coins:
@@ -89,39 +91,58 @@ class Coins:
     Example: Coins(0).at([5, 6]) and then Coins(0).at([6]) give the same coin for 6.
     """
     DRAW, TEST = 0, 1
-    _GAMMA = np.uint64(0x9E3779B97F4A7C15)
+    _GAMMA_INT = 0x9E3779B97F4A7C15
 
     def __init__(self, seed: int):
-        key = _mix(np.array([int(seed) % 2**64], dtype=np.uint64))[0]
-        self._keys = {}
-        self._key = key
+        self._key = _mix_int(int(seed) % 2**64)
+        self._keys = {}                                  # stream -> its key (a Python int)
 
     @classmethod
     def from_rng(cls, rng: np.random.Generator) -> "Coins":
         """Coins seeded by one draw of `rng` (callers that hold a Generator, e.g. tests)."""
         return cls(int(rng.integers(0, 2**63)))
 
-    def at(self, counters, stream: int = 0) -> np.ndarray:
-        """[k] float64 coins for these counters (non-negative integers) in `stream`."""
+    def _stream(self, stream: int) -> int:
         key = self._keys.get(stream)
         if key is None:
-            key = self._keys[stream] = _mix(np.array([self._key ^ np.uint64(stream * 0x2545F4914F6CDD1D % 2**64)],
-                                                     dtype=np.uint64))[0]
+            key = self._keys[stream] = _mix_int(self._key ^ (stream * 0x2545F4914F6CDD1D % 2**64))
+        return key
+
+    def at(self, counters, stream: int = 0) -> np.ndarray:
+        """[k] float64 coins for these counters (non-negative integers) in `stream`."""
+        key = self._stream(stream)
         c = np.asarray(counters, dtype=np.uint64).reshape(-1)
-        with np.errstate(over="ignore"):
-            x = _mix(key + (c + np.uint64(1)) * self._GAMMA)
+        if len(c) <= _PY_COINS:                          # a round's few coins: Python ints beat ~10 numpy calls
+            return np.array([_coin(key, int(i)) for i in c.tolist()], dtype=np.float64)
+        x = _mix(np.uint64(key) + (c + np.uint64(1)) * _GAMMA)          # arrays wrap silently (no errstate)
         return (x >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
 
     def one(self, counter: int, stream: int = 0) -> float:
-        return float(self.at([counter], stream)[0])
+        return _coin(self._stream(stream), int(counter))
+
+
+_PY_COINS = 16
+_GAMMA = np.uint64(Coins._GAMMA_INT)
+_M64 = 2**64 - 1
+
+
+def _coin(key: int, counter: int) -> float:
+    """The coin of one counter, in Python ints: the same bits as `Coins.at`'s numpy path."""
+    return (_mix_int((key + (counter + 1) * Coins._GAMMA_INT) & _M64) >> 11) * (1.0 / 2**53)
+
+
+def _mix_int(x: int) -> int:
+    """SplitMix64's finaliser on one 64-bit Python int."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on uint64 arrays (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
+    """SplitMix64's finaliser on uint64 arrays (array arithmetic wraps without a warning)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
 def sample(probs: np.ndarray, u: float) -> int:
@@ -130,7 +151,7 @@ def sample(probs: np.ndarray, u: float) -> int:
     Example: probs [0.5, 0, 0.5]: u = 0.2 -> 0, u = 0.7 -> 2.
     """
     cdf = np.cumsum(probs)
-    idx = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
-    if idx >= len(probs) or probs[idx] <= 0:        # u * total rounded up onto the last boundary
+    idx = int(cdf.searchsorted(u * float(cdf[-1]), side="right"))
+    if idx >= len(probs) or not probs[idx] > 0:     # u * total rounded up onto the last boundary
         idx = int(np.flatnonzero(probs > 0)[-1])
     return idx

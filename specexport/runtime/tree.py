@@ -35,19 +35,22 @@ class Tree:
         check_parents(parents)
         size = len(parents)
         mask = np.eye(size, dtype=bool)
-        depths = np.zeros(size, dtype=np.int64)
+        depths = [0] * size
         kids = [[] for _ in range(size)]
-        for i in range(1, size):
-            p = parents[i]
-            mask[i] = mask[p]
-            mask[i, i] = True
+        for i, p in enumerate(parents.tolist()[1:], 1):        # Python ints: trees are built every round
+            mask[i] |= mask[p]
             depths[i] = depths[p] + 1
             kids[p].append(i)
+        if parents is self.parents:
+            parents = parents.copy()                             # the caller's array stays theirs
+        depths = np.asarray(depths, dtype=np.int64)
+        for a in (parents, depths, mask):
+            a.flags.writeable = False                            # trees are shared (chains, tree_of)
         object.__setattr__(self, "parents", parents)
         object.__setattr__(self, "depths", depths)
         object.__setattr__(self, "mask", mask)
         object.__setattr__(self, "children", tuple(tuple(k) for k in kids))
-        object.__setattr__(self, "is_chain", bool(np.array_equal(parents, np.arange(-1, size - 1))))
+        object.__setattr__(self, "is_chain", parents.tolist() == list(range(-1, size - 1)))
 
     @property
     def size(self) -> int:
@@ -68,11 +71,25 @@ def _chain(gamma: int) -> Tree:
     return Tree(np.arange(-1, gamma, dtype=np.int64))
 
 
+def tree_of(parents) -> Tree:
+    """Tree(parents), built once per shape: proposers' trees repeat round after round."""
+    parents = np.asarray(parents, dtype=np.int64)
+    key = parents.tobytes()
+    tree = _TREES.get(key)
+    if tree is None:
+        if len(_TREES) >= 4096:                                  # bounded: a dynamic tree's shapes vary
+            _TREES.clear()
+        tree = _TREES[key] = Tree(parents)
+    return tree
+
+
+_TREES: dict = {}
+
+
 def check_parents(parents: np.ndarray) -> None:
     if parents.ndim != 1 or len(parents) == 0 or parents[0] != -1:
         raise ValueError(f"parents: expected a 1-D array starting with -1 (the root), got {parents!r}")
-    idx = np.arange(len(parents))
-    if np.any(parents[1:] < 0) or np.any(parents[1:] >= idx[1:]):
+    if not all(0 <= p < i for i, p in enumerate(parents.tolist()[1:], 1)):
         raise ValueError(f"parents: every non-root node's parent must be a smaller index, got {parents!r}")
 
 
@@ -110,4 +127,4 @@ def cut(tree: Tree, ranks: np.ndarray, max_depth: int, max_nodes: int) -> tuple[
     keep = np.flatnonzero(tree.depths <= max_depth)[:max_nodes + 1]
     if len(keep) == tree.size:
         return tree, ranks
-    return Tree(tree.parents[keep]), ranks[keep]
+    return tree_of(tree.parents[keep]), ranks[keep]

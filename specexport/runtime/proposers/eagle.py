@@ -31,7 +31,7 @@ import numpy as np
 
 from specexport.errors import SpecexportError
 from specexport.runtime.proposers.base import Limits, Proposal, Proposer
-from specexport.runtime.tree import Tree, cut, from_rank_paths
+from specexport.runtime.tree import cut, from_rank_paths, tree_of
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,7 @@ class EagleTree(Proposer):
             raise ValueError(f"tree: needs each node's top {widest}; the head graph returns its top {head.top_k} "
                              f"(eagle.top_k in the model.yaml)")
         self.scratch = scratch
+        self._plans = {}                    # (max depth, max nodes) -> a static tree's cut and levels
         self._feats = None                  # [capacity, F] the target's states by position
         self._count = 0                     # positions received
 
@@ -135,7 +136,7 @@ class EagleTree(Proposer):
         tokens = np.empty(len(parents), dtype=np.int64)                           # [T]
         tokens[0] = seq[n - 1]
         tokens[1:] = draft_ids[1:] if self.target_ids is None else self.target_ids[draft_ids[1:]]
-        return Proposal(Tree(parents), tokens)
+        return Proposal(tree_of(parents), tokens)
 
     def _level(self, draft_ids, own, ancestors_rows, depth: int, base: int, stats):
         """Feed one level of nodes (their draft ids [m], their parents' states own [m, H], each node's
@@ -199,7 +200,7 @@ class EagleTree(Proposer):
 
     def _static(self, root_ids, root_hidden, limits: Limits, stats):
         """Rank paths: (parents [T], draft ids [T], head calls after the catch-up)."""
-        tree, ranks = cut(self.tree, self.ranks, limits.max_depth, limits.max_nodes)
+        tree, ranks, levels = self._static_plan(limits.max_depth, limits.max_nodes)
         base, T = self.head.length, tree.size
         ids = np.zeros(T, np.int64)
         rows = np.full(T, -1, np.int64)
@@ -207,20 +208,29 @@ class EagleTree(Proposer):
         states[0] = root_hidden
         for c in tree.children[0]:
             ids[c] = root_ids[ranks[c]]
-        calls = 0
-        for d in range(1, int(tree.depths.max())):
-            level = [i for i in np.flatnonzero(tree.depths == d) if tree.children[i]]
-            if not level:
-                continue
-            anc = [rows[tree.path_to(i)[1:-1]] for i in level]
+        for d, level, paths in levels:
+            anc = [rows[path] for path in paths]
             step, written = self._level(ids[level], states[tree.parents[level]], anc, d, base, stats)
-            calls += 1
             for j, i in enumerate(level):
                 rows[i], states[i] = written[j], step.hidden[j]
                 for c in tree.children[i]:
                     ids[c] = step.ids[j, ranks[c]]
-        return tree.parents, ids, calls
+        return tree.parents, ids, len(levels)
 
+    def _static_plan(self, max_depth: int, max_nodes: int):
+        """The rank tree cut to a round's limits, and its levels to feed: (depth, nodes with children,
+        each one's ancestors below the root); worked out once per limits (they repeat every round)."""
+        key = (max_depth, max_nodes)
+        plan = self._plans.get(key)
+        if plan is None:
+            tree, ranks = cut(self.tree, self.ranks, max_depth, max_nodes)
+            levels = []
+            for d in range(1, int(tree.depths.max())):
+                level = [int(i) for i in np.flatnonzero(tree.depths == d) if tree.children[i]]
+                if level:
+                    levels.append((d, level, [tree.path_to(i)[1:-1] for i in level]))
+            plan = self._plans[key] = (tree, ranks, levels)
+        return plan
 
 def feature_columns(target_layers, head_layers, hidden_size: int) -> np.ndarray | None:
     """Columns of the target's aux states [k*H] (its aux_hidden_layers, each once, ascending) that form

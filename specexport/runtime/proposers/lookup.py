@@ -31,7 +31,7 @@ import numpy as np
 from specexport.errors import SpecexportError
 from specexport.runtime.budget import DepthAcceptance, best_nodes
 from specexport.runtime.proposers.base import Limits, Proposal, Proposer
-from specexport.runtime.tree import Tree
+from specexport.runtime.tree import tree_of
 
 
 class PromptLookup(Proposer):
@@ -69,7 +69,7 @@ class PromptLookup(Proposer):
             conts = [c[:depth] for c in conts]
         cap = limits.max_nodes if self.max_nodes is None else min(limits.max_nodes, self.max_nodes)
         parents, tokens = trie(int(seq[n - 1]), conts, max_nodes=cap)
-        return Proposal(Tree(parents), tokens)
+        return Proposal(tree_of(parents), tokens)
 
     def _judge(self, seq: np.ndarray, n: int) -> None:
         """Each pending continuation against the tokens emitted since (seq[at:n]), once they decide it: its

@@ -29,7 +29,7 @@ from specexport.errors import SpecexportError
 from specexport.runtime.budget import best_nodes
 from specexport.runtime.proposers.base import Limits, Proposal, Proposer
 from specexport.runtime.suffix import Candidates, SuffixCache, continuation_tree, scan_match
-from specexport.runtime.tree import Tree
+from specexport.runtime.tree import tree_of
 
 
 class SuffixProposer(Proposer):
@@ -91,7 +91,7 @@ class SuffixProposer(Proposer):
         if best is not None and len(best.tokens) > 1:
             self.hits += 1
             self.from_shared += shared
-            proposal = Proposal(Tree(best.parents), best.tokens)
+            proposal = Proposal(tree_of(best.parents), best.tokens)
         self.propose_s += time.perf_counter() - start
         stats.proposer = self.counters
         return proposal
