@@ -172,30 +172,76 @@ def test_batch_options_are_checked_in_the_callers_thread(pipe):
         pipe.batch(0)
 
 
-# -- the method seam: options -> resolve -> the table's factory, on the resources the caller gives -------
-TABLE = {"vanilla": ({}, "NoneType", []), "draft": ({"gamma": 3}, "DraftChain", [("draft", "gguf")]),
-         "lookup": ({"gamma": 3}, "PromptLookup", []), "suffix": ({}, "SuffixProposer", [("suffix",)]),
-         "medusa": ({"tree": "small"}, "MedusaTree", [("heads", "medusa")]),
-         "eagle": ({"tree": "dynamic:2/3/6"}, "EagleTree", [("heads", "eagle")])}
+def test_the_server_decides_the_width_once_and_its_batch_takes_it(pipe, monkeypatch):
+    """batch_width runs once a server (the worker's), its max_batch checked there; the Batch takes the Width."""
+    from specexport.runtime import batch as batch_module
+    from specexport.serve import worker as worker_module
+
+    calls, real = [], batch_module.batch_width
+    counted = lambda *a, **k: calls.append(a) or real(*a, **k)   # noqa: E731
+    monkeypatch.setattr(worker_module, "batch_width", counted)
+    monkeypatch.setattr(batch_module, "batch_width", counted)
+    worker = worker_module.ModelWorker(pipe, method="vanilla", max_batch=2)
+    try:
+        assert len(calls) == 1 and worker.max_batch == worker.batch.max_batch == 2 and worker.batch.exact
+        assert worker.batch_note == worker.batch.note == "max_batch 2 (as given)"
+    finally:
+        worker.batch.close()                # not worker.close(): that closes the module's pipeline too
+    with pytest.raises(SpecexportError, match="max_batch: expected 'auto' or an integer >= 1, got 0"):
+        worker_module.ModelWorker(pipe, method="vanilla", max_batch=0)
+
+
+# -- the method seam: options -> resolve -> the table's plan -> its proposer, on the resources the caller gives
+TABLE = {"vanilla": ({}, "NoneType", [], ""), "draft": ({"gamma": 3}, "DraftChain", [("draft", "gguf")], "γ=3"),
+         "lookup": ({"gamma": 3}, "PromptLookup", [], "γ=3"),
+         "suffix": ({}, "SuffixProposer", [("suffix",)], "trees up to 7 nodes"),
+         "medusa": ({"tree": "small"}, "MedusaTree", [("heads", "medusa")], "tree depth 3"),     # 3 heads
+         "eagle": ({"tree": "dynamic:2/3/6"}, "EagleTree", [("heads", "eagle")], "tree depth 3")}
 
 
 @pytest.mark.parametrize("method", sorted(TABLE))
-def test_each_table_entry_makes_its_proposer_from_the_resources_it_is_given(pipe, method):
-    """One factory a method, fed only the resources its caller supplies, asking for just the models it uses."""
+def test_each_table_entry_plans_without_models_then_builds_from_the_resources_it_is_given(pipe, method):
+    """One entry a method: planned from the build's facts alone (nothing opened), then built from only the
+    resources its caller supplies, asking for just the models it uses; its words reach the output."""
     import dataclasses
 
     from specexport.runtime.methods import METHODS, MethodOptions, resolve
-    from specexport.runtime.proposer_table import PROPOSERS, make_proposer
+    from specexport.runtime.proposer_table import PROPOSERS, plan_proposer
 
     assert set(PROPOSERS) == set(METHODS) == set(TABLE)
-    knobs, kind, wants = TABLE[method]
+    knobs, kind, wants, words = TABLE[method]
     asked = []
     res = dataclasses.replace(pipe.resources(), draft=lambda p: asked.append(("draft", p)) or pipe.draft_of(p),
                               heads=lambda k: asked.append(("heads", k)) or pipe.heads_of(k),
                               suffix_cache=lambda: asked.append(("suffix",)) or pipe.suffix_cache)
     options, note = resolve(MethodOptions(method, **knobs), pipe.view())
     assert options.method == method and note == ""
-    assert type(make_proposer(options, res)).__name__ == kind and asked == wants
+    plan = plan_proposer(options, res)
+    assert asked == [] and plan.words == words
+    assert type(plan.build(res)).__name__ == kind and asked == wants
+    out = pipe.generate(prompt_ids=[1, 2, 3], max_new_tokens=4, method=method, **knobs)
+    assert out.shape == words and out.method == method
+
+
+def test_a_plan_is_checked_against_the_build_before_any_model_opens(pipe):
+    """Trees and γ too wide for the graph, or needing more heads or a wider top-k than the build's, fail in
+    planning with the option named (Pipeline.request and Batch.request plan; nothing is built)."""
+    from specexport.runtime.methods import MethodOptions
+    from specexport.runtime.proposer_table import Facts, plan_proposer
+
+    facts = Facts.of(pipe.manifest)
+    for options, match in [(MethodOptions("draft", gamma=8), "gamma: expected an integer in 1..7"),
+                           (MethodOptions("draft", tree="wide"), "tree: 15 nodes; the graph verifies at most"),
+                           (MethodOptions("draft", draft_stop=1.5, gamma=2), "draft_stop"),
+                           (MethodOptions("medusa", tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0, 0]]),
+                            "depth 5 needs 5 heads"),
+                           (MethodOptions("eagle", tree={"top_k": 9, "depth": 2, "total_tokens": 4}),
+                            "needs each node's top 9"),
+                           (MethodOptions("lookup", gamma=2, lookup_branches=0), "lookup_branches")]:
+        with pytest.raises(SpecexportError, match=match):
+            plan_proposer(options, facts)
+    small = plan_proposer(MethodOptions("medusa", tree="small"), facts)              # a name: cut to the 3 heads
+    assert (small.depth, small.nodes) == (3, 6)
 
 
 def test_a_batched_auto_request_leaves_the_shared_pipeline_unchanged(built, tmp_path):

@@ -157,7 +157,7 @@ def test_a_tree_mask_gives_each_node_what_its_own_chain_gives(tmp_path):
     g = torch.Generator().manual_seed(4)
     emb, feat = torch.randn(1, 7, H, generator=g), torch.randn(1, 7, 3 * H, generator=g)
     with torch.no_grad():
-        logits, _ = head(emb, feat, torch.from_numpy(10 + tree.depths), torch.from_numpy(tree.mask))
+        logits, _ = head(emb, feat, torch.from_numpy(10 + tree.depths), torch.tensor(tree.mask))   # a Tree is read-only
         for node in range(7):
             path = torch.from_numpy(tree.path_to(node))
             chain, _ = head(emb[:, path], feat[:, path], 10 + torch.arange(len(path)),

@@ -86,11 +86,8 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
     label = method if s.gamma or method == "vanilla" else "vanilla (auto)"
     line = (f"[{label}] {len(out.token_ids)} tokens, finish {out.finish_reason}, {s.tokens_per_second:.1f} tok/s, "
             f"TTFT {s.ttft_s * 1e3:.1f} ms, TPOT {s.tpot_s * 1e3:.2f} ms")
-    if s.proposed:
-        shape = (f"tree depth {s.gamma}" if out.method in ("medusa", "eagle") or tree is not None else
-                 f"trees up to {s.gamma} nodes" if out.method == "suffix" else
-                 f"γ ≤ {s.gamma}, sized a round" if out.method == "lookup" and out.note else f"γ={s.gamma}")
-        line += (f", {shape}, acceptance {s.acceptance_rate:.2f}, "
+    if s.proposed:                      # the shape in the words of the method's table entry (proposer_table)
+        line += (f", {out.shape}, acceptance {s.acceptance_rate:.2f}, "
                  f"{s.mean_accepted_tokens:.2f} tokens per target pass")
     click.secho(line, fg="cyan", err=True)
     if compare and method != "vanilla":

@@ -1,6 +1,6 @@
 """The configurations a bench runs: `Config` (one row of the report), `BenchConfig` (what was asked
-for), the default prompts, and the grid itself (`_configs`: per target precision, the methods, γ and
-trees asked for, with the drafts each precision pair can run), after `_check_request` has checked the
+for), the default prompts, and the grid itself (`bench_configs`: per target precision, the methods, γ and
+trees asked for, with the drafts each precision pair can run), after `check_request` has checked the
 request against the build's manifest. `accuracy_only` says which rows run on a GPU precision's graphs,
 which report acceptance and no time.
 """
@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 from specexport.config import GPU_PRECISIONS
 from specexport.errors import SpecexportError
-from specexport.runtime.methods import HEAD_METHODS, METHODS   # heads: priced like a draft's forwards
+from specexport.runtime.methods import DRAFT_TREES, HEAD_METHODS, METHODS, MethodOptions
+from specexport.runtime.proposer_table import Facts, plan_proposer
 
 DEFAULT_PROMPTS = ("def fibonacci(n):", "import os\n\ndef main():", "class Stack:\n    def __init__(self):")
 
@@ -93,12 +94,10 @@ def check_request(cfg: BenchConfig, manifest: dict) -> tuple[list[str], bool]:
 def bench_configs(precisions, manifest, cfg, has_draft):
     """Per target precision: vanilla; the draft of the same precision at every γ (and the adaptive
     rows); with an fp32 target, every quantized draft at every γ (the edge trick: quantize the draft
-    harder); with a quantized target, the fp32 draft at the first γ (acceptance cost of that side)."""
-    from specexport.runtime.methods import DRAFT_TREES, MEDUSA_TREES
-    from specexport.runtime.tree import from_rank_paths
-
+    harder); with a quantized target, the fp32 draft at the first γ (acceptance cost of that side).
+    Trees are planned by the method table (proposer_table): their depth is the row's γ column."""
     configs, models = [], manifest["models"]
-    auto = manifest.get("heads", {}).get("medusa", {}).get("auto_tree")
+    facts = Facts.of(manifest)
     draft_built = models.get("draft", {}).get("precisions", {}) if has_draft else {}
     for p in precisions:
         if "vanilla" in cfg.methods:
@@ -106,28 +105,19 @@ def bench_configs(precisions, manifest, cfg, has_draft):
         if "lookup" in cfg.methods:                 # prompt lookup: the target alone, up to γ tokens per round
             configs += [Config("lookup", p, None, g) for g in cfg.lookup_gammas or cfg.gammas]
         if "suffix" in cfg.methods:                 # suffix decoding: the target alone, a tree up to the verify width
-            configs.append(Config("suffix", p, None, manifest["max_verify_tokens"] - 1))
-        if "medusa" in cfg.methods:
-            for name in cfg.medusa_trees:
-                paths = auto["paths"] if name == "auto" and auto else MEDUSA_TREES.get(name)
-                if paths is None:
-                    raise SpecexportError(f"--medusa-trees: {name!r} is not a known tree; known: auto, "
-                                          f"{', '.join(MEDUSA_TREES)}")
-                tree = from_rank_paths(paths)[0]
-                if tree.size > manifest["max_verify_tokens"]:
-                    raise SpecexportError(f"--medusa-trees: {name!r} has {tree.size - 1} nodes; this build verifies at "
-                                          f"most max_verify_tokens - 1 = {manifest['max_verify_tokens'] - 1}")
-                configs.append(Config("medusa", p, None, int(tree.depths.max()), tree=name))   # depth as written
-        if "eagle" in cfg.methods:
-            configs += [Config("eagle", p, None, _eagle_depth(name, manifest), tree=name) for name in cfg.eagle_trees]
+            configs.append(Config("suffix", p, None, _planned("suffix", None, facts, "--methods").depth))
+        for method, flag, names in (("medusa", "--medusa-trees", cfg.medusa_trees),
+                                    ("eagle", "--eagle-trees", cfg.eagle_trees)):
+            if method in cfg.methods:
+                configs += [Config(method, p, None, _planned(method, name, facts, flag).depth, tree=name)
+                            for name in names]
         if p in draft_built:
             configs += [Config("draft", p, p, g) for g in cfg.gammas]
             configs += [Config("draft", p, p, max(cfg.gammas), stop) for stop in cfg.draft_stops if stop > 0]
             for name in cfg.trees:
                 if name not in DRAFT_TREES:
                     raise SpecexportError(f"--trees: {name!r} is not a known tree; known: {', '.join(DRAFT_TREES)}")
-                depth = int(from_rank_paths(DRAFT_TREES[name])[0].depths.max())
-                configs.append(Config("draft", p, p, depth, tree=name))
+                configs.append(Config("draft", p, p, _planned("draft", name, facts, "--trees").depth, tree=name))
     if "fp32" in draft_built:
         for p in precisions:
             if p != "fp32":
@@ -139,22 +129,9 @@ def bench_configs(precisions, manifest, cfg, has_draft):
     return configs
 
 
-def _eagle_depth(name: str, manifest: dict) -> int:
-    """The depth an EAGLE row's tree reaches (its γ column): auto's measured, dynamic's default, a static tree's."""
-    from specexport.runtime.methods import DRAFT_TREES
-    from specexport.runtime.proposers import DynamicTree
-    from specexport.runtime.tree import from_rank_paths
-
-    if name == "auto":
-        auto = manifest["heads"]["eagle"].get("auto_tree")
-        if not auto:
-            raise SpecexportError("--eagle-trees: 'auto' needs the tree the build measured; this build has none")
-        return int(auto["depth"])
-    if name.startswith("dynamic"):
-        from specexport.runtime.methods import dynamic_tree_settings
-
-        return DynamicTree(**dynamic_tree_settings(name)).depth
-    if name not in DRAFT_TREES:
-        raise SpecexportError(f"--eagle-trees: {name!r} is not a known tree; known: auto, dynamic, "
-                              f"dynamic:TOP_K/DEPTH/TOTAL_TOKENS, {', '.join(DRAFT_TREES)}")
-    return int(from_rank_paths(DRAFT_TREES[name])[0].depths.max())
+def _planned(method: str, tree, facts: Facts, flag: str):
+    """The method table's plan of one row (its errors named after the bench's option)."""
+    try:
+        return plan_proposer(MethodOptions(method, tree=tree), facts)
+    except SpecexportError as err:
+        raise SpecexportError(f"{flag}: {tree!r}: {err}") from None

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import queue
 import threading
+from typing import NamedTuple
 
 from specexport.errors import SpecexportError
 from specexport.runtime.backends import on_our_kernels
 from specexport.runtime.backends.head_slots import EagleSlots, rows_exact
 from specexport.runtime.backends.slots import SlotModel
-from specexport.runtime.proposer_table import make_proposer
 
 
 AUTO = "auto"                   # max_batch=AUTO: measured here (batch_width), the default everywhere
@@ -124,10 +124,11 @@ class Handle:
 class Batch:
     """Up to `max_batch` requests decoding together on one pipeline; more wait for a slot (FIFO)."""
 
-    def __init__(self, pipe, max_batch: int | str = AUTO, *, rows_per_pass: int | None = None):
+    def __init__(self, pipe, max_batch: "int | str | Width" = AUTO, *, rows_per_pass: int | None = None):
+        """max_batch: AUTO, an integer, or the Width batch_width already decided for this pipeline."""
         self.pipe = pipe
-        self.exact = row_exact(pipe)[0]
-        self.max_batch, self.note = batch_width(pipe, max_batch)
+        width = max_batch if isinstance(max_batch, Width) else batch_width(pipe, max_batch)
+        self.max_batch, self.note, self.exact = width
         self.scheduler = Scheduler()
         self.rows_per_pass = rows_per_pass or pipe.max_verify_tokens
         if not isinstance(self.rows_per_pass, int) or self.rows_per_pass < 1:
@@ -181,7 +182,6 @@ class Batch:
             if not exact:
                 raise SpecexportError(f"draft_precision: {why}, so it cannot draft in a batch; draft in a precision "
                                       f"on specexport's kernels (gguf) or decode one request at a time (max_batch 1)")
-        make_proposer(o, self.pipe.resources())
         return request
 
     def submit(self, prompt: str | None = None, **options) -> Handle:
@@ -283,16 +283,23 @@ def check_max_batch(value) -> int | str:
     return value
 
 
-def batch_width(pipe, max_batch: int | str = AUTO) -> tuple[int, str]:
-    """(how many requests decode together on `pipe`, a line saying why): max_batch as given, or measured
-    here when AUTO (auto_max_batch); 1 where a row's outputs depend on its batch neighbours."""
+class Width(NamedTuple):
+    """How many requests decode together on a pipeline, decided once (batch_width)."""
+    max_batch: int
+    note: str                   # the line that says why
+    exact: bool                 # the target's rows are independent of their batch neighbours (row_exact)
+
+
+def batch_width(pipe, max_batch: int | str = AUTO) -> Width:
+    """max_batch checked, then as given, or measured here when AUTO (auto_max_batch); 1 where a row's outputs
+    depend on its batch neighbours. The server decides it once and hands it to its Batch."""
     max_batch = check_max_batch(max_batch)
     exact, why = row_exact(pipe)
     if not exact:
-        return 1, f"max_batch 1: {why}, so a request's output would depend on its batch neighbours"
+        return Width(1, f"max_batch 1: {why}, so a request's output would depend on its batch neighbours", False)
     if max_batch == AUTO:
-        return auto_max_batch(pipe)
-    return max_batch, f"max_batch {max_batch} (as given)"
+        return Width(*auto_max_batch(pipe), True)
+    return Width(max_batch, f"max_batch {max_batch} (as given)", True)
 
 
 AUTO_MAX_BATCH = (8, 4, 2)          # the batch sizes auto_max_batch tries, largest first

@@ -24,7 +24,7 @@ from specexport.runtime.budget import relative_costs
 from specexport.runtime.detok import IncrementalDetokenizer
 from specexport.runtime.loop import DecodeStats, decode
 from specexport.runtime.methods import METHODS, BuildView, MethodOptions, resolve, stored_choice
-from specexport.runtime.proposer_table import Resources, make_proposer
+from specexport.runtime.proposer_table import Facts, Resources, plan_proposer
 from specexport.runtime.request import GenerationOutput, Request, TextStream
 from specexport.runtime.sampling import Coins, SamplingParams
 from specexport.runtime.suffix import SuffixCache
@@ -176,13 +176,16 @@ class Pipeline:
         """The Medusa heads or the EAGLE head ("medusa", "eagle"), opened on first use."""
         return {"medusa": lambda: self.medusa, "eagle": lambda: self.eagle}[kind]()
 
+    def facts(self) -> Facts:
+        """What a request's proposer is planned from (proposer_table.plan_proposer): no model opened."""
+        return Facts(verify_width=self.max_verify_tokens, heads_manifest=self.manifest.get("heads", {}),
+                     target_io=self.manifest["models"]["target"]["io"], verify_costs=self.verify_costs)
+
     def resources(self, *, draft=None, heads=None) -> Resources:
         """What a request's proposer is made of: this pipeline's models, or the `draft(precision)` and
         `heads(kind)` a batch gives a request of its own."""
-        return Resources(verify_width=self.max_verify_tokens, heads_manifest=self.manifest.get("heads", {}),
-                         target_io=self.manifest["models"]["target"]["io"], draft=draft or self.draft_of,
-                         heads=heads or self.heads_of, suffix_cache=lambda: self.suffix_cache,
-                         verify_costs=self.verify_costs)
+        return Resources(**vars(self.facts()), draft=draft or self.draft_of, heads=heads or self.heads_of,
+                         suffix_cache=lambda: self.suffix_cache)
 
     def curve_key(self) -> dict:
         """What a stored pass curve must have been measured with to size this pipeline's rounds: this CPU
@@ -266,7 +269,8 @@ class Pipeline:
             raise SpecexportError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
         options, note = resolve(MethodOptions(method, gamma, tree, draft_stop, lookup_branches, sampled_children,
                                               suffix_scope, suffix_share), self.view())
-        return Request(ids, params, max_new_tokens, seed, tuple(stop), options, note)
+        return Request(ids, params, max_new_tokens, seed, tuple(stop), options, plan_proposer(options, self.facts()),
+                       note)
 
     def stream(self, prompt: str | None = None, **options) -> TextStream:
         """The text pieces as they are decoded (iterate it); its `output` holds the GenerationOutput once
@@ -274,9 +278,9 @@ class Pipeline:
         request = self.request(prompt, **options)
         return TextStream(lambda done: self.decode_request(request, self.target, self.resources(), done=done))
 
-    def batch(self, max_batch: int | str = "auto", *, rows_per_pass: int | None = None):
+    def batch(self, max_batch="auto", *, rows_per_pass: int | None = None):
         """A Batch (runtime/batch.py): up to max_batch requests decoded together ("auto": as many as measured
-        here to pay), each one's output its own generate()'s; a pass's rows (default max_verify_tokens) shared
+        here to pay; or the Width batch_width decided), each one's output its own generate()'s; a pass's rows (default max_verify_tokens) shared
         out among them. Use it as a context manager; submit() starts a request."""
         from specexport.runtime.batch import Batch
 
@@ -293,7 +297,7 @@ class Pipeline:
     def decode_request(self, request: "Request", target, resources: Resources, *, done):
         """Yield the text pieces of `request` decoded on `target` (a backend), its proposer made of
         `resources` (this pipeline's models, or a batch's slots of them); done(GenerationOutput) at the end."""
-        proposer = make_proposer(request.options, resources)
+        proposer = request.plan.build(resources)
         ids, stop = request.ids, request.stop
         suffix_share, suffix_scope = request.options.suffix_share, request.options.suffix_scope
         stats, detok = DecodeStats(), IncrementalDetokenizer(self.tokenizer, ids.tolist())
@@ -324,7 +328,7 @@ class Pipeline:
         final = self.tokenizer.decode(out_ids, skip_special_tokens=True)
         hit = _find_stop(final, stop)
         final = final[:hit] if hit is not None else final
-        done(GenerationOutput(final, out_ids, reason, stats, request.options.method, request.note))
+        done(GenerationOutput(final, out_ids, reason, stats, request.options.method, request.note, request.plan.words))
         if suffix_share and self._suffix_cache is not None:     # what it served, for later suffix lookups
             self._suffix_cache.add(np.concatenate([ids, np.asarray(out_ids, dtype=np.int64)]), suffix_scope)
         if final.startswith(text) and len(final) > len(text):

@@ -1,96 +1,142 @@
-"""The method table: a resolved request's MethodOptions (runtime/methods.py) -> the round's proposer.
+"""The method table: a resolved request's MethodOptions (runtime/methods.py) -> the round's proposer, in two
+steps, so a request is checked (and the bench's grid laid out) without opening a model:
 
-    proposer = make_proposer(options, resources)       # None for vanilla
+    plan = plan_proposer(options, facts)       # one parse of trees, γ and widths; one-line errors
+    proposer = plan.build(resources)            # opens the models it drafts with (None for vanilla)
 
-Each factory takes the options and a Resources: the models it may draft with (opened only when it asks
-for them) and the graph's verify width, never the Pipeline, so a request in a batch and one alone
-get their proposers from the same code, each from the models its caller supplies. Trees are checked
-against the verify width here, with one-line errors naming the option.
+Each entry reads the build's `Facts` (its verify width, the heads' manifest entries, the pass curve) and
+returns a `Plan`: how deep and wide a round can go (the bench's γ column), the words the CLI prints for it,
+and how to build the proposer from a `Resources` (the models it may draft with, opened only when it asks:
+a request in a batch and one alone get theirs from the same code).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from specexport.errors import SpecexportError
 from specexport.runtime.methods import DRAFT_TREES, MEDUSA_TREES, MethodOptions, dynamic_tree_settings, named_tree
 from specexport.runtime.proposers import (DraftChain, DraftTree, DynamicTree, EagleTree, MedusaTree, PromptLookup,
                                           SuffixProposer)
+from specexport.runtime.proposers.eagle import feature_columns
+from specexport.runtime.tree import from_rank_paths
 
 
-@dataclass(frozen=True)
-class Resources:
-    """What a proposer is made of. Pipeline supplies its own models; Batch its slots of the shared ones."""
+@dataclass(frozen=True, kw_only=True)
+class Facts:
+    """What planning reads of a build (nothing opened)."""
     verify_width: int                       # max_verify_tokens: a round's rows, the root included
-    heads_manifest: dict                    # manifest["heads"]: the measured trees, the EAGLE head's layout
+    heads_manifest: dict                    # manifest["heads"]: the measured trees, the heads' widths
     target_io: dict                         # manifest's target io (the EAGLE-3 head's feature columns)
+    verify_costs: Callable[[], object] = lambda: None   # c(T)/c(1) measured on this CPU, or None (runtime/budget.py)
+
+    @classmethod
+    def of(cls, manifest: dict) -> "Facts":
+        """A build's facts from its manifest alone (no pass curve: what the bench lays its grid out with)."""
+        return cls(verify_width=manifest["max_verify_tokens"], heads_manifest=manifest.get("heads", {}),
+                   target_io=manifest["models"]["target"]["io"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resources(Facts):
+    """What a proposer is made of. Pipeline supplies its own models; Batch its slots of the shared ones."""
     draft: Callable[[str], object]          # draft(precision) -> the draft model's backend
     heads: Callable[[str], object]          # heads("medusa" | "eagle") -> the heads this request drafts with
     suffix_cache: Callable[[], object]      # the cache of earlier generations (suffix decoding)
-    verify_costs: Callable[[], object] = lambda: None   # c(T)/c(1) measured on this CPU, or None (runtime/budget.py)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A request's proposer before any model is opened."""
+    method: str
+    depth: int                              # the deepest a round reaches: a chain's γ, a tree's depth (0: vanilla)
+    nodes: int                              # the most nodes a round proposes besides the root
+    words: str                              # the shape in words, as the CLI prints it ("γ=4", "tree depth 3")
+    make: Callable[[Resources], object] = field(repr=False, compare=False)
+
+    def build(self, res: Resources):
+        """The proposer (None for vanilla), made of the models `res` opens."""
+        return _one_line(self.make, res)        # ValueError: a check only a model can make (a draft's vocabulary)
+
+
+def plan_proposer(options: MethodOptions, facts: Facts) -> Plan:
+    """The plan of resolved options, checked against the build."""
+    return PROPOSERS[options.method](options, facts)
 
 
 def make_proposer(options: MethodOptions, res: Resources):
     """The round's proposer for resolved options (None for vanilla)."""
-    return PROPOSERS[options.method](options, res)
+    return plan_proposer(options, res).build(res)
 
 
-def _vanilla(o: MethodOptions, res: Resources):
-    return None
+def _vanilla(o: MethodOptions, facts: Facts) -> Plan:
+    return Plan("vanilla", 0, 0, "", lambda res: None)
 
 
-def _draft(o: MethodOptions, res: Resources):
+def _draft(o: MethodOptions, facts: Facts) -> Plan:
     if o.tree is not None:
-        return _fitting(res, lambda paths: DraftTree(res.draft(o.draft_precision), paths, sampled=o.sampled_children),
-                        named_tree(o.tree, DRAFT_TREES))
+        paths = named_tree(o.tree, DRAFT_TREES)
+        depth, nodes = _tree_shape(facts, paths)
+        return Plan("draft", depth, nodes, f"tree depth {depth}",
+                    lambda res: DraftTree(res.draft(o.draft_precision), paths, sampled=o.sampled_children))
     if o.sampled_children:
         raise SpecexportError("sampled_children: only for draft trees (give tree=...)")
-    return DraftChain(res.draft(o.draft_precision), _check_gamma(res, o.gamma, auto=True), draft_stop=o.draft_stop)
+    gamma = _check_gamma(facts, o.gamma)
+    DraftChain.check_stop(o.draft_stop)
+    return Plan("draft", gamma, gamma, f"γ={gamma}",
+                lambda res: DraftChain(res.draft(o.draft_precision), gamma, draft_stop=o.draft_stop))
 
 
-def _lookup(o: MethodOptions, res: Resources):
+def _lookup(o: MethodOptions, facts: Facts) -> Plan:
     """gamma "auto": up to the verify width, each round's length from this CPU's pass curve and the
     acceptance so far (runtime/budget.py); a number: that many tokens a round."""
-    if not isinstance(o.lookup_branches, int) or o.lookup_branches < 1:
-        raise SpecexportError(f"lookup_branches: expected an integer >= 1, got {o.lookup_branches!r}")
+    branches, top = o.lookup_branches, facts.verify_width - 1
+    if isinstance(branches, bool) or not isinstance(branches, int) or branches < 1:
+        raise SpecexportError(f"lookup_branches: expected an integer >= 1, got {branches!r}")
     if o.gamma == "auto":
-        costs = res.verify_costs()
+        costs = facts.verify_costs()
         if costs is None:
             raise SpecexportError("gamma: 'auto' for lookup sizes rounds from the pass curve `specexport bench` "
                                   "measures; this build has none for this CPU and thread count (run the bench "
                                   "here, or give gamma a number)")
-        return PromptLookup(res.verify_width - 1, branches=o.lookup_branches, max_nodes=res.verify_width - 1,
-                            costs=costs)
-    gamma = _check_gamma(res, o.gamma, auto=True)
-    return PromptLookup(gamma, branches=o.lookup_branches, max_nodes=res.verify_width - 1)
+        return Plan("lookup", top, top, f"γ ≤ {top}, sized a round",
+                    lambda res: PromptLookup(top, branches=branches, max_nodes=top, costs=costs))
+    gamma = _check_gamma(facts, o.gamma)
+    return Plan("lookup", gamma, min(gamma * branches, top), f"γ={gamma}",
+                lambda res: PromptLookup(gamma, branches=branches, max_nodes=top))
 
 
-def _suffix(o: MethodOptions, res: Resources):
+def _suffix(o: MethodOptions, facts: Facts) -> Plan:
     """Depth and nodes up to the verify width, cut by the match length and, where the build's bench
     measured this CPU's pass curve, by what each node is expected to earn against what it costs."""
-    return SuffixProposer(res.verify_width - 1, cache=res.suffix_cache() if o.suffix_share else None,
-                          scope=o.suffix_scope, max_nodes=res.verify_width - 1, costs=res.verify_costs())
+    top = facts.verify_width - 1
+    return Plan("suffix", top, top, f"trees up to {top} nodes",
+                lambda res: SuffixProposer(top, cache=res.suffix_cache() if o.suffix_share else None,
+                                           scope=o.suffix_scope, max_nodes=top, costs=res.verify_costs()))
 
 
-def _medusa(o: MethodOptions, res: Resources):
-    auto = res.heads_manifest.get("medusa", {}).get("auto_tree")
+def _medusa(o: MethodOptions, facts: Facts) -> Plan:
+    entry = _heads(facts, "medusa")
+    auto = entry.get("auto_tree")
     tree = ("auto" if auto else "medium") if o.tree is None else o.tree
-    heads = res.heads("medusa")
     if tree == "auto":
         if auto is None:
             raise SpecexportError("tree: 'auto' needs the tree the build measured; this build has none "
                                   "(rebuild it with this version)")
-        return _fitting(res, lambda paths: MedusaTree(heads, paths), auto["paths"])
-    paths = named_tree(tree, MEDUSA_TREES)
-    if isinstance(tree, str):               # a default: keep the paths these heads can reach
-        paths = [p for p in paths if len(p) <= heads.num_heads and max(p) < heads.top_k]
-    return _fitting(res, lambda paths: MedusaTree(heads, paths), paths)
+        paths = auto["paths"]
+    else:
+        paths = named_tree(tree, MEDUSA_TREES)
+        if isinstance(tree, str):           # a default: keep the paths these heads can reach
+            paths = [p for p in paths if len(p) <= entry["num_heads"] and max(p) < entry["top_k"]]
+    depth, nodes = _tree_shape(facts, paths, check=lambda t, r: MedusaTree.check(t, r, entry["num_heads"],
+                                                                                  entry["top_k"]))
+    return Plan("medusa", depth, nodes, f"tree depth {depth}", lambda res: MedusaTree(res.heads("medusa"), paths))
 
 
-def _eagle(o: MethodOptions, res: Resources):
+def _eagle(o: MethodOptions, facts: Facts) -> Plan:
     """tree: "auto" (the default: what the build measured best), "dynamic" (DynamicTree's defaults), a mapping
     {top_k, depth, total_tokens} (a dynamic tree), or a static tree (rank paths or a DRAFT_TREES name)."""
-    entry = res.heads_manifest["eagle"]
+    entry = _heads(facts, "eagle")
     tree = "auto" if o.tree is None else o.tree
     if tree == "auto":
         auto = entry.get("auto_tree")
@@ -101,52 +147,73 @@ def _eagle(o: MethodOptions, res: Resources):
     if isinstance(tree, str) and tree.startswith("dynamic"):
         tree = dynamic_tree_settings(tree)
     if isinstance(tree, dict):
-        unknown = set(tree) - {"top_k", "depth", "total_tokens"}
-        if unknown:
-            raise SpecexportError(f"tree: unknown keys {sorted(unknown)} for a dynamic EAGLE tree; allowed: "
-                                  f"top_k, depth, total_tokens")
-        try:
-            shape = DynamicTree(**tree)
-        except ValueError as err:
-            raise SpecexportError(str(err)) from None
-        if shape.scratch_rows > entry["scratch_rows"]:
-            raise SpecexportError(f"tree: (depth - 1) x top_k = {shape.scratch_rows} draft rows; the head's "
-                                  f"cache has {entry['scratch_rows']} beyond max_seq_len")
+        shape = _dynamic(tree, entry)
+        depth, nodes = shape.depth, shape.total_tokens
+        _check_nodes(facts, nodes)
+        _one_line(EagleTree.check_width, shape.top_k, entry["top_k"])
     else:
         shape = named_tree(tree, DRAFT_TREES)
+        depth, nodes = _tree_shape(facts, shape, check=lambda t, r: EagleTree.check_width(int(r.max()) + 1,
+                                                                                         entry["top_k"]))
     version = entry["version"]
-    columns = None
-    if version == 3:
-        from specexport.runtime.proposers.eagle import feature_columns
-
-        columns = feature_columns(res.target_io["aux_hidden_layers"], entry["aux_layers"],
-                                  res.target_io["hidden_size"])
-    head = res.heads("eagle")
-    return _fitting(res, lambda t: EagleTree(head, t, target_ids=entry.get("target_ids"), feature_columns=columns,
-                                            feature_source="aux" if version == 3 else "hidden"), shape)
+    columns = feature_columns(facts.target_io["aux_hidden_layers"], entry["aux_layers"],
+                              facts.target_io["hidden_size"]) if version == 3 else None
+    return Plan("eagle", depth, nodes, f"tree depth {depth}",
+                lambda res: EagleTree(res.heads("eagle"), shape, target_ids=entry.get("target_ids"),
+                                      feature_columns=columns, feature_source="aux" if version == 3 else "hidden"))
 
 
 PROPOSERS = {"vanilla": _vanilla, "draft": _draft, "lookup": _lookup, "suffix": _suffix, "medusa": _medusa,
              "eagle": _eagle}
 
 
-def _fitting(res: Resources, make, paths):
-    """make(paths) with one-line errors, checked against the graph's verify width."""
+def _heads(facts: Facts, kind: str) -> dict:
+    entry = facts.heads_manifest.get(kind)
+    if entry is None:
+        raise SpecexportError(f"method: {kind!r} was not built (no {'Medusa heads' if kind == 'medusa' else 'EAGLE head'} "
+                              f"in this build)")
+    return entry
+
+
+def _dynamic(settings: dict, entry: dict) -> DynamicTree:
+    unknown = set(settings) - {"top_k", "depth", "total_tokens"}
+    if unknown:
+        raise SpecexportError(f"tree: unknown keys {sorted(unknown)} for a dynamic EAGLE tree; allowed: "
+                              f"top_k, depth, total_tokens")
+    shape = _one_line(DynamicTree, **settings)
+    if shape.scratch_rows > entry["scratch_rows"]:
+        raise SpecexportError(f"tree: (depth - 1) x top_k = {shape.scratch_rows} draft rows; the head's "
+                              f"cache has {entry['scratch_rows']} beyond max_seq_len")
+    return shape
+
+
+def _tree_shape(facts: Facts, paths, check=None) -> tuple[int, int]:
+    """(depth, nodes besides the root) of rank paths, parsed once and checked (by `check(tree, ranks)` too)."""
+    tree, ranks = _one_line(from_rank_paths, paths)
+    if check is not None:
+        _one_line(check, tree, ranks)
+    _check_nodes(facts, tree.size - 1)
+    return int(tree.depths.max()), tree.size - 1
+
+
+def _one_line(call, *args, **kwargs):
+    """call(...) with its ValueError as a one-line SpecexportError (the proposers' own checks raise ValueError)."""
     try:
-        proposer = make(paths)
+        return call(*args, **kwargs)
     except ValueError as err:
         raise SpecexportError(str(err)) from None
-    if proposer.max_nodes > res.verify_width - 1:
-        raise SpecexportError(f"tree: {proposer.max_nodes} nodes; the graph verifies at most max_verify_tokens "
-                              f"- 1 = {res.verify_width - 1} besides the root (rebuild with a larger "
+
+
+def _check_nodes(facts: Facts, nodes: int) -> None:
+    if nodes > facts.verify_width - 1:
+        raise SpecexportError(f"tree: {nodes} nodes; the graph verifies at most max_verify_tokens "
+                              f"- 1 = {facts.verify_width - 1} besides the root (rebuild with a larger "
                               f"max_verify_tokens)")
-    return proposer
 
 
-def _check_gamma(res: Resources, gamma, *, auto: bool) -> int:
-    top = res.verify_width - 1
+def _check_gamma(facts: Facts, gamma) -> int:
+    top = facts.verify_width - 1
     if isinstance(gamma, bool) or not isinstance(gamma, int) or not 1 <= gamma <= top:
-        alternative = " or 'auto'" if auto else ""
         raise SpecexportError(f"gamma: expected an integer in 1..{top} (the graph verifies up to "
-                              f"max_verify_tokens={res.verify_width}){alternative}, got {gamma!r}")
+                              f"max_verify_tokens={facts.verify_width}) or 'auto', got {gamma!r}")
     return gamma

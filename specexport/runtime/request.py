@@ -7,6 +7,7 @@ import numpy as np
 
 from specexport.runtime.loop import DecodeStats
 from specexport.runtime.methods import MethodOptions
+from specexport.runtime.proposer_table import Plan
 from specexport.runtime.sampling import SamplingParams
 
 
@@ -19,6 +20,7 @@ class Request:
     seed: int | None
     stop: tuple
     options: MethodOptions              # as it will run: no "auto" left
+    plan: Plan                          # its proposer, checked, not built (proposer_table.plan_proposer)
     note: str = ""                      # what method="auto" / gamma="auto" decided ("" when nothing was)
 
 
@@ -30,6 +32,7 @@ class GenerationOutput:
     stats: DecodeStats
     method: str = "vanilla"             # the method that ran (what "auto" chose)
     note: str = ""                      # what method="auto" / gamma="auto" decided, in one line
+    shape: str = ""                     # its proposals' shape in words (Plan.words: "γ=4", "tree depth 3")
 
 
 class TextStream:

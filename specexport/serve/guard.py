@@ -22,7 +22,6 @@ import json
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from specexport.runtime.batch import check_max_batch
 from specexport.serve.net import is_loopback
 from specexport.serve.protocol import error_body
 
@@ -38,14 +37,14 @@ class Limits:
     max_queue: int = 64                         # requests waiting behind the running ones; more: 429 [--max-queue]
     request_timeout_s: float | None = 300.0     # arrival -> done, queue included; later: 504 [--request-timeout]
     shutdown_grace_s: float = 20.0              # SIGTERM: finish within this, then stop what runs [--shutdown-grace]
-    max_batch: int | str = "auto"               # requests decoding together (runtime/batch.py); auto: measured [--max-batch]
+    max_batch: int | str = "auto"               # requests decoding together; auto: measured [--max-batch]
+                                                # (checked once, where the worker decides it: runtime/batch.py)
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes: expected >= 1")
         if self.max_queue < 0:
             raise ValueError("max_queue: expected >= 0")
-        check_max_batch(self.max_batch)
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError("request_timeout_s: expected > 0 (or None: no deadline)")
         if self.shutdown_grace_s < 0:

@@ -105,8 +105,9 @@ class ModelWorker:
         self.pipe = pipe
         self.default_method, self.method_note = method, default_note(pipe.view(), method)   # each request resolves it
         self.max_queue, self.request_timeout_s, self.metrics = max_queue, request_timeout_s, metrics
-        self.max_batch, self.batch_note = batch_width(pipe, max_batch)   # requests decoding together
-        self.batch = pipe.batch(self.max_batch) if self.max_batch > 1 else None
+        width = batch_width(pipe, max_batch)                # decided once, here, and handed to the Batch
+        self.max_batch, self.batch_note = width.max_batch, width.note   # requests decoding together
+        self.batch = pipe.batch(width) if self.max_batch > 1 else None
         if metrics is not None:
             metrics.watch_batch(self.max_batch, lambda: self.running)
             if self.batch is not None:

@@ -23,10 +23,14 @@ from specexport.runtime.tree import Tree
 class DraftChain(Proposer):
     round_keyed = True              # samples from the rng; the chain rule's tests are keyed by round
     def __init__(self, draft, gamma: int, *, draft_stop: float = 0.0):
-        if not 0.0 <= draft_stop < 1.0:
-            raise SpecexportError(f"draft_stop: expected a probability in [0, 1), got {draft_stop!r}")
+        self.check_stop(draft_stop)
         self.draft, self.max_depth, self.draft_stop = draft, gamma, draft_stop
         self.capacity = draft.capacity
+
+    @staticmethod
+    def check_stop(draft_stop) -> None:
+        if not 0.0 <= draft_stop < 1.0:
+            raise SpecexportError(f"draft_stop: expected a probability in [0, 1), got {draft_stop!r}")
 
     def begin(self, prompt: np.ndarray, prefill_chunk: int) -> None:
         from specexport.runtime.backends.base import prefill

@@ -76,13 +76,17 @@ class EagleTree(Proposer):
             self.max_depth, self.max_nodes = int(self.tree.depths.max()), self.tree.size - 1
             scratch = int(sum(1 for i in range(1, self.tree.size) if self.tree.children[i]))
             widest = int(self.ranks.max()) + 1
-        if widest > head.top_k:
-            raise ValueError(f"tree: needs each node's top {widest}; the head graph returns its top {head.top_k} "
-                             f"(eagle.top_k in the model.yaml)")
+        self.check_width(widest, head.top_k)
         self.scratch = scratch
         self._plans = {}                    # (max depth, max nodes) -> a static tree's cut and levels
         self._feats = None                  # [capacity, F] the target's states by position
         self._count = 0                     # positions received
+
+    @staticmethod
+    def check_width(widest: int, top_k: int) -> None:
+        if widest > top_k:
+            raise ValueError(f"tree: needs each node's top {widest}; the head graph returns its top {top_k} "
+                             f"(eagle.top_k in the model.yaml)")
 
     # -- the target's states ---------------------------------------------------------------------
     def features(self, hidden: np.ndarray, start: int) -> None:

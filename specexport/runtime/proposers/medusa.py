@@ -30,13 +30,18 @@ class MedusaTree(Proposer):
         self.tree, self.ranks = from_rank_paths(paths)
         self.max_depth = int(self.tree.depths.max())
         self.max_nodes = self.tree.size - 1
-        if self.max_depth > heads.num_heads:
-            raise ValueError(f"tree: depth {self.max_depth} needs {self.max_depth} heads; these Medusa heads are "
-                             f"{heads.num_heads}")
-        if int(self.ranks.max()) >= heads.top_k:
-            raise ValueError(f"tree: rank {int(self.ranks.max())} needs top_k > {int(self.ranks.max())}; the heads "
-                             f"graph returns the top {heads.top_k} (medusa.top_k in the model.yaml)")
+        self.check(self.tree, self.ranks, heads.num_heads, heads.top_k)
         self._hidden = None
+
+    @staticmethod
+    def check(tree, ranks, num_heads: int, top_k: int) -> None:
+        """A rank tree these heads can propose: depth d reads head d - 1, a rank r needs top_k > r."""
+        depth, rank = int(tree.depths.max()), int(ranks.max())
+        if depth > num_heads:
+            raise ValueError(f"tree: depth {depth} needs {depth} heads; these Medusa heads are {num_heads}")
+        if rank >= top_k:
+            raise ValueError(f"tree: rank {rank} needs top_k > {rank}; the heads graph returns the top {top_k} "
+                             f"(medusa.top_k in the model.yaml)")
 
     def features(self, hidden: np.ndarray, start: int) -> None:
         self._hidden = np.array(hidden[-1])                 # [H] the state that chose the newest token
