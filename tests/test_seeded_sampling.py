@@ -48,6 +48,9 @@ def test_coins_one_at_a_time_and_in_bulk_are_the_same_bits():
         few = coins.at(counters, stream)                                 # <= 16: the Python path
         many = coins.at(counters * 3, stream)[:len(counters)]           # > 16: the numpy path
         assert few.tolist() == many.tolist() == want == [coins.one(c, stream) for c in counters]
+        for start, count in ((5, 3), (2**64 - 20, 20)):                    # a round's consecutive counters
+            want = [_splitmix_coin(seed, stream, start + i) for i in range(count)]
+            assert coins.span(start, count, stream).tolist() == want
 
 
 @pytest.mark.parametrize("temperature", [0.6, 1.0])

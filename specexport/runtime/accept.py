@@ -59,7 +59,7 @@ def accept_greedy(tree: Tree, node_tokens: np.ndarray, target_argmax: np.ndarray
         node = nxt
         path.append(node)
     path = np.asarray(path, dtype=np.int64)
-    return Verdict(path, np.append(node_tokens[path[1:]], target_argmax[node]).astype(np.int64))
+    return Verdict(path, _then(node_tokens[path[1:]], target_argmax[node]))
 
 
 def accept_chain(proposal: np.ndarray, draft_probs: np.ndarray, target_probs: np.ndarray,
@@ -85,9 +85,9 @@ def accept_chain(proposal: np.ndarray, draft_probs: np.ndarray, target_probs: np
         # p == q (up to rounding) leaves no residual mass: rejection then had probability ~0 and p is
         # the right distribution (gpt-fast divided by zero here).
         token = sample(residual if residual.sum() > 0 else p, uniforms[gamma] if draws is None else draws[i])
-        return Verdict(np.arange(i + 1), np.append(proposal[:i], token).astype(np.int64))
+        return Verdict(np.arange(i + 1), _then(proposal[:i], token))
     bonus = sample(target_probs[gamma], uniforms[gamma] if draws is None else draws[gamma])
-    return Verdict(np.arange(gamma + 1), np.append(proposal, bonus).astype(np.int64))
+    return Verdict(np.arange(gamma + 1), _then(proposal, bonus))
 
 
 def accept_tree(tree: Tree, node_tokens: np.ndarray, target_probs: np.ndarray, uniforms: np.ndarray) -> Verdict:
@@ -108,7 +108,7 @@ def accept_tree(tree: Tree, node_tokens: np.ndarray, target_probs: np.ndarray, u
         nxt = next((c for c in tree.children[node] if node_tokens[c] == y), None)
         if nxt is None:
             path = np.asarray(path, dtype=np.int64)
-            return Verdict(path, np.append(node_tokens[path[1:]], y).astype(np.int64))
+            return Verdict(path, _then(node_tokens[path[1:]], y))
         node = nxt
         path.append(node)
 
@@ -155,6 +155,14 @@ def accept_tree_sampled(tree: Tree, node_tokens: np.ndarray, target_probs: np.nd
         if nxt is None:
             y = sample(p, uniforms[u] if draws is None else draws[len(path) - 1])
             path = np.asarray(path, dtype=np.int64)
-            return Verdict(path, np.append(node_tokens[path[1:]], y).astype(np.int64))
+            return Verdict(path, _then(node_tokens[path[1:]], y))
         node = nxt
         path.append(node)
+
+
+def _then(tokens: np.ndarray, last: int) -> np.ndarray:
+    """[k + 1] int64: tokens, then one more (np.append without its wrappers: the loop calls this every round)."""
+    out = np.empty(len(tokens) + 1, dtype=np.int64)
+    out[:-1] = tokens
+    out[-1] = last
+    return out

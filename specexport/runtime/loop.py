@@ -173,11 +173,11 @@ def _verify(target, proposer, proposal, seq, n, params, coins, stats, features) 
     chain = proposal.is_chain
     out = target.forward(tokens, depths=None if chain else tree.depths, tree_mask=None if chain else tree.mask)
     stats.count_forward("target", T)
-    draws = None if params.greedy else coins.at(np.arange(n, n + T), Coins.DRAW)     # sampling only
+    draws = None if params.greedy else coins.span(n, T, Coins.DRAW)                   # sampling only
     if params.greedy:
         verdict = accept_greedy(tree, tokens, out.logits[:T].argmax(-1))
     elif proposal.q is not None:                # sampled from the draft: a rejection rule, its tests' coins
-        tests = coins.at(n * _TESTS_PER_ROUND + np.arange(2 * T), Coins.TEST)
+        tests = coins.span(n * _TESTS_PER_ROUND, 2 * T, Coins.TEST)
         if chain:                               # the chain rejection rule
             verdict = accept_chain(tokens[1:], proposal.q, warp(out.logits[:T], params), tests[:T], draws)
         else:                                   # a tree of sampled children: the multi-draft rule

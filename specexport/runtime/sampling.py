@@ -62,6 +62,13 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one)."""
+    if probs.ndim == 1:                                                 # one row (a plain step): no scatter
+        order = np.argsort(-probs, kind="stable")
+        sorted_p = probs[order]
+        keep = (np.cumsum(sorted_p) - sorted_p) < top_p
+        out = np.zeros_like(probs)
+        out[order[keep]] = sorted_p[keep]
+        return out / np.add.reduce(out)
     flat = probs.reshape(-1, probs.shape[-1])                          # [N, V]: plain fancy indexing, no
     rows = np.arange(len(flat))[:, None]                               # take_along_axis (slow for a few rows)
     order = np.argsort(-flat, axis=-1, kind="stable")                 # [N, V]
@@ -117,6 +124,13 @@ class Coins:
         x = _mix(np.uint64(key) + (c + np.uint64(1)) * _GAMMA)          # arrays wrap silently (no errstate)
         return (x >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
 
+    def span(self, start: int, count: int, stream: int = 0) -> np.ndarray:
+        """at(range(start, start + count)): a round's consecutive counters, without building the array first."""
+        if count > _PY_COINS:
+            return self.at(np.arange(start, start + count, dtype=np.uint64), stream)
+        key = self._stream(stream)
+        return np.array([_coin(key, c) for c in range(start, start + count)], dtype=np.float64)
+
     def one(self, counter: int, stream: int = 0) -> float:
         return _coin(self._stream(stream), int(counter))
 
@@ -150,7 +164,7 @@ def sample(probs: np.ndarray, u: float) -> int:
 
     Example: probs [0.5, 0, 0.5]: u = 0.2 -> 0, u = 0.7 -> 2.
     """
-    cdf = np.cumsum(probs)
+    cdf = probs.cumsum() if isinstance(probs, np.ndarray) else np.cumsum(probs)
     idx = int(cdf.searchsorted(u * float(cdf[-1]), side="right"))
     if idx >= len(probs) or not probs[idx] > 0:     # u * total rounded up onto the last boundary
         idx = int(np.flatnonzero(probs > 0)[-1])
