@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specexport.build.stages.quantize import CALIBRATION_SEQUENCES
+from specexport.builder.stages.quantize import CALIBRATION_SEQUENCES
 from specexport.io_spec import ModelIO
 from specexport.quant.gguf_graph import gguf_tensors
 from specexport.quant.quality import EVAL_LENGTH, measure_quality, runtime_session, text_sequences

@@ -85,7 +85,7 @@ class ModelConfig:
 
     @property
     def lean(self) -> bool:
-        """Built without an fp32 graph: a GGUF model whose precisions are gguf alone (build/stages/gguf.py)."""
+        """Built without an fp32 graph: a GGUF model whose precisions are gguf alone (builder/stages/gguf.py)."""
         return "fp32" not in self.precisions
 
     @property
@@ -234,7 +234,7 @@ def _choices(value, key: str, allowed) -> tuple[str, ...]:
 
 def _precisions(value, key: str, *, gguf: bool = False) -> tuple[str, ...]:
     """The listed precisions, fp32 first: the quantized graphs are made from it and checked against it.
-    A GGUF model that lists gguf alone has none (a lean build: build/stages/gguf.py)."""
+    A GGUF model that lists gguf alone has none (a lean build: builder/stages/gguf.py)."""
     listed = _choices(value, key, PRECISIONS)
     if gguf and listed == ("gguf",):
         return listed

@@ -42,7 +42,7 @@ SCHEMES = {
     "gguf": (("gguf",), {"accuracy_level": (4, (0, 4)), "kernels": ("auto", ("auto", "ours", "stock")),
                          "layout": ("auto", ("auto", "file", "r8"))}),
     # a checkpoint quantized into ggml blocks as llama-quantize does (int8 Q8_0, int4 Q4_K_M), written as a
-    # GGUF file beside a graph on those blocks (build/stages/blocks.py); kernels as for gguf
+    # GGUF file beside a graph on those blocks (builder/stages/blocks.py); kernels as for gguf
     # (mix: llama-quantize's type: q8_0 for int8; q4_k_m, q4_1 or q4_0 for int4; auto: q8_0 / q4_k_m;
     # importance: imatrix = errors weighed by calibration activations, as llama-quantize --imatrix)
     "blocks": (("int8", "int4"), {"kernels": ("auto", ("auto", "ours", "stock")),

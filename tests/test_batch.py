@@ -140,7 +140,7 @@ def test_eagle_head_rows_are_checked_exact_before_they_share_passes(pipe, monkey
     from specexport.runtime.backends import head_slots
 
     # the target is gguf on our kernels: its head runs on our attention, checked by the build too, and
-    # the runtime opens its Q8_0 blocks (build/stages/head_blocks.py), as it does the Medusa heads'
+    # the runtime opens its Q8_0 blocks (builder/stages/head_blocks.py), as it does the Medusa heads'
     stage = pipe.manifest["heads"]["eagle"]["precisions"]["fp32"]
     assert "tree, our attention" in stage["parity_per_phase"]
     for kind, head in (("eagle", pipe.eagle), ("medusa", pipe.medusa)):

@@ -145,7 +145,7 @@ def test_blocks_build_runs_on_the_kernels_and_speculates_exactly(tmp_path, token
 def test_a_checkpoint_blocks_cannot_hold_takes_matmulnbits_and_says_why(tiny_checkpoints, tmp_path, write_yaml,
                                                                      capsys):
     """mistral (transformers reads no mistral GGUF back): the plan names MatMulNBits and why, in one line."""
-    from specexport.build.plan import plan_build
+    from specexport.builder.plan import plan_build
     from specexport.cli import main
     from specexport.config import load_config
 

@@ -1,4 +1,4 @@
-"""The engine folder carries the kernel library its graphs call (plugins/cpu/carry.py, build/stages/kernels.py):
+"""The engine folder carries the kernel library its graphs call (plugins/cpu/carry.py, builder/stages/kernels.py):
 the build copies the library it ran (and, with the cross tools, an AArch64 one) into kernels-<sha8>/<arch>/,
 listed in the manifest; a load with no compiler, no headers and an empty cache runs on it with the build's
 answer; a tampered file, another architecture or another kernel version is not loaded, and the line says why.

@@ -16,7 +16,7 @@ import pytest
 from specexport.cli import main
 from specexport.config import load_config
 from specexport.errors import SpecexportError
-from specexport.build.plan import plan_build
+from specexport.builder.plan import plan_build
 from specexport.export.tiny import make_tiny_checkpoint, train_tokenizer
 
 

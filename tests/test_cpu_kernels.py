@@ -374,7 +374,7 @@ def test_a_kernels_graph_where_the_library_is_hidden_says_why_and_what_to_do(tmp
 def test_model_yaml_chooses_the_kernels(monkeypatch):
     """quantization: {gguf: {kernels: auto | ours | stock}}: stock writes ONNX Runtime's ops and says why; ours
     fails, naming the field and the reason, where the kernels do not run; anything else is named."""
-    from specexport.build.stages.gguf_shared import choose_kernels
+    from specexport.builder.stages.gguf_shared import choose_kernels
     from specexport.errors import SpecexportError
     from specexport.schemes import quantization_settings
 

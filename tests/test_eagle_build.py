@@ -120,7 +120,7 @@ def test_head_graph_matches_the_published_head_and_the_check_has_teeth(random_ea
 # -- builds ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def eagle_builds(tiny_root, tiny_checkpoints, tokenizer, write_yaml, run_build):
-    from specexport.build.stages import eagle as eagle_stage
+    from specexport.builder.stages import eagle as eagle_stage
     from specexport.export.tiny import make_tiny_checkpoint
 
     patch = pytest.MonkeyPatch()

@@ -69,7 +69,7 @@ def test_a_layout_this_version_does_not_know_is_refused_before_any_pass(two_layo
 
 
 def test_layout_r8_where_the_kernels_do_not_run_is_refused_naming_the_key(monkeypatch):
-    from specexport.build.stages.gguf_shared import choose_layout
+    from specexport.builder.stages.gguf_shared import choose_layout
     from specexport.errors import SpecexportError
     from specexport.plugins import cpu
 

@@ -1,4 +1,4 @@
-"""Heads on our kernels (quant/graph_blocks.py, build/stages/head_blocks.py): an fp32 graph's weights as
+"""Heads on our kernels (quant/graph_blocks.py, builder/stages/head_blocks.py): an fp32 graph's weights as
 Q8_0 blocks (GgufMatMul / GgufGather, our attention).
 
 - An EAGLE-3 head: the exact twin equals the published head in PyTorch run on the blocks' dequantized
@@ -58,7 +58,7 @@ def _ops(path):
 def test_eagle_twin_equals_the_head_on_its_dequantized_weights(eagle3):
     from types import SimpleNamespace
 
-    from specexport.build.stages.head_blocks import eagle_checks
+    from specexport.builder.stages.head_blocks import eagle_checks
     from specexport.heads.eagle_graph import head_parity
     from specexport.quant.quality import runtime_session
 
@@ -82,7 +82,7 @@ def test_a_planted_quantizer_bug_fails_the_twins_parity(eagle3, monkeypatch, tmp
     """Blocks whose scales are 3% off (every fp16 d scaled): the twin no longer equals the dequantized head."""
     from types import SimpleNamespace
 
-    from specexport.build.stages.head_blocks import eagle_checks
+    from specexport.builder.stages.head_blocks import eagle_checks
     from specexport.quant import graph_blocks
     from specexport.quant.quality import runtime_session
 
@@ -129,7 +129,7 @@ def test_rows_that_are_not_whole_blocks_stay_fp32(kernels, tmp_path):
 
 @pytest.mark.parametrize("own", [True, False])
 def test_medusa_twin_equals_medusa_on_its_dequantized_weights(kernels, tmp_path, own):
-    from specexport.build.stages.head_blocks import dequantized
+    from specexport.builder.stages.head_blocks import dequantized
     from specexport.heads.medusa import MedusaWeights, export_heads, heads_parity
     from specexport.io_spec import HeadsIO
     from specexport.quant.graph_blocks import to_blocks

@@ -20,7 +20,7 @@ import specexport
 from specexport.cli import main
 from specexport.config import DEFAULT_QUALITY_GATES, load_config
 from specexport.errors import SpecexportError
-from specexport.build.plan import plan_build
+from specexport.builder.plan import plan_build
 from specexport.quant.quality import QualityReport, text_sequences
 from specexport.export.to_onnx import check_graph_io
 from specexport.io_spec import ModelIO

@@ -94,7 +94,7 @@ def test_build_copies_the_chat_template(chat_build):
 
 def test_eagle_prompts_are_encoded_at_build_time_as_the_runtime_encodes_chat_prompts(chat_build, reference, tmp_path):
     """tree: auto decodes eagle.prompts; the build must render them as Pipeline.chat_ids does."""
-    from specexport.build.plan import _prompt_ids
+    from specexport.builder.plan import _prompt_ids
 
     texts = ["What is 2 + 2?", "Say hi"]
     (tmp_path / "p.jsonl").write_text("".join(json.dumps(t) + "\n" for t in texts))

@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from specexport.build.plan import plan_build
+from specexport.builder.plan import plan_build
 from specexport.cli import main
 from specexport.config import load_config
 from specexport.manifest import read_manifest
@@ -60,13 +60,13 @@ def test_only_needs_the_other_stages_built(built_draft_only, tmp_path, capsys):
 
 def test_a_stage_is_fingerprinted_on_its_own_module_and_the_makers_it_imports():
     """A stage's output is reused while its fingerprint holds; the fingerprint hashes hand-kept source lists
-    (build/plan.py). Each stage module, and every module of the makers (export/, quant/, heads/, plugins/,
-    trt/, build/stages/, io_spec) it imports, must be in the lists its fingerprint takes: else an edit there
-    would leave an old output in place (build/stages/gguf.py and plugins/cpu/ once were)."""
+    (builder/plan.py). Each stage module, and every module of the makers (export/, quant/, heads/, plugins/,
+    trt/, builder/stages/, io_spec) it imports, must be in the lists its fingerprint takes: else an edit there
+    would leave an old output in place (builder/stages/gguf.py and plugins/cpu/ once were)."""
     import ast
     import fnmatch
 
-    from specexport.build import plan
+    from specexport.builder import plan
 
     package = Path(plan.__file__).resolve().parent.parent
     model = (*plan.GRAPH_SOURCES, *plan.ENGINE_SOURCES)         # every model stage's fingerprint holds these
@@ -74,7 +74,7 @@ def test_a_stage_is_fingerprinted_on_its_own_module_and_the_makers_it_imports():
              "blocks": (*model, *plan.QUANTIZER_SOURCES), "quantize": (*model, *plan.QUANTIZER_SOURCES),
              "medusa": (*model, *plan.HEADS_SOURCES), "eagle": (*model, *plan.EAGLE_SOURCES),
              "head_blocks": (*model, *plan.HEADS_SOURCES, *plan.EAGLE_SOURCES)}
-    makers = ("export/", "quant/", "heads/", "plugins/", "trt/", "build/stages/", "io_spec.py")
+    makers = ("export/", "quant/", "heads/", "plugins/", "trt/", "builder/stages/", "io_spec.py")
 
     def file_of(module: str) -> str | None:
         path = package.parent / Path(*module.split("."))
@@ -85,7 +85,7 @@ def test_a_stage_is_fingerprinted_on_its_own_module_and_the_makers_it_imports():
 
     missing = []
     for stage, patterns in lists.items():
-        own = f"build/stages/{stage}.py"
+        own = f"builder/stages/{stage}.py"
         used = {own}
         for node in ast.walk(ast.parse((package / own).read_text())):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specexport."):
@@ -94,4 +94,19 @@ def test_a_stage_is_fingerprinted_on_its_own_module_and_the_makers_it_imports():
                     if found and found.startswith(makers):
                         used.add(found)
         missing += [f"{stage}: {f}" for f in sorted(used) if not any(fnmatch.fnmatch(f, p) for p in patterns)]
-    assert not missing, "add these to the stage's *_SOURCES in build/plan.py:\n" + "\n".join(missing)
+    assert not missing, "add these to the stage's *_SOURCES in builder/plan.py:\n" + "\n".join(missing)
+
+
+def test_source_fingerprints_follow_contents_not_names(tmp_path):
+    """A stage's code fingerprint (plan.source_hash) keeps through a rename or a move of its modules (the
+    package build/ became builder/), and changes with a byte of any of them."""
+    from specexport.builder.plan import source_hash
+
+    (tmp_path / "build" / "stages").mkdir(parents=True)
+    (tmp_path / "build" / "stages" / "a.py").write_text("A = 1\n")
+    (tmp_path / "build" / "plan.py").write_text("B = 2\n")
+    before = source_hash(("build/stages/*.py", "build/plan.py"), tmp_path)
+    (tmp_path / "build").rename(tmp_path / "builder")
+    assert source_hash(("builder/stages/*.py", "builder/plan.py"), tmp_path) == before
+    (tmp_path / "builder" / "plan.py").write_text("B = 3\n")
+    assert source_hash(("builder/stages/*.py", "builder/plan.py"), tmp_path) != before

@@ -22,7 +22,7 @@ from specexport.errors import SpecexportError
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
 def build(config, dry_run, force, only, bench, verbose):
     """Build the artifacts described by CONFIG (a model.yaml)."""
-    from specexport.build.plan import plan_build
+    from specexport.builder.plan import plan_build
 
     cfg = load_config(config)
     if dry_run and _print_pending(cfg):
@@ -31,7 +31,7 @@ def build(config, dry_run, force, only, bench, verbose):
     _print_plan(plan)
     if dry_run:
         return
-    from specexport.build.run import Reporter, run_build
+    from specexport.builder.run import Reporter, run_build
 
     manifest = run_build(plan, force=force, reporter=Reporter(), only=only)
     _print_summary(manifest, cfg.output)
@@ -42,7 +42,7 @@ def build(config, dry_run, force, only, bench, verbose):
 def _print_pending(cfg) -> bool:
     """--dry-run with GGUF models not converted yet: check what can be checked, name what a build would
     convert and where, convert nothing. False when there is nothing pending (the full plan prints)."""
-    from specexport.build.plan import check_before_work
+    from specexport.builder.plan import check_before_work
     from specexport.export.gguf import pending_conversions
 
     pending = pending_conversions(cfg)

@@ -1,6 +1,6 @@
 """A model's graph without its weights: what a lean build exports from a GGUF model's config alone.
 
-The fp32 route (build/stages/export.py) loads the checkpoint, exports it and keeps an fp32 copy of the
+The fp32 route (builder/stages/export.py) loads the checkpoint, exports it and keeps an fp32 copy of the
 model two or three times over (torch, the exporter, ONNX Runtime's check): 13 GiB at the peak for the
 Qwen2.5-Coder 1.5B + 0.5B pair, and a 3B does not build in 24 GB. The graph's structure does not need
 the weights: here the same StaticKVDecoder wraps the HF model built on torch's meta device whose

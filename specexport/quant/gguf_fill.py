@@ -1,4 +1,4 @@
-"""The lean route's graph (no fp32 graph, build/stages/gguf.py): the weightless export of export/lean.py
+"""The lean route's graph (no fp32 graph, builder/stages/gguf.py): the weightless export of export/lean.py
 with its weight inputs made of the GGUF file's tensors, found by name (export/gguf_weights.py), the
 block-quantized nodes built as the fp32 route builds them (quant/gguf_graph.py's _Builder)."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A Hugging Face checkpoint written as a GGUF file, its weights quantized into ggml's blocks.
 
 Why: the CPU kernels (plugins/cpu) multiply GGUF blocks, so a checkpoint quantized into them runs on the
-kernels through the lean GGUF route (build/stages/blocks.py), and the same file runs in llama.cpp: the
+kernels through the lean GGUF route (builder/stages/blocks.py), and the same file runs in llama.cpp: the
 bench compares both on identical bytes. The gguf package writes the file (GGUFWriter, its tensor name
 map, SpecialVocab for merges and special tokens); what it lacks is written here: the K-quant
 quantizers (quant/kquant.py) and llama-quantize's choice of block type per tensor:

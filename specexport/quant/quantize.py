@@ -186,6 +186,6 @@ def _quiet_quantizer():
 
 def _graph_default(precision: str) -> dict:
     """The precision's default scheme among those made here from the fp32 graph (blocks, int8/int4's
-    default, is made from the checkpoint by build/stages/blocks.py): MatMulNBits for int8/int4."""
+    default, is made from the checkpoint by builder/stages/blocks.py): MatMulNBits for int8/int4."""
     scheme = default_scheme(precision)
     return default_scheme(precision, "matmulnbits") if scheme["scheme"] == "blocks" else scheme

@@ -179,7 +179,7 @@ def on_our_kernels(stage: dict) -> bool:
 
 
 def _heads_stage(entry: dict, manifest: dict, kind: str, target_precision: str) -> dict:
-    """Heads' q8_0 stage (build/stages/head_blocks.py) beside a target on our kernels, else their fp32 one."""
+    """Heads' q8_0 stage (builder/stages/head_blocks.py) beside a target on our kernels, else their fp32 one."""
     blocks = entry["precisions"].get("q8_0")
     if blocks is not None and kind == "onnxruntime" and _on_kernels(manifest, target_precision):
         return blocks

@@ -14,7 +14,7 @@ stages it `needs` (never others); when one of those was rebuilt in this run, it 
     previous(ctx) its entry in the build being replaced, if any
     place(m, e)   puts entry e where it belongs in the new manifest m
 
-Kinds (build/stages/): ExportStage (fp32 graph + parity against PyTorch), QuantizeStage (a quantized
+Kinds (builder/stages/): ExportStage (fp32 graph + parity against PyTorch), QuantizeStage (a quantized
 graph made from fp32 + quality gate), VocabStage (a draft's measured output vocabulary), MedusaStage,
 EagleStage (heads' graphs + parity + tree: auto), TokenizerStage. A new kind is a subclass with these
 members and a line in `plan.stages()`.

@@ -49,8 +49,8 @@ class StageResult:
 
 @dataclass
 class BuildContext:
-    plan: object                       # build.plan.Plan
-    folders: object                    # build.outdir.StageFolders
+    plan: object                       # builder.plan.Plan
+    folders: object                    # builder.outdir.StageFolders
     reporter: Reporter
     previous: dict                     # the manifest of the build in the output folder ({} if none)
     force: bool = False
@@ -114,7 +114,7 @@ def eval_sequences(ctx: BuildContext, mp, fp32_session, *, graph: str = "fp32 gr
 
 def peak_rss() -> dict:
     """The build's peak resident memory so far, bytes: this process's and its finished child processes'
-    largest (the export child of a large checkpoint: build/stages/export.py). Linux reports KiB."""
+    largest (the export child of a large checkpoint: builder/stages/export.py). Linux reports KiB."""
     import resource
 
     return {"process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specexport import owned
-from specexport.build.context import eval_sequences, files_entry
-from specexport.build.stage import ModelStage
-from specexport.build.stages.gguf_shared import (choose_kernels, choose_layout, exact_twin, kernels_entry, lean_graph,
+from specexport.builder.context import eval_sequences, files_entry
+from specexport.builder.stage import ModelStage
+from specexport.builder.stages.gguf_shared import (choose_kernels, choose_layout, exact_twin, kernels_entry, lean_graph,
                                                 note_layout, parity_check)
-from specexport.build.stages.quantize import gate_quality, measure_against, row_checks, spill
+from specexport.builder.stages.quantize import gate_quality, measure_against, row_checks, spill
 from specexport.errors import ParityError
 
 

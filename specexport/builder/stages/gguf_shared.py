@@ -1,4 +1,4 @@
-"""What the gguf and blocks stages share (build/stages/gguf.py, blocks.py): which ops a graph calls and its
+"""What the gguf and blocks stages share (builder/stages/gguf.py, blocks.py): which ops a graph calls and its
 weights' layout, the lean graph filled from a GGUF file, and the parity check of a graph computed in fp32
 (its exact twin) against its reference."""
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The checkpoint is written as a GGUF file quantized as llama-quantize quantizes (quant/gguf_write.py:
 int8 Q8_0, int4 the Q4_K_M mix; the file's tensors are llama-quantize's bytes), then built as a lean GGUF
-graph is (build/stages/gguf.py): a weightless export filled from that file's blocks, GgufMatMul(N) on our
+graph is (builder/stages/gguf.py): a weightless export filled from that file's blocks, GgufMatMul(N) on our
 kernels where they run here (else ONNX Runtime's block ops, said in one line). The file stays beside the
 graph (model.gguf), so llama.cpp runs the same bytes.
 
@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 
 from specexport import owned
-from specexport.build.context import files_entry
-from specexport.build.stage import ModelStage
-from specexport.build.stages.gguf_shared import (choose_kernels, choose_layout, exact_twin, kernels_entry, lean_graph,
+from specexport.builder.context import files_entry
+from specexport.builder.stage import ModelStage
+from specexport.builder.stages.gguf_shared import (choose_kernels, choose_layout, exact_twin, kernels_entry, lean_graph,
                                                 note_layout, parity_check)
-from specexport.build.stages.quantize import gate_quality, measure_apart
+from specexport.builder.stages.quantize import gate_quality, measure_apart
 from specexport.errors import ParityError, SpecexportError
 from specexport.manifest import describe_files
 
@@ -118,7 +118,7 @@ def _importance(ctx, mp, settings: dict) -> tuple[dict | None, dict | str]:
     scheme would take) and what it was collected on; (None, "none") otherwise."""
     if settings["importance"] != "imatrix":
         return None, "none"
-    from specexport.build.stages.quantize import calibration_sequences
+    from specexport.builder.stages.quantize import calibration_sequences
     from specexport.quant.imatrix import collect
     from specexport.quant.quality import runtime_session
 

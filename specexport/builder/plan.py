@@ -71,16 +71,16 @@ class Plan:
         """The build, in the order it runs (build/stage.py): per model its fp32 graph, then (a draft with
         `vocab: N`, after the target's graph) its measured vocabulary before its own graphs, then each
         quantized precision; the heads; the kernel library (gguf, blocks); the tokenizer copy."""
-        from specexport.build.outdir import tokenizer_digest
-        from specexport.build.stages.blocks import BlocksStage
-        from specexport.build.stages.eagle import EagleStage
-        from specexport.build.stages.export import ExportStage
-        from specexport.build.stages.gguf import GgufStage
-        from specexport.build.stages.kernels import KernelsStage
-        from specexport.build.stages.medusa import MedusaStage
-        from specexport.build.stages.quantize import QuantizeStage
-        from specexport.build.stages.tokenizer import TokenizerStage
-        from specexport.build.stages.vocab import VocabStage
+        from specexport.builder.outdir import tokenizer_digest
+        from specexport.builder.stages.blocks import BlocksStage
+        from specexport.builder.stages.eagle import EagleStage
+        from specexport.builder.stages.export import ExportStage
+        from specexport.builder.stages.gguf import GgufStage
+        from specexport.builder.stages.kernels import KernelsStage
+        from specexport.builder.stages.medusa import MedusaStage
+        from specexport.builder.stages.quantize import QuantizeStage
+        from specexport.builder.stages.tokenizer import TokenizerStage
+        from specexport.builder.stages.vocab import VocabStage
 
         stages = []
         for mp in self.models:
@@ -161,7 +161,7 @@ def plan_build(cfg: BuildConfig, *, console=None) -> Plan:
 def check_before_work(cfg: BuildConfig) -> None:
     """What is checked before anything is read at length or written: inputs and output apart, the output
     folder usable, the optional packages the config needs. Raises SpecexportError naming the problem."""
-    from specexport.build.outdir import check_output
+    from specexport.builder.outdir import check_output
 
     check_output_apart(cfg)
     check_output(cfg.output)
@@ -389,22 +389,23 @@ def _fingerprint(path: Path, options: dict) -> str:
 # constant bumped by hand, cannot be forgotten; the price is that a comment edit also rebuilds).
 GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gqa.py", "export/to_onnx.py",
                  "export/registry.py", "export/adapters/*.py", "export/lean.py", "export/gguf_weights.py",
-                 "export/gguf_reference.py", "export/validate.py", "build/stages/export.py")
-ENGINE_SOURCES = ("trt/*.py", "plugins/*.py", "build/stages/engines.py", "quant/fp16.py", "quant/quality.py")
-QUANTIZER_SOURCES = ("quant/*.py", "build/stages/[bgq]*.py", "plugins/cpu/*.py", "plugins/cpu/sx_layout.h")  # blocks, gguf, quantize
-HEADS_SOURCES = ("io_spec.py", "heads/medusa*.py", "build/stages/medusa.py", "export/to_onnx.py", "build/stages/head_blocks.py",
+                 "export/gguf_reference.py", "export/validate.py", "builder/stages/export.py")
+ENGINE_SOURCES = ("trt/*.py", "plugins/*.py", "builder/stages/engines.py", "quant/fp16.py", "quant/quality.py")
+QUANTIZER_SOURCES = ("quant/*.py", "builder/stages/[bgq]*.py", "plugins/cpu/*.py", "plugins/cpu/sx_layout.h")  # blocks, gguf, quantize
+HEADS_SOURCES = ("io_spec.py", "heads/medusa*.py", "builder/stages/medusa.py", "export/to_onnx.py", "builder/stages/head_blocks.py",
                  "quant/graph_blocks.py", "quant/kquant.py", "quant/quality.py")
-EAGLE_SOURCES = (*HEADS_SOURCES, "heads/eagle*.py", "build/stages/eagle.py", "export/gqa.py", "plugins/cpu/graph.py")
+EAGLE_SOURCES = (*HEADS_SOURCES, "heads/eagle*.py", "builder/stages/eagle.py", "export/gqa.py", "plugins/cpu/graph.py")
 # tests/test_stages.py fails when a stage's module, or a module of the makers it imports, is in none of its lists
 
 
-def source_hash(patterns) -> str:
-    """sha256 of the named specexport source files (globs relative to the package), in name order."""
-    root = Path(__file__).resolve().parent.parent
-    digest = hashlib.sha256()
-    for path in sorted({p for pat in patterns for p in root.glob(pat)}):
-        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
+def source_hash(patterns, root: Path | None = None) -> str:
+    """sha256 of the contents of the named source files (globs relative to the package, or `root`). Names
+    are left out, so moving or renaming a module (the package `build/` became `builder/`) keeps every
+    fingerprint; a changed byte in any of them changes it."""
+    root = root or Path(__file__).resolve().parent.parent
+    files = {p for pat in patterns for p in root.glob(pat)}
+    digests = sorted(hashlib.sha256(p.read_bytes()).digest() for p in files)
+    return hashlib.sha256(b"".join(digests)).hexdigest()[:16]
 
 
 def tool_versions() -> dict:

@@ -8,8 +8,8 @@ import shutil
 from dataclasses import dataclass
 
 from specexport._optional import require
-from specexport.build.outdir import reusable_tokenizer, tokenizer_digest
-from specexport.build.stage import Stage
+from specexport.builder.outdir import reusable_tokenizer, tokenizer_digest
+from specexport.builder.stage import Stage
 from specexport.manifest import sha256_file
 
 

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 
 from specexport import owned
-from specexport.build.context import eval_sequences, files_entry
-from specexport.build.stage import ModelStage
+from specexport.builder.context import eval_sequences, files_entry
+from specexport.builder.stage import ModelStage
 from specexport.config import GPU_PRECISIONS
 from specexport.errors import ParityError
 
@@ -172,7 +172,7 @@ def gate_quality(ctx, mp, precision: str, scheme: dict, checks, text: dict) -> i
 
 def _gpu_extras(ctx, mp, precision, partial, on_cpu, source, min_tokens) -> dict:
     """A GPU precision's plugin graph and engine entries ({"files": [...]} plus their records)."""
-    from specexport.build.stages.engines import engine, plugin_graph
+    from specexport.builder.stages.engines import engine, plugin_graph
 
     if precision not in GPU_PRECISIONS:
         return {"files": []}

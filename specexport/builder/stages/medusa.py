@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from specexport import owned
-from specexport.build.context import eval_sequences, files_entry
-from specexport.build.stage import Stage
-from specexport.build.stages.head_blocks import PRECISION, SEQUENCES, dequantized, kernel_head
+from specexport.builder.context import eval_sequences, files_entry
+from specexport.builder.stage import Stage
+from specexport.builder.stages.head_blocks import PRECISION, SEQUENCES, dequantized, kernel_head
 from specexport.errors import ParityError
 from specexport.io_spec import HIDDEN_STATES
 from specexport.manifest import files_intact
@@ -22,7 +22,7 @@ from specexport.manifest import files_intact
 @dataclass(frozen=True)
 class HeadsStage(Stage):
     """Heads on the target's states, exported as their own graph: heads.<kind> in the manifest."""
-    heads: object = None              # build.plan.HeadsPlan
+    heads: object = None              # builder.plan.HeadsPlan
 
     def previous(self, ctx) -> dict | None:
         return ctx.previous.get("heads", {}).get(self.name)

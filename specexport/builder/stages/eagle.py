@@ -21,9 +21,9 @@ import numpy as np
 
 from specexport import owned
 from specexport._console import Steps
-from specexport.build.context import eval_sequences, files_entry
-from specexport.build.stages.head_blocks import PRECISION, SEQUENCES, eagle_checks, kernel_head
-from specexport.build.stages.medusa import HeadsStage
+from specexport.builder.context import eval_sequences, files_entry
+from specexport.builder.stages.head_blocks import PRECISION, SEQUENCES, eagle_checks, kernel_head
+from specexport.builder.stages.medusa import HeadsStage
 from specexport.errors import ParityError
 from specexport.io_spec import AUX_HIDDEN_STATES
 

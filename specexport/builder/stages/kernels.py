@@ -10,7 +10,7 @@ import hashlib
 import shutil
 from dataclasses import dataclass
 
-from specexport.build.stage import Stage
+from specexport.builder.stage import Stage
 from specexport.errors import KernelsUnavailable
 from specexport.manifest import files_intact, sha256_file
 

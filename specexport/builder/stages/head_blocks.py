@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from specexport import owned
-from specexport.build.context import files_entry
+from specexport.builder.context import files_entry
 from specexport.errors import ParityError
 from specexport.io_spec import TOPK_IDS
 

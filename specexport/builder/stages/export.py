@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specexport import owned
-from specexport.build.context import StageResult, files_entry   # noqa: F401  (StageResult: for type readers)
-from specexport.build.stage import ModelStage
+from specexport.builder.context import StageResult, files_entry   # noqa: F401  (StageResult: for type readers)
+from specexport.builder.stage import ModelStage
 from specexport.errors import ParityError
 
 # Checkpoints above this size export in a child process: torch.onnx.export keeps about one extra copy
@@ -21,7 +21,7 @@ SUBPROCESS_EXPORT_BYTES = 64 * 2**20
 @dataclass(frozen=True)
 class ExportStage(ModelStage):
     def run(self, ctx) -> dict:
-        from specexport.build.stages.engines import engine
+        from specexport.builder.stages.engines import engine
         from specexport.export.to_onnx import load_hf_model
         from specexport.export.validate import compare, onnx_logits, parity_case, reference_logits
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specexport.build.stage import Stage
+from specexport.builder.stage import Stage
 
 VOCAB_SEQUENCES, VOCAB_LENGTH, VOCAB_SEED = 32, 128, 2
 
