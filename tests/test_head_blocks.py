@@ -70,8 +70,8 @@ def test_eagle_twin_equals_the_head_on_its_dequantized_weights(eagle3):
     twin = root / "twin.onnx"
     good = checks["parity"](twin, runtime_session(twin))
     assert good["max_rel_error"] < 1e-4 and set(good["per_phase"]) == {"prefill", "catch_up", "tree"}
-    fp32 = head_parity(e["w"], e["embed"], None, e["io"], twin, e["case"]["seq"], e["case"]["target_states"],
-                       session=runtime_session(twin))
+    fp32 = head_parity(e["w"], e["embed"], None, e["io"], twin, tokens=e["case"]["seq"],
+                       features=e["case"]["target_states"], session=runtime_session(twin))
     assert fp32["max_rel_error"] > 1e-3                  # the blocks are not the fp32 weights
     want = checks["proposals"](runtime_session(root / "model.onnx"))
     got = checks["proposals"](runtime_session(root / "q8.onnx"))

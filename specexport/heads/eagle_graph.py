@@ -152,8 +152,8 @@ def export_head(w: EagleWeights, embed: np.ndarray, lm_head, io: EagleIO, onnx_p
 
 # -- the check against the published head ------------------------------------------------------------
 
-def head_parity(w: EagleWeights, embed: np.ndarray, lm_head, io: EagleIO, onnx_path: Path, tokens: np.ndarray,
-                features: np.ndarray, *, session=None) -> dict:
+def head_parity(w: EagleWeights, embed: np.ndarray, lm_head, io: EagleIO, onnx_path: Path, *, tokens: np.ndarray,
+                features: np.ndarray, session=None) -> dict:
     """The graph in ONNX Runtime against `make_head` in PyTorch.
 
     tokens [S + 1] and the target's features [S, F] at positions 0..S-1 (its own, from the target
@@ -163,39 +163,56 @@ def head_parity(w: EagleWeights, embed: np.ndarray, lm_head, io: EagleIO, onnx_p
     rows. Each row's reference is `make_head` on the committed rows plus the row's own path.
     Compared: the top-K log-probs (at the graph's ids, and the reference's own top K) and the output
     hidden state, relative to their largest magnitude. Returns {max_rel_error, per_phase, rows}."""
-    torch = require("torch")
-    ort = require("onnxruntime")
     if session is None:
+        ort = require("onnxruntime")
         opts = ort.SessionOptions()
         opts.add_session_config_entry("session.disable_prepacking", "1")
         session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
-    head = make_head(w)
-    emb_all = torch.from_numpy(np.ascontiguousarray(embed))
-    lm = None if lm_head is None else torch.from_numpy(np.ascontiguousarray(lm_head))
+    check = _Parity(w, embed, lm_head, io, session)
     S = len(features)
-    rows_tokens = np.asarray(tokens[1:S + 1], np.int64)                       # [S] row j reads token j + 1
+    rows = np.asarray(tokens[1:S + 1], np.int64)                                # [S] row j reads token j + 1
+    ref_lp, ref_h = check.reference(rows, features, np.zeros((0, io.hidden_size), np.float32))
+    split = max(1, S // 2)
+    check.run(rows[:split], features[:split], None, np.arange(split), None, "prefill",
+              list(zip(ref_lp[:split], ref_h[:split])))
+    ids, _ = check.run(rows[split:], features[split:], None, np.arange(split, S), None, "catch_up",
+                       list(zip(ref_lp[split:], ref_h[split:])))
+    check.tree(rows, features, ids[-1], ref_h[-1])
+    return {"max_rel_error": max(check.errors.values()), "per_phase": check.errors, "rows": check.count}
 
-    def reference(row_tokens, feats, own):
+
+class _Parity:
+    """head_parity's two sides: the graph's session with its caches, and make_head's reference; the worst
+    relative error per phase."""
+
+    def __init__(self, w: EagleWeights, embed: np.ndarray, lm_head, io: EagleIO, session):
+        self.torch = torch = require("torch")
+        self.w, self.io, self.session, self.head = w, io, session, make_head(w)
+        self.embed = torch.from_numpy(np.ascontiguousarray(embed))
+        self.lm = None if lm_head is None else torch.from_numpy(np.ascontiguousarray(lm_head))
+        self.past = io.empty_caches()
+        self.errors, self.count = {}, 0
+
+    def reference(self, row_tokens, feats, own):
         """make_head over a chain of rows: feats [n, F] target features for the first rows, then own
         hidden states [m, H] (EAGLE-3: fc skipped; EAGLE-1: they are the features)."""
+        torch, head = self.torch, self.head
         with torch.no_grad():
             f = torch.from_numpy(np.asarray(feats, np.float32))
-            if w.version == 3:
+            if self.w.version == 3:
                 f = head.fc(f)
             f = torch.cat([f, torch.from_numpy(np.asarray(own, np.float32).reshape(-1, f.shape[-1]))])
             n = len(row_tokens)
-            logits, hidden = head(emb_all[torch.from_numpy(np.asarray(row_tokens))][None], f[None],
-                                  torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), lm, own_hidden=True)
+            logits, hidden = head(self.embed[torch.from_numpy(np.asarray(row_tokens))][None], f[None],
+                                  torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril(), self.lm, own_hidden=True)
             return torch.log_softmax(logits[0], -1).numpy(), hidden[0].numpy()
 
-    errors, count = {}, 0
-    past = io.empty_caches()
-
-    def run(toks, feats, own, positions, mask, phase, refs):
-        nonlocal past, count
-        outs = dict(zip(io.output_names, session.run(None, io.feeds(toks, features=feats, draft_hidden=own,
-                                                                    positions=positions, mask=mask, past=past))))
-        past = [outs[n] for n in io.present_names(0)]
+    def run(self, toks, feats, own, positions, mask, phase, refs):
+        """One graph call, its caches kept; each row compared with its reference (log-probs, hidden)."""
+        io = self.io
+        outs = dict(zip(io.output_names, self.session.run(None, io.feeds(
+            toks, features=feats, draft_hidden=own, positions=positions, mask=mask, past=self.past))))
+        self.past = [outs[n] for n in io.present_names(0)]
         ids, values, hidden = outs[TOPK_IDS][0], outs[TOPK_LOGPROBS][0], outs[HIDDEN_STATES][0]
         for r, (ref_lp, ref_hidden) in enumerate(refs):
             at_ids = ref_lp[ids[r]]
@@ -204,40 +221,34 @@ def head_parity(w: EagleWeights, embed: np.ndarray, lm_head, io: EagleIO, onnx_p
             scale_h = max(float(np.abs(ref_hidden).max()), 1e-30)
             err = max(float(np.abs(at_ids - values[r]).max()) / scale_lp, float(np.abs(top - values[r]).max()) / scale_lp,
                       float(np.abs(ref_hidden - hidden[r]).max()) / scale_h)
-            errors[phase] = max(errors.get(phase, 0.0), err)
-            count += 1
+            self.errors[phase] = max(self.errors.get(phase, 0.0), err)
+            self.count += 1
         return ids, hidden
 
-    zero_own = np.zeros((0, io.hidden_size), np.float32)
-    ref_lp, ref_h = reference(rows_tokens, features, zero_own)
-    split = max(1, S // 2)
-    run(rows_tokens[:split], features[:split], None, np.arange(split), None, "prefill",
-        list(zip(ref_lp[:split], ref_h[:split])))
-    ids, hidden = run(rows_tokens[split:], features[split:], None, np.arange(split, S), None, "catch_up",
-                      list(zip(ref_lp[split:], ref_h[split:])))
-    # three draft levels grown from the last row: 2 children, then 2 + 1, then 1 each; a node is
-    # (token, own hidden input, ancestors), its ancestors' cache rows visible and nothing else
-    level = [_Node(int(t), ref_h[-1], ()) for t in ids[-1][:2]]
-    for depth in range(1, 4):
-        P = past[0].shape[2]
-        mask = np.zeros((len(level), P + len(level)), bool)
-        mask[:, :S] = True
-        refs = []
-        for i, node in enumerate(level):
-            node.row = P + i
-            mask[i, [a.row for a in node.ancestors]] = True
-            mask[i, P + i] = True
-            chain = (*node.ancestors, node)
-            lp, hid = reference(np.concatenate([rows_tokens, [a.token for a in chain]]), features,
-                                np.stack([a.own for a in chain]))
-            node.hidden = hid[-1]
-            refs.append((lp[-1], hid[-1]))
-        ids, _ = run(np.array([n.token for n in level]), None, np.stack([n.own for n in level]),
-                     np.full(len(level), S + depth - 1), mask, "tree", refs)
-        widths = [2, 1] if depth == 1 else [1] * len(level)
-        level = [_Node(int(ids[i][c]), node.hidden, (*node.ancestors, node))
-                 for i, node in enumerate(level) for c in range(widths[i] if i < len(widths) else 1)]
-    return {"max_rel_error": max(errors.values()), "per_phase": errors, "rows": count}
+    def tree(self, rows, features, root_ids, root_hidden):
+        """Three draft levels grown from the last row: 2 children, then 2 + 1, then 1 each; a node is
+        (token, own hidden input, ancestors), its ancestors' cache rows visible and nothing else."""
+        S = len(features)
+        level = [_Node(int(t), root_hidden, ()) for t in root_ids[:2]]
+        for depth in range(1, 4):
+            P = self.past[0].shape[2]
+            mask = np.zeros((len(level), P + len(level)), bool)
+            mask[:, :S] = True
+            refs = []
+            for i, node in enumerate(level):
+                node.row = P + i
+                mask[i, [a.row for a in node.ancestors]] = True
+                mask[i, P + i] = True
+                chain = (*node.ancestors, node)
+                lp, hid = self.reference(np.concatenate([rows, [a.token for a in chain]]), features,
+                                         np.stack([a.own for a in chain]))
+                node.hidden = hid[-1]
+                refs.append((lp[-1], hid[-1]))
+            ids, _ = self.run(np.array([n.token for n in level]), None, np.stack([n.own for n in level]),
+                              np.full(len(level), S + depth - 1), mask, "tree", refs)
+            widths = [2, 1] if depth == 1 else [1] * len(level)
+            level = [_Node(int(ids[i][c]), node.hidden, (*node.ancestors, node))
+                     for i, node in enumerate(level) for c in range(widths[i] if i < len(widths) else 1)]
 
 
 class _Node:

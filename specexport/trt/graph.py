@@ -82,7 +82,6 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
     nodes, 2 TRT_Attention nodes, and past_key.0 typed [batch, 2, 128, 16]. Checked on CPU (cpu_session);
     UNVERIFIED: that TensorRT's parser imports it and builds it (no TensorRT where this was written)."""
     onnx = require("onnx")
-    helper = onnx.helper
     if attention not in ATTENTION_OPTIONS:
         raise SpecexportError(f"attention: expected one of {', '.join(ATTENTION_OPTIONS)}, got {attention!r}")
     if not isinstance(kv_capacity, int) or kv_capacity < 1:
@@ -91,95 +90,105 @@ def engine_graph(model, *, head_dim: int, kv_capacity: int, attention: str = "na
     for name in (INPUT_IDS, ATTENTION_MASK):
         if name not in {i.name for i in graph.input}:
             raise SpecexportError(f"engine graph: the graph has no input {name!r}")
-    consts: set[str] = set()
+    w = _Writer(graph)
+    shared = _shared_nodes(w, attention, kv_capacity)
+    nodes, count = replace_nodes(graph, SOURCE_OP, lambda old, index: _attention_nodes(
+        w, old, index, head_dim=head_dim, attention=attention), before=shared)
+    if not count:
+        raise SpecexportError(f"engine graph: the graph has no {SOURCE_OP} node to replace")
+    install(graph, nodes)
+    _fix_capacity(graph, kv_capacity)
+    model.opset_import.append(onnx.helper.make_opsetid(TRT_DOMAIN, 1))
+    if attention == "plugin":
+        from specexport.plugins.trt_plugin import NAMESPACE
 
-    def const(name: str, values, dtype=np.int64) -> str:
-        if name not in consts:
-            graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(values, dtype), name))
-            consts.add(name)
+        model.opset_import.append(onnx.helper.make_opsetid(NAMESPACE, 1))
+    return model
+
+
+_E = "/engine"                  # the prefix of the nodes and constants every layer shares
+
+
+class _Writer:
+    """Makes one graph's nodes, and its integer constants once each."""
+
+    def __init__(self, graph):
+        self.onnx = require("onnx")
+        self.graph, self.consts = graph, set()
+
+    def const(self, name: str, values, dtype=np.int64) -> str:
+        if name not in self.consts:
+            self.graph.initializer.append(self.onnx.numpy_helper.from_array(np.asarray(values, dtype), name))
+            self.consts.add(name)
         return name
 
-    def node(op, inputs, outputs, name, domain="", **attrs):
-        return helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs)
+    def node(self, op, inputs, outputs, name, domain="", **attrs):
+        return self.onnx.helper.make_node(op, inputs, outputs, name=name, domain=domain, **attrs)
 
-    # -- shared: the write position P and the mask, once per graph ------------------------------
-    e = "/engine"
+
+def _shared_nodes(w: _Writer, attention: str, kv_capacity: int) -> list:
+    """The write position P (from the mask's width: P + T) and the mask, once per graph: `{_E}/write_index`
+    [B] int32 and `{_E}/mask` ([B, 1, T, C] bool for the native attention, [T, P + T] for the plugin)."""
+    node, e, tensor = w.node, _E, w.onnx.TensorProto
     nodes = [
         node("Shape", [ATTENTION_MASK], [f"{e}/total"], f"{e}/total", start=2, end=3),         # [1] P + T
         node("Shape", [INPUT_IDS], [f"{e}/tokens"], f"{e}/tokens", start=1, end=2),            # [1] T
         node("Shape", [INPUT_IDS], [f"{e}/batch"], f"{e}/batch", start=0, end=1),              # [1] B
         node("Sub", [f"{e}/total", f"{e}/tokens"], [f"{e}/past_length"], f"{e}/past_length"),  # [1] P
         node("Expand", [f"{e}/past_length", f"{e}/batch"], [f"{e}/write_index64"], f"{e}/write_index64"),
-        node("Cast", [f"{e}/write_index64"], [f"{e}/write_index"], f"{e}/write_index",
-             to=onnx.TensorProto.INT32),                                                       # [B] int32
+        node("Cast", [f"{e}/write_index64"], [f"{e}/write_index"], f"{e}/write_index", to=tensor.INT32),   # [B]
     ]
-    write_index = f"{e}/write_index"
+    if attention != "native":
+        return nodes + [node("Squeeze", [ATTENTION_MASK, w.const(f"{e}/axis0", [0])], [f"{e}/mask"], f"{e}/mask")]
+    return nodes + [
+        node("Sub", [w.const(f"{e}/capacity", [kv_capacity]), f"{e}/total"], [f"{e}/pad_rows"], f"{e}/pad_rows"),
+        node("Shape", [ATTENTION_MASK], [f"{e}/batch_tokens"], f"{e}/batch_tokens", start=0, end=2),
+        node("Concat", [f"{e}/batch_tokens", f"{e}/pad_rows"], [f"{e}/pad_shape"], f"{e}/pad_shape", axis=0),
+        node("ConstantOfShape", [f"{e}/pad_shape"], [f"{e}/mask_pad"], f"{e}/mask_pad",
+             value=w.onnx.helper.make_tensor("false", tensor.BOOL, [1], [False])),          # [B, T, C-P-T]
+        node("Concat", [ATTENTION_MASK, f"{e}/mask_pad"], [f"{e}/mask_rows"], f"{e}/mask_rows", axis=2),
+        node("Unsqueeze", [f"{e}/mask_rows", w.const(f"{e}/axis1", [1])], [f"{e}/mask"], f"{e}/mask"),  # [B,1,T,C]
+    ]
+
+
+def _attention_nodes(w: _Writer, old, index: int, *, head_dim: int, attention: str) -> list:
+    """The nodes replacing attention node `index` (`old`): K and V written in place, then the attention."""
+    hq, hkv, scale, (q, k, v, past_k, past_v), (out, present_k, present_v) = attention_fields(old, head_dim)
+    node, e, p = w.node, _E, f"/engine/layers.{index}/attn"
+    kv_heads = w.const(f"{e}/kv_heads_shape{hkv}", [0, -1, hkv, head_dim])
+    nodes = [
+        *_to_heads(node, k, kv_heads, f"{p}/k"),                               # [B, Hkv, T, D]
+        *_to_heads(node, v, kv_heads, f"{p}/v"),
+        node(KV_UPDATE_OP, [past_k, f"{p}/k_heads", f"{e}/write_index"], [present_k], f"{p}/{KV_UPDATE_OP}_k",
+             domain=TRT_DOMAIN, **KV_UPDATE_ATTRS),
+        node(KV_UPDATE_OP, [past_v, f"{p}/v_heads", f"{e}/write_index"], [present_v], f"{p}/{KV_UPDATE_OP}_v",
+             domain=TRT_DOMAIN, **KV_UPDATE_ATTRS),
+    ]
     if attention == "native":
-        nodes += [
-            node("Sub", [const(f"{e}/capacity", [kv_capacity]), f"{e}/total"], [f"{e}/pad_rows"], f"{e}/pad_rows"),
-            node("Shape", [ATTENTION_MASK], [f"{e}/batch_tokens"], f"{e}/batch_tokens", start=0, end=2),
-            node("Concat", [f"{e}/batch_tokens", f"{e}/pad_rows"], [f"{e}/pad_shape"], f"{e}/pad_shape", axis=0),
-            node("ConstantOfShape", [f"{e}/pad_shape"], [f"{e}/mask_pad"], f"{e}/mask_pad",
-                 value=helper.make_tensor("false", onnx.TensorProto.BOOL, [1], [False])),   # [B, T, C-P-T]
-            node("Concat", [ATTENTION_MASK, f"{e}/mask_pad"], [f"{e}/mask_rows"], f"{e}/mask_rows", axis=2),
-            node("Unsqueeze", [f"{e}/mask_rows", const(f"{e}/axis1", [1])], [f"{e}/mask"], f"{e}/mask"),  # [B,1,T,C]
+        return nodes + [
+            *_to_heads(node, q, w.const(f"{e}/q_heads_shape{hq}", [0, -1, hq, head_dim]), f"{p}/q"),
+            node("CastLike", [w.const(f"{e}/scale{index + 1}", scale, np.float32), f"{p}/q_heads"], [f"{p}/scale"],
+                 f"{p}/scale"),
+            node("Mul", [f"{p}/q_heads", f"{p}/scale"], [f"{p}/q_scaled"], f"{p}/q_scaled"),
+            node(ATTENTION_OP, [f"{p}/q_scaled", present_k, present_v, f"{e}/mask"], [f"{p}/out_heads"],
+                 f"{p}/{ATTENTION_OP}", domain=TRT_DOMAIN, **ATTENTION_ATTRS),      # [B, Hq, T, D]
+            node("Transpose", [f"{p}/out_heads"], [f"{p}/out_tokens"], f"{p}/out_tokens", perm=[0, 2, 1, 3]),
+            node("Reshape", [f"{p}/out_tokens", w.const(f"{e}/out_shape{hq}", [0, 0, hq * head_dim])], [out],
+                 f"{p}/out"),
         ]
-    else:
-        nodes.append(node("Squeeze", [ATTENTION_MASK, const(f"{e}/axis0", [0])], [f"{e}/mask"], f"{e}/mask"))
-    mask = f"{e}/mask"
+    from specexport.plugins.trt_plugin import NAMESPACE, plugin_node
 
-    def layer(old, index: int) -> list:
-        """The nodes replacing attention node `index` (`old`)."""
-        hq, hkv, scale, (q, k, v, past_k, past_v), (out, present_k, present_v) = attention_fields(old, head_dim)
-        p = f"/engine/layers.{index}/attn"
-        kv_heads = const(f"{e}/kv_heads_shape{hkv}", [0, -1, hkv, head_dim])
-        nodes = [
-            *_to_heads(node, k, kv_heads, f"{p}/k"),                               # [B, Hkv, T, D]
-            *_to_heads(node, v, kv_heads, f"{p}/v"),
-            node(KV_UPDATE_OP, [past_k, f"{p}/k_heads", write_index], [present_k], f"{p}/{KV_UPDATE_OP}_k",
-                 domain=TRT_DOMAIN, **KV_UPDATE_ATTRS),
-            node(KV_UPDATE_OP, [past_v, f"{p}/v_heads", write_index], [present_v], f"{p}/{KV_UPDATE_OP}_v",
-                 domain=TRT_DOMAIN, **KV_UPDATE_ATTRS),
-        ]
-        if attention == "native":
-            nodes += [
-                *_to_heads(node, q, const(f"{e}/q_heads_shape{hq}", [0, -1, hq, head_dim]), f"{p}/q"),
-                node("CastLike", [const(f"{e}/scale{index + 1}", scale, np.float32), f"{p}/q_heads"], [f"{p}/scale"],
-                     f"{p}/scale"),
-                node("Mul", [f"{p}/q_heads", f"{p}/scale"], [f"{p}/q_scaled"], f"{p}/q_scaled"),
-                node(ATTENTION_OP, [f"{p}/q_scaled", present_k, present_v, mask], [f"{p}/out_heads"],
-                     f"{p}/{ATTENTION_OP}", domain=TRT_DOMAIN, **ATTENTION_ATTRS),      # [B, Hq, T, D]
-                node("Transpose", [f"{p}/out_heads"], [f"{p}/out_tokens"], f"{p}/out_tokens", perm=[0, 2, 1, 3]),
-                node("Reshape", [f"{p}/out_tokens", const(f"{e}/out_shape{hq}", [0, 0, hq * head_dim])], [out],
-                     f"{p}/out"),
-            ]
-        else:
-            from specexport.plugins.trt_plugin import NAMESPACE, plugin_node
-
-            nodes += [
-                node("Reshape", [q, const(f"{e}/q_rows_shape{hq}", [-1, hq, head_dim])], [f"{p}/q_rows"],
-                     f"{p}/q_rows"),                                                     # [T, Hq, D]
-                *_valid_rows(node, present_k, f"{p}/k", const(f"{e}/zero", [0]), const(f"{e}/axis2", [2]),
-                             const(f"{e}/axis0", [0])),                                  # [P+T, Hkv, D]
-                *_valid_rows(node, present_v, f"{p}/v", f"{e}/zero", f"{e}/axis2", f"{e}/axis0"),
-                plugin_node([f"{p}/q_rows", f"{p}/k_rows", f"{p}/v_rows", mask], [f"{p}/out_rows"], num_kv_heads=hkv,
-                            scale=scale, name=f"{p}/tree_attention", domain=NAMESPACE),
-                node("Reshape", [f"{p}/out_rows", const(f"{e}/out_shape{hq}", [1, -1, hq * head_dim])], [out],
-                     f"{p}/out"),
-            ]
-        return nodes
-
-    nodes, count = replace_nodes(graph, SOURCE_OP, layer, before=nodes)
-    if not count:
-        raise SpecexportError(f"engine graph: the graph has no {SOURCE_OP} node to replace")
-    install(graph, nodes)
-    _fix_capacity(graph, kv_capacity)
-    model.opset_import.append(helper.make_opsetid(TRT_DOMAIN, 1))
-    if attention == "plugin":
-        from specexport.plugins.trt_plugin import NAMESPACE
-
-        model.opset_import.append(helper.make_opsetid(NAMESPACE, 1))
-    return model
+    return nodes + [
+        node("Reshape", [q, w.const(f"{e}/q_rows_shape{hq}", [-1, hq, head_dim])], [f"{p}/q_rows"],
+             f"{p}/q_rows"),                                                     # [T, Hq, D]
+        *_valid_rows(node, present_k, f"{p}/k", w.const(f"{e}/zero", [0]), w.const(f"{e}/axis2", [2]),
+                     w.const(f"{e}/axis0", [0])),                                # [P+T, Hkv, D]
+        *_valid_rows(node, present_v, f"{p}/v", f"{e}/zero", f"{e}/axis2", f"{e}/axis0"),
+        plugin_node([f"{p}/q_rows", f"{p}/k_rows", f"{p}/v_rows", f"{e}/mask"], [f"{p}/out_rows"], num_kv_heads=hkv,
+                    scale=scale, name=f"{p}/tree_attention", domain=NAMESPACE),
+        node("Reshape", [f"{p}/out_rows", w.const(f"{e}/out_shape{hq}", [1, -1, hq * head_dim])], [out],
+             f"{p}/out"),
+    ]
 
 
 def _to_heads(node, x: str, shape: str, p: str) -> list:

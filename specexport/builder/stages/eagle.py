@@ -87,13 +87,13 @@ def _export_and_check(ctx, hp, target_dir, partial, embed, lm_head):
         session = runtime_session(target_dir / "model.onnx")
         seq = case.seq[:min(len(case.seq), 24)]
         feats = target_features(session, target.io, seq, w)
-        report = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", seq, feats[:-1])
+        report = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", tokens=seq, features=feats[:-1])
         # a target in `gguf` (our kernels) runs the head on our attention too: checked here; no other build
         # compiles the kernels for its head
         gguf = target.config.on_kernels
         ours = with_our_attention(partial / "model.onnx", hp.io.head_dim) if gguf else None
         if ours is not None:
-            mine = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", seq, feats[:-1],
+            mine = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", tokens=seq, features=feats[:-1],
                                session=open_session(partial / "model.onnx", threads=None, spin=False, model=ours))
             report["per_phase"].update({f"{k}, our attention": v for k, v in mine["per_phase"].items()})
             report["max_rel_error"] = max(report["max_rel_error"], mine["max_rel_error"])

@@ -99,7 +99,7 @@ def eagle_checks(hp, embed, lm_head, case) -> dict:
     deq = dataclasses.replace(w, tensors=tensors)
 
     def parity(twin, session):
-        return head_parity(deq, e, lm, io, twin, case["seq"], case["target_states"], session=session)
+        return head_parity(deq, e, lm, io, twin, tokens=case["seq"], features=case["target_states"], session=session)
 
     def proposals(session):
         ids = []
