@@ -178,8 +178,7 @@ class Pipeline:
 
     def facts(self) -> Facts:
         """What a request's proposer is planned from (proposer_table.plan_proposer): no model opened."""
-        return Facts(verify_width=self.max_verify_tokens, heads_manifest=self.manifest.get("heads", {}),
-                     target_io=self.manifest["models"]["target"]["io"], verify_costs=self.verify_costs)
+        return Facts.of(self.manifest, verify_costs=self.verify_costs)
 
     def resources(self, *, draft=None, heads=None) -> Resources:
         """What a request's proposer is made of: this pipeline's models, or the `draft(precision)` and
@@ -280,8 +279,8 @@ class Pipeline:
 
     def batch(self, max_batch="auto", *, rows_per_pass: int | None = None):
         """A Batch (runtime/batch.py): up to max_batch requests decoded together ("auto": as many as measured
-        here to pay; or the Width batch_width decided), each one's output its own generate()'s; a pass's rows (default max_verify_tokens) shared
-        out among them. Use it as a context manager; submit() starts a request."""
+        here to pay; or the Width batch_width decided), each one's output its own generate()'s; a pass's rows
+        (default max_verify_tokens) shared out among them. Use it as a context manager; submit() starts a request."""
         from specexport.runtime.batch import Batch
 
         return Batch(self, max_batch, rows_per_pass=rows_per_pass)

@@ -31,10 +31,10 @@ class Facts:
     verify_costs: Callable[[], object] = lambda: None   # c(T)/c(1) measured on this CPU, or None (runtime/budget.py)
 
     @classmethod
-    def of(cls, manifest: dict) -> "Facts":
-        """A build's facts from its manifest alone (no pass curve: what the bench lays its grid out with)."""
+    def of(cls, manifest: dict, verify_costs: Callable[[], object] = lambda: None) -> "Facts":
+        """A build's facts from its manifest (the bench lays its grid out with no pass curve)."""
         return cls(verify_width=manifest["max_verify_tokens"], heads_manifest=manifest.get("heads", {}),
-                   target_io=manifest["models"]["target"]["io"])
+                   target_io=manifest["models"]["target"]["io"], verify_costs=verify_costs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,7 +116,7 @@ def _suffix(o: MethodOptions, facts: Facts) -> Plan:
 
 
 def _medusa(o: MethodOptions, facts: Facts) -> Plan:
-    entry = _heads(facts, "medusa")
+    entry = facts.heads_manifest["medusa"]      # a build without heads: refused by resolve (bench: check_request)
     auto = entry.get("auto_tree")
     tree = ("auto" if auto else "medium") if o.tree is None else o.tree
     if tree == "auto":
@@ -136,7 +136,7 @@ def _medusa(o: MethodOptions, facts: Facts) -> Plan:
 def _eagle(o: MethodOptions, facts: Facts) -> Plan:
     """tree: "auto" (the default: what the build measured best), "dynamic" (DynamicTree's defaults), a mapping
     {top_k, depth, total_tokens} (a dynamic tree), or a static tree (rank paths or a DRAFT_TREES name)."""
-    entry = _heads(facts, "eagle")
+    entry = facts.heads_manifest["eagle"]
     tree = "auto" if o.tree is None else o.tree
     if tree == "auto":
         auto = entry.get("auto_tree")
@@ -165,14 +165,6 @@ def _eagle(o: MethodOptions, facts: Facts) -> Plan:
 
 PROPOSERS = {"vanilla": _vanilla, "draft": _draft, "lookup": _lookup, "suffix": _suffix, "medusa": _medusa,
              "eagle": _eagle}
-
-
-def _heads(facts: Facts, kind: str) -> dict:
-    entry = facts.heads_manifest.get(kind)
-    if entry is None:
-        raise SpecexportError(f"method: {kind!r} was not built (no {'Medusa heads' if kind == 'medusa' else 'EAGLE head'} "
-                              f"in this build)")
-    return entry
 
 
 def _dynamic(settings: dict, entry: dict) -> DynamicTree:

@@ -98,7 +98,6 @@ class Coins:
     Example: Coins(0).at([5, 6]) and then Coins(0).at([6]) give the same coin for 6.
     """
     DRAW, TEST = 0, 1
-    _GAMMA_INT = 0x9E3779B97F4A7C15
 
     def __init__(self, seed: int):
         self._key = _mix_int(int(seed) % 2**64)
@@ -121,7 +120,7 @@ class Coins:
         c = np.asarray(counters, dtype=np.uint64).reshape(-1)
         if len(c) <= _PY_COINS:                          # a round's few coins: Python ints beat ~10 numpy calls
             return np.array([_coin(key, int(i)) for i in c.tolist()], dtype=np.float64)
-        x = _mix(np.uint64(key) + (c + np.uint64(1)) * _GAMMA)          # arrays wrap silently (no errstate)
+        x = _mix(np.uint64(key) + (c + np.uint64(1)) * _WEYL64)          # arrays wrap silently (no errstate)
         return (x >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
 
     def span(self, start: int, count: int, stream: int = 0) -> np.ndarray:
@@ -136,13 +135,14 @@ class Coins:
 
 
 _PY_COINS = 16
-_GAMMA = np.uint64(Coins._GAMMA_INT)
+_WEYL = 0x9E3779B97F4A7C15                      # SplitMix64's increment (a Python int; _WEYL64 numpy's)
+_WEYL64 = np.uint64(_WEYL)
 _M64 = 2**64 - 1
 
 
 def _coin(key: int, counter: int) -> float:
     """The coin of one counter, in Python ints: the same bits as `Coins.at`'s numpy path."""
-    return (_mix_int((key + (counter + 1) * Coins._GAMMA_INT) & _M64) >> 11) * (1.0 / 2**53)
+    return (_mix_int((key + (counter + 1) * _WEYL) & _M64) >> 11) * (1.0 / 2**53)
 
 
 def _mix_int(x: int) -> int:

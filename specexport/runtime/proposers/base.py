@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specexport.runtime.tree import Tree, tree_of
+from specexport.runtime.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Proposal:
         while self.tree.children[nodes[-1]]:
             nodes.append(self.tree.children[nodes[-1]][0])
         keep = np.asarray(nodes)
-        return Proposal(tree_of(np.arange(len(keep)) - 1), self.tokens[keep],
+        return Proposal(Tree.chain(len(keep) - 1), self.tokens[keep],
                         None if self.q is None else self.q[keep[1:] - 1], self.replacement)
 
 

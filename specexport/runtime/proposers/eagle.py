@@ -236,6 +236,7 @@ class EagleTree(Proposer):
             plan = self._plans[key] = (tree, ranks, levels)
         return plan
 
+
 def feature_columns(target_layers, head_layers, hidden_size: int) -> np.ndarray | None:
     """Columns of the target's aux states [k*H] (its aux_hidden_layers, each once, ascending) that form
     an EAGLE-3 head's feature [3H] (its layers, low to high, a repeated layer repeated); None when they
