@@ -7,6 +7,8 @@ architecture (`build_arch`), the llama one being `built_llama` (target + draft).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # The tree-attention kernel runs in Triton's interpreter here (no GPU), which must be chosen before
@@ -24,6 +26,25 @@ from specexport.cli import main
 from specexport.export.tiny import TINY_CONFIGS, make_tiny_checkpoint, train_tokenizer, truncate_checkpoint
 
 MAX_SEQ_LEN = 128
+
+
+def pytest_configure(config):
+    """One export cache for the run (builder/export_cache.py), made by the first process (xdist's controller,
+    whose workers inherit it): a model exported again by another test's build takes the graph from it. Fresh
+    each run, so every distinct graph is exported for real once per run."""
+    from specexport.builder.export_cache import ENV
+
+    if ENV not in os.environ:
+        _EXPORT_CACHE.append(tempfile.mkdtemp(prefix="specexport-test-exports-"))
+        os.environ[ENV] = _EXPORT_CACHE[0]
+
+
+def pytest_unconfigure(config):
+    if _EXPORT_CACHE:
+        shutil.rmtree(_EXPORT_CACHE.pop(), ignore_errors=True)          # the folder this process made
+
+
+_EXPORT_CACHE: list = []
 
 
 def pytest_runtest_setup(item):

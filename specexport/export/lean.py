@@ -66,39 +66,48 @@ def weight_sources(wrapper, model, vocab_rows=None) -> dict:
     return out
 
 
-def export_skeleton(mp, hf_config, onnx_path: Path) -> dict:
-    """Write the weightless graph of model plan `mp` to `onnx_path`; returns weight_sources for its
-    weight inputs. Optimized as torch's exporter optimizes (onnxscript optimize_ir, then the ONNX-23
-    fusions: RMSNormalization, ...)."""
+def skeleton_module(mp, hf_config):
+    """(wrapper, model): the StaticKVDecoder of model plan `mp` around its hollow HF model."""
+    from specexport.export.registry import get_adapter
+    from specexport.export.wrapper import StaticKVDecoder
+
+    model = hollow_model(hf_config)
+    wrapper = StaticKVDecoder(model, get_adapter(mp.arch.model_type), mp.arch,
+                              aux_hidden_layers=mp.io.aux_hidden_layers, vocab_rows=mp.vocab_ids)
+    return wrapper, model
+
+
+def write_skeleton(wrapper, io, onnx_path: Path) -> None:
+    """Export the weightless graph of `wrapper` to `onnx_path`, optimized as torch's exporter optimizes
+    (onnxscript optimize_ir, then the ONNX-23 fusions: RMSNormalization, ...)."""
     torch = require("torch")
     onnx_ir = require("onnx_ir")
     onnxscript = require("onnxscript")
     from onnxscript.rewriter import onnx_fusions
 
     from specexport.export import gqa
-    from specexport.export.registry import get_adapter
     from specexport.export.to_onnx import (
         OPSET,
         dynamic_shapes,
         example_inputs,
         quiet_exporter,
     )
-    from specexport.export.wrapper import StaticKVDecoder
 
-    model = hollow_model(hf_config)
-    wrapper = StaticKVDecoder(model, get_adapter(mp.arch.model_type), mp.arch,
-                              aux_hidden_layers=mp.io.aux_hidden_layers, vocab_rows=mp.vocab_ids)
-    ids, pos, mask, rows, caches = example_inputs(mp.io)
+    ids, pos, mask, rows, caches = example_inputs(io)
     with torch.no_grad(), quiet_exporter():
         program = torch.onnx.export(
-            wrapper, (ids, pos, mask, rows, *caches), input_names=mp.io.input_names,
-            output_names=mp.io.output_names, dynamic_shapes=dynamic_shapes(mp.io), dynamo=True,
+            wrapper, (ids, pos, mask, rows, *caches), input_names=io.input_names,
+            output_names=io.output_names, dynamic_shapes=dynamic_shapes(io), dynamo=True,
             opset_version=OPSET, verbose=False, optimize=False, custom_translation_table=gqa.translation_table())
         program.save(str(onnx_path), include_initializers=False, keep_initializers_as_inputs=True)
         ir_model = onnx_ir.load(str(onnx_path))
         onnxscript.optimizer.optimize_ir(ir_model)        # what torch.onnx.export(optimize=True) runs
         onnx_fusions.fuse(ir_model)
         onnx_ir.save(ir_model, str(onnx_path))
-    sources = weight_sources(wrapper, model, mp.vocab_ids)
-    graph_inputs = {v.name for v in ir_model.graph.inputs}
-    return {k: v for k, v in sources.items() if k in graph_inputs}
+
+
+def skeleton_sources(wrapper, model, vocab_rows, onnx_path: Path) -> dict:
+    """weight_sources for the weight inputs the written skeleton kept (the optimizer drops unused ones)."""
+    onnx = require("onnx")
+    graph_inputs = {v.name for v in onnx.load(str(onnx_path), load_external_data=False).graph.input}
+    return {k: v for k, v in weight_sources(wrapper, model, vocab_rows).items() if k in graph_inputs}

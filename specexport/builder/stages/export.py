@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specexport import owned
+from specexport.builder import export_cache
 from specexport.builder.context import StageResult, files_entry   # noqa: F401  (StageResult: for type readers)
 from specexport.builder.stage import ModelStage
 from specexport.errors import ParityError
@@ -31,7 +32,10 @@ class ExportStage(ModelStage):
         try:
             with ctx.reporter.stage(f"export {mp.role} {self.precision} ({mp.config.path.name}, "
                                     f"{mp.arch.model_type}) to ONNX"):
-                names = _run_export(mp, partial / "model.onnx")
+                names, cached = _run_export(mp, partial / "model.onnx")
+            if cached:
+                ctx.reporter.note(f"  {mp.role} {self.precision}: the graph from the export cache "
+                                  f"(${export_cache.ENV})")
             with ctx.reporter.stage(f"check {mp.role} {self.precision} against PyTorch"):
                 case = parity_case(mp.io, max_seq_len=cfg.max_seq_len, max_verify_tokens=cfg.max_verify_tokens)
                 reference = reference_logits(load_hf_model(mp.config.path), case)
@@ -53,7 +57,7 @@ class ExportStage(ModelStage):
                 "build_seconds": round(time.perf_counter() - start, 2)}
 
 
-def _run_export(mp, onnx_path: Path) -> list[str]:
+def _run_export(mp, onnx_path: Path) -> tuple[list[str], bool]:
     weights = sum(p.stat().st_size for p in mp.config.path.iterdir() if p.suffix in (".safetensors", ".bin"))
     if weights <= SUBPROCESS_EXPORT_BYTES:
         return export_model(mp, onnx_path)
@@ -64,12 +68,20 @@ def _run_export(mp, onnx_path: Path) -> list[str]:
         return pool.submit(export_model, mp, onnx_path).result()      # exceptions re-raise here
 
 
-def export_model(mp, onnx_path: Path) -> list[str]:
-    """Load the checkpoint, wrap it and export it; returns the names of the files written."""
+def export_model(mp, onnx_path: Path) -> tuple[list[str], bool]:
+    """Load the checkpoint, wrap it and export it (or take its graph from the export cache); returns the
+    names of the files written and whether they came from the cache."""
     from specexport.export.registry import get_adapter
     from specexport.export.to_onnx import load_hf_model, onnx_from_module
     from specexport.export.wrapper import StaticKVDecoder
 
-    module = StaticKVDecoder(load_hf_model(mp.config.path), get_adapter(mp.arch.model_type), mp.arch,
+    model = load_hf_model(mp.config.path)
+    module = StaticKVDecoder(model, get_adapter(mp.arch.model_type), mp.arch,
                              aux_hidden_layers=mp.io.aux_hidden_layers, vocab_rows=mp.vocab_ids)
-    return [f.name for f in onnx_from_module(module, mp.io, onnx_path)]
+    key = export_cache.graph_key("fp32", mp, model.config, name=onnx_path.name, weights=module)
+    names = export_cache.fetch(key, onnx_path)
+    if names is not None:
+        return names, True
+    names = [f.name for f in onnx_from_module(module, mp.io, onnx_path)]
+    export_cache.store(key, onnx_path.parent, names)
+    return names, False

@@ -14,14 +14,23 @@ def lean_graph(ctx, mp, graph, level, kernels: bool, gguf: Path | None = None, *
     import transformers
 
     from specexport.export.gguf_weights import GgufWeights
-    from specexport.export.lean import export_skeleton
+    from specexport.builder import export_cache
+    from specexport.export.lean import skeleton_module, skeleton_sources, write_skeleton
     from specexport.export.to_onnx import check_graph_io
     from specexport.quant.gguf_fill import fill
 
     hf_config = transformers.AutoConfig.from_pretrained(mp.config.path)
     skeleton = graph.with_name("skeleton.onnx")
+    wrapper, model = skeleton_module(mp, hf_config)
+    key = export_cache.graph_key("skeleton", mp, hf_config, name=skeleton.name)
     with ctx.reporter.stage(f"export {mp.role} ({mp.arch.model_type}) to ONNX without weights"):
-        sources = export_skeleton(mp, hf_config, skeleton)
+        cached = export_cache.fetch(key, skeleton) is not None
+        if not cached:
+            write_skeleton(wrapper, mp.io, skeleton)
+            export_cache.store(key, skeleton.parent, [skeleton.name])
+    if cached:
+        ctx.reporter.note(f"  {mp.role}: the weightless graph from the export cache (${export_cache.ENV})")
+    sources = skeleton_sources(wrapper, model, mp.vocab_ids, skeleton)
     gguf = gguf or mp.config.gguf
     weights = GgufWeights(gguf, hf_config)
     with ctx.reporter.stage(f"{mp.role}: fill the graph from {gguf.name}'s own blocks"):
