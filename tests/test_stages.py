@@ -60,20 +60,20 @@ def test_only_needs_the_other_stages_built(built_draft_only, tmp_path, capsys):
 
 def test_a_stage_is_fingerprinted_on_its_own_module_and_the_makers_it_imports():
     """A stage's output is reused while its fingerprint holds; the fingerprint hashes hand-kept source lists
-    (builder/plan.py). Each stage module, and every module of the makers (export/, quant/, heads/, plugins/,
+    (builder/sources.py). Each stage module, and every module of the makers (export/, quant/, heads/, plugins/,
     trt/, builder/stages/, io_spec) it imports, must be in the lists its fingerprint takes: else an edit there
     would leave an old output in place (builder/stages/gguf.py and plugins/cpu/ once were)."""
     import ast
     import fnmatch
 
-    from specexport.builder import plan
+    from specexport.builder import sources
 
-    package = Path(plan.__file__).resolve().parent.parent
-    model = (*plan.GRAPH_SOURCES, *plan.ENGINE_SOURCES)         # every model stage's fingerprint holds these
-    lists = {"export": model, "engines": model, "gguf": (*model, *plan.QUANTIZER_SOURCES),
-             "blocks": (*model, *plan.QUANTIZER_SOURCES), "quantize": (*model, *plan.QUANTIZER_SOURCES),
-             "medusa": (*model, *plan.HEADS_SOURCES), "eagle": (*model, *plan.EAGLE_SOURCES),
-             "head_blocks": (*model, *plan.HEADS_SOURCES, *plan.EAGLE_SOURCES)}
+    package = Path(sources.__file__).resolve().parent.parent
+    model = (*sources.GRAPH_SOURCES, *sources.ENGINE_SOURCES)         # every model stage's fingerprint holds these
+    lists = {"export": model, "engines": model, "gguf": (*model, *sources.QUANTIZER_SOURCES),
+             "blocks": (*model, *sources.QUANTIZER_SOURCES), "quantize": (*model, *sources.QUANTIZER_SOURCES),
+             "medusa": (*model, *sources.HEADS_SOURCES), "eagle": (*model, *sources.EAGLE_SOURCES),
+             "head_blocks": (*model, *sources.HEADS_SOURCES, *sources.EAGLE_SOURCES)}
     makers = ("export/", "quant/", "heads/", "plugins/", "trt/", "builder/stages/", "io_spec.py")
 
     def file_of(module: str) -> str | None:
@@ -94,13 +94,13 @@ def test_a_stage_is_fingerprinted_on_its_own_module_and_the_makers_it_imports():
                     if found and found.startswith(makers):
                         used.add(found)
         missing += [f"{stage}: {f}" for f in sorted(used) if not any(fnmatch.fnmatch(f, p) for p in patterns)]
-    assert not missing, "add these to the stage's *_SOURCES in builder/plan.py:\n" + "\n".join(missing)
+    assert not missing, "add these to the stage's *_SOURCES in builder/sources.py:\n" + "\n".join(missing)
 
 
 def test_source_fingerprints_follow_contents_not_names(tmp_path):
-    """A stage's code fingerprint (plan.source_hash) keeps through a rename or a move of its modules (the
+    """A stage's code fingerprint (sources.source_hash) keeps through a rename or a move of its modules (the
     package build/ became builder/), and changes with a byte of any of them."""
-    from specexport.builder.plan import source_hash
+    from specexport.builder.sources import source_hash
 
     (tmp_path / "build" / "stages").mkdir(parents=True)
     (tmp_path / "build" / "stages" / "a.py").write_text("A = 1\n")

@@ -19,6 +19,7 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from specexport.builder.sources import GRAPH_SOURCES, source_hash, tool_versions
 from specexport.manifest import sha256_file
 
 ENV = "SPECEXPORT_EXPORT_CACHE"
@@ -36,8 +37,6 @@ def graph_key(kind: str, mp, hf_config, *, name: str, weights=None) -> str | Non
     exported, its state hashed (None for a weightless graph, whose bytes the config alone decides)."""
     if folder() is None:
         return None
-    from specexport.builder.plan import GRAPH_SOURCES, source_hash, tool_versions
-
     config = {k: v for k, v in hf_config.to_dict().items() if k != "_name_or_path"}     # where it lay: not content
     h = hashlib.sha256()
     for part in (kind, name, repr(mp.arch), repr(mp.io), source_hash(GRAPH_SOURCES),

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from specexport import __version__
 from specexport._optional import require
+from specexport.builder.sources import (EAGLE_SOURCES, ENGINE_SOURCES, GRAPH_SOURCES, HEADS_SOURCES, QUANTIZER_SOURCES,
+                                        source_hash, tool_versions)
 from specexport.chat import load_chat_template
 from specexport.config import (GPU_PRECISIONS, TOKENIZER_FILES, WEIGHT_PATTERNS, BuildConfig, HeadsConfig, ModelConfig,
                                check_output_apart)
@@ -382,39 +384,3 @@ def _fingerprint(path: Path, options: dict) -> str:
         # size + mtime, not content: hashing multi-GB weights on every rerun costs more than it saves.
         digest.update(f"{name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
     return digest.hexdigest()[:16]
-
-
-# The code that decides what an exported graph contains: a change to any of these files changes every
-# fingerprint, so a graph made by older exporter code is never reused (hashing the sources, rather than a
-# constant bumped by hand, cannot be forgotten; the price is that a comment edit also rebuilds).
-GRAPH_SOURCES = ("io_spec.py", "export/arch.py", "export/wrapper.py", "export/gqa.py", "export/to_onnx.py",
-                 "export/registry.py", "export/adapters/*.py", "export/lean.py", "export/gguf_weights.py",
-                 "export/gguf_reference.py", "export/validate.py", "builder/stages/export.py")
-ENGINE_SOURCES = ("trt/*.py", "plugins/*.py", "builder/stages/engines.py", "quant/fp16.py", "quant/quality.py")
-QUANTIZER_SOURCES = ("quant/*.py", "builder/stages/[bgq]*.py", "plugins/cpu/*.py", "plugins/cpu/sx_layout.h")  # blocks, gguf, quantize
-HEADS_SOURCES = ("io_spec.py", "heads/medusa*.py", "builder/stages/medusa.py", "export/to_onnx.py", "builder/stages/head_blocks.py",
-                 "quant/graph_blocks.py", "quant/kquant.py", "quant/quality.py")
-EAGLE_SOURCES = (*HEADS_SOURCES, "heads/eagle*.py", "builder/stages/eagle.py", "export/gqa.py", "plugins/cpu/graph.py")
-# tests/test_stages.py fails when a stage's module, or a module of the makers it imports, is in none of its lists
-
-
-def source_hash(patterns, root: Path | None = None) -> str:
-    """sha256 of the contents of the named source files (globs relative to the package, or `root`). Names
-    are left out, so moving or renaming a module (the package `build/` became `builder/`) keeps every
-    fingerprint; a changed byte in any of them changes it."""
-    root = root or Path(__file__).resolve().parent.parent
-    files = {p for pat in patterns for p in root.glob(pat)}
-    digests = sorted(hashlib.sha256(p.read_bytes()).digest() for p in files)
-    return hashlib.sha256(b"".join(digests)).hexdigest()[:16]
-
-
-def tool_versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("torch", "transformers", "onnx", "onnxruntime"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out

@@ -27,7 +27,8 @@ from pathlib import Path
 from specexport import __version__
 from specexport.builder.context import BuildContext, Reporter, StageResult, peak_rss
 from specexport.builder.outdir import StageFolders, adopt_previous, check_output, remove_unreferenced
-from specexport.builder.plan import Plan, tool_versions
+from specexport.builder.plan import Plan
+from specexport.builder.sources import tool_versions
 from specexport.errors import SpecexportError
 from specexport.gamma import carried_gamma_choices
 from specexport.locking import output_lock, work_dir
