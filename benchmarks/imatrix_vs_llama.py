@@ -91,7 +91,7 @@ def main() -> None:
             theirs = tensors(path)
             same = sum(1 for t, v in theirs.items() if mine.get(t) == v)
             graph = with_blocks_of(int4_graph, path, hf_config, tmp / f"graph-{k}")
-            q = measure_quality(reference, runtime_session(graph), io, sequences)
+            q = measure_quality(reference, runtime_session(graph), io, sequences=sequences)
             print(f"| {name} | {same} / {len(theirs)} | {q.top1_agreement:.4f} | {q.mean_kl:.4f} |", flush=True)
 
 

@@ -64,7 +64,7 @@ def gguf_matmul(K: int, N: int, qtype: str, threads: int):
     status = cpu.status()
     if not status.available:
         raise SystemExit(status.line())
-    w = random_blocks(np.random.default_rng(0), qtype, N, K)
+    w = random_blocks(np.random.default_rng(0), qtype, N, k=K)
     n = copies(w.nbytes)
     nodes = [helper.make_node("GgufMatMul", ["A", f"W{i}"], [f"Y{i}"], domain=cpu.DOMAIN, type=cpu.TYPES[qtype], K=K, N=N)
              for i in range(n)]

@@ -82,12 +82,12 @@ def main():
             dest.parent.mkdir()
             start = time.perf_counter()
             try:
-                quantize_graph(source, dest, precision, scheme, io=io, calibration=calibration)
+                quantize_graph(source, dest, precision, scheme=scheme, io=io, calibration=calibration)
             except Exception as err:                    # report and go on: a scheme may not apply
                 rows[name] = {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"}
                 continue
             session = runtime_session(dest)
-            quality = measure_quality(reference, session, io, sequences)
+            quality = measure_quality(reference, session, io, sequences=sequences)
             size = sum(f.stat().st_size for f in dest.parent.iterdir()) / 2 ** 20
             rows[name] = {"row": row_dependence(session, io, probe, last=1), "top1": quality.top1_agreement,
                           "kl": quality.mean_kl, "mib": size, "seconds": time.perf_counter() - start}

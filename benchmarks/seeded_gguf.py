@@ -56,7 +56,7 @@ def data(rng, name: str, qtype: str, dims) -> np.ndarray:
         base = 1.0 if name.endswith("norm.weight") else 0.0
         return (base + 0.02 * rng.standard_normal(dims[0])).astype(np.float32)
     k, n = dims
-    return random_blocks(rng, qtype, n, k, scale=2e-4 if qtype == "Q4_K" else 1e-3)
+    return random_blocks(rng, qtype, n, k=k, scale=2e-4 if qtype == "Q4_K" else 1e-3)
 
 
 def write(out: Path, shape_name: str, tokenizer_from: Path, seed: int) -> None:

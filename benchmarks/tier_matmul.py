@@ -38,7 +38,7 @@ def main() -> None:
     for qtype, N, K in SHAPES:
         if args.types and qtype not in args.types.split(","):
             continue
-        w = random_blocks(rng, qtype, N, K)
+        w = random_blocks(rng, qtype, N, k=K)
         best = {}
         for m in rows:
             x = rng.standard_normal((m, K)).astype(np.float32)

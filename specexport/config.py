@@ -257,7 +257,7 @@ def _existing_file(value: str, key: str, base: Path) -> Path:
     return path.resolve()
 
 
-def _with_folder(raw, key: str, allowed: set, base: Path, example: str) -> tuple[dict, Path, str]:
+def _with_folder(raw, key: str, allowed: set, *, base: Path, example: str) -> tuple[dict, Path, str]:
     """A `{path: DIR, ...}` entry (or a bare path string): (the mapping, the existing folder, the path
     as the user wrote it), its keys checked; errors name `key`."""
     if isinstance(raw, str):
@@ -279,15 +279,15 @@ def _model(raw, role: str, base: Path, precisions: tuple[str, ...], schemes: dic
     if gguf is not None:                    # converted into a checkpoint folder by plan_build
         raw = {"path": str(gguf)} if isinstance(raw, str) else raw
         _check_keys(raw, MODEL_KEYS, ("path",), prefix=f"{role}.")
-        return _model_options(raw, role, gguf, precisions, schemes, base, gguf=gguf)
-    raw, path, shown = _with_folder(raw, role, MODEL_KEYS, base, f"models/{role}")
+        return _model_options(raw, role, gguf, precisions=precisions, schemes=schemes, base=base, gguf=gguf)
+    raw, path, shown = _with_folder(raw, role, MODEL_KEYS, base=base, example=f"models/{role}")
     if not (path / "config.json").is_file():
         raise SpecexportError(f"{role}.path: {shown} has no config.json")
     if not any(any(path.glob(p)) for p in WEIGHT_PATTERNS):
         raise SpecexportError(f"{role}.path: {shown} has no weights (*.safetensors or pytorch_model*.bin)")
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise SpecexportError(f"{role}.path: {shown} has no tokenizer files ({', '.join(TOKENIZER_FILES)})")
-    return _model_options(raw, role, path.resolve(), precisions, schemes, base)
+    return _model_options(raw, role, path.resolve(), precisions=precisions, schemes=schemes, base=base)
 
 
 def _gguf_file(raw, role: str, base: Path) -> Path | None:
@@ -304,7 +304,7 @@ def _gguf_file(raw, role: str, base: Path) -> Path | None:
     return path.resolve()
 
 
-def _model_options(raw: dict, role: str, path: Path, precisions, schemes, base: Path, *, gguf=None) -> ModelConfig:
+def _model_options(raw: dict, role: str, path: Path, *, precisions, schemes, base: Path, gguf=None) -> ModelConfig:
     aux = raw.get("aux_hidden_layers", ())
     if aux != "eagle3":
         if not isinstance(aux, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in aux):
@@ -342,7 +342,7 @@ def _vocab(value, role: str, base: Path, path: Path):
 
 
 def _heads(raw, kind: str, base: Path) -> HeadsConfig:
-    raw, path, _ = _with_folder(raw, kind, HEADS_KEYS[kind], base, f"heads/{kind}")
+    raw, path, _ = _with_folder(raw, kind, HEADS_KEYS[kind], base=base, example=f"heads/{kind}")
     top_k = raw.get("top_k", 10)
     if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= 64:
         raise SpecexportError(f"{kind}.top_k: expected an integer in 1..64, got {top_k!r}")

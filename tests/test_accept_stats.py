@@ -103,7 +103,7 @@ def check_accepted(n_acc: np.ndarray, exact: np.ndarray, what: str) -> None:
 # Trial runners
 # ------------------------------------------------------------------------------------------------
 def real_chain(proposal, draft_probs, target_probs, uniforms, draft_probs_raw):
-    return accept_chain(proposal, draft_probs, target_probs, uniforms)
+    return accept_chain(proposal, draft_probs, target_probs, uniforms=uniforms)
 
 
 def run_chain(verify, P: list, Q: list, n: int, seed: int, Q_raw: list | None = None):
@@ -170,7 +170,7 @@ def tree_accept_exact(tree: Tree, tokens: np.ndarray, probs: np.ndarray) -> np.n
 
 
 def real_tree(tree, tokens, probs, uniforms):
-    return accept_tree(tree, tokens, probs, uniforms[:tree.size])
+    return accept_tree(tree, tokens, probs, uniforms=uniforms[:tree.size])
 
 
 def run_tree(verify, tree: Tree, tokens: np.ndarray, P: list, n: int, seed: int):
@@ -473,16 +473,16 @@ def test_accept_greedy_worked_examples():
 def test_accept_chain_worked_examples():
     p = np.array([[.5, .5], [.2, .8]])
     q = np.array([[1.0, 0.0]])
-    v = accept_chain(np.array([0]), q, p, np.array([0.4, 0.9]))             # u0 < 0.5: accept, bonus ~ p_1
+    v = accept_chain(np.array([0]), q, p, uniforms=np.array([0.4, 0.9]))             # u0 < 0.5: accept, bonus ~ p_1
     assert v.tokens.tolist() == [0, 1] and v.path.tolist() == [0, 1]
-    v = accept_chain(np.array([0]), q, p, np.array([0.4, 0.1]))
+    v = accept_chain(np.array([0]), q, p, uniforms=np.array([0.4, 0.1]))
     assert v.tokens.tolist() == [0, 0]
-    v = accept_chain(np.array([0]), q, p, np.array([0.6, 0.0]))             # reject: residual [0, .5] -> 1
+    v = accept_chain(np.array([0]), q, p, uniforms=np.array([0.6, 0.0]))             # reject: residual [0, .5] -> 1
     assert v.tokens.tolist() == [1] and v.path.tolist() == [0]
     # γ = 2: first accepted (p >= q), second rejected (u * q >= p), residual max(p - q, 0) = [0, 0, .3]
     p = np.array([[.6, .4, 0], [.2, .2, .6], [1, 0, 0]])
     q = np.array([[.5, .5, 0], [.5, .2, .3]])
-    v = accept_chain(np.array([0, 0]), q, p, np.array([0.99, 0.5, 0.0]))
+    v = accept_chain(np.array([0, 0]), q, p, uniforms=np.array([0.99, 0.5, 0.0]))
     assert v.tokens.tolist() == [0, 2] and v.path.tolist() == [0, 1]
 
 
@@ -491,7 +491,7 @@ def test_accept_chain_residual_without_mass_does_not_divide_by_zero():
     p = np.array([[0.5, 0.5], [0.3, 0.7]])
     q = np.array([[0.5, np.nextafter(0.5, 1)]])                           # q(1) one ulp above p(1)
     with np.errstate(all="raise"):
-        v = accept_chain(np.array([1]), q, p, np.array([np.nextafter(1.0, 0), 0.75]))
+        v = accept_chain(np.array([1]), q, p, uniforms=np.array([np.nextafter(1.0, 0), 0.75]))
     assert v.n_accepted == 0 and v.tokens[0] in (0, 1)
 
 
@@ -501,10 +501,10 @@ def test_accept_tree_worked_example():
     probs = np.zeros((3, 6))
     probs[0, [0, 3, 5]] = [.1, .6, .3]
     probs[1, 4] = probs[2, 2] = 1.0
-    assert accept_tree(tree, tokens, probs, np.array([0.05, 0.5, 0.5])).tokens.tolist() == [0]
-    v = accept_tree(tree, tokens, probs, np.array([0.5, 0.5, 0.5]))
+    assert accept_tree(tree, tokens, probs, uniforms=np.array([0.05, 0.5, 0.5])).tokens.tolist() == [0]
+    v = accept_tree(tree, tokens, probs, uniforms=np.array([0.5, 0.5, 0.5]))
     assert v.tokens.tolist() == [3, 4] and v.path.tolist() == [0, 1]
-    v = accept_tree(tree, tokens, probs, np.array([0.95, 0.5, 0.5]))
+    v = accept_tree(tree, tokens, probs, uniforms=np.array([0.95, 0.5, 0.5]))
     assert v.tokens.tolist() == [5, 2] and v.path.tolist() == [0, 2]
 
 

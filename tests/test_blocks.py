@@ -62,14 +62,16 @@ def test_llama_quantize_type_choice():
     from specexport.quant.gguf_write import tensor_type, use_more_bits
 
     assert [i for i in range(30) if use_more_bits(i, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
-    assert tensor_type("blk.0.attn_v.weight", (64, 512), "q4_k_m", 30, False) == "Q6_K"
-    assert tensor_type("blk.3.attn_v.weight", (64, 512), "q4_k_m", 30, False) == "Q4_K"
-    assert tensor_type("blk.3.attn_q.weight", (576, 576), "q4_k_m", 30, True) == "Q5_0"     # 576: not 256s
-    assert tensor_type("token_embd.weight", (49152, 576), "q4_k_m", 30, True) == "Q8_0"     # tied: as output
-    assert tensor_type("token_embd.weight", (49152, 512), "q4_k_m", 30, False) == "Q4_K"
-    assert tensor_type("output.weight", (49152, 512), "q4_k_m", 30, False) == "Q6_K"
-    assert tensor_type("blk.0.attn_norm.weight", (512,), "q4_k_m", 30, False) == "F32"
-    assert tensor_type("blk.0.ffn_up.weight", (512, 512), "q8_0", 30, False) == "Q8_0"
+    assert tensor_type("blk.0.attn_v.weight", (64, 512), "q4_k_m", n_layers=30, tied=False) == "Q6_K"
+    assert tensor_type("blk.3.attn_v.weight", (64, 512), "q4_k_m", n_layers=30, tied=False) == "Q4_K"
+    assert tensor_type("blk.3.attn_q.weight", (576, 576), "q4_k_m", n_layers=30,
+                       tied=True) == "Q5_0"     # 576: not 256s
+    assert tensor_type("token_embd.weight", (49152, 576), "q4_k_m", n_layers=30,
+                       tied=True) == "Q8_0"     # tied: as output
+    assert tensor_type("token_embd.weight", (49152, 512), "q4_k_m", n_layers=30, tied=False) == "Q4_K"
+    assert tensor_type("output.weight", (49152, 512), "q4_k_m", n_layers=30, tied=False) == "Q6_K"
+    assert tensor_type("blk.0.attn_norm.weight", (512,), "q4_k_m", n_layers=30, tied=False) == "F32"
+    assert tensor_type("blk.0.ffn_up.weight", (512, 512), "q8_0", n_layers=30, tied=False) == "Q8_0"
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])

@@ -31,7 +31,7 @@ def kernels():
 
 def blocks(rng, qtype: str, n: int, k: int) -> np.ndarray:
     """Valid blocks, with the K types' sub-block scales over their full range (not only small ones)."""
-    w = random_blocks(rng, qtype, n, k)
+    w = random_blocks(rng, qtype, n, k=k)
     _, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
     r = w.reshape(n, -1, size)
     if qtype == "Q6_K":
@@ -172,9 +172,10 @@ def test_the_graph_builder_refuses_a_shape_the_kernels_do_not_take_naming_the_te
 
     raw = RawBlocks("Q4_K", np.zeros((4, 144), np.uint8), 200)
     with pytest.raises(ValueError, match=r"^blk.0.ffn_up.weight: Q4_K \[4, 200\] is not one the CPU kernels take"):
-        kernel_node(None, 0, None, "matmul", raw, "blk.0.ffn_up.weight")
+        kernel_node(None, 0, None, kind="matmul", raw=raw, prefix="blk.0.ffn_up.weight")
     with pytest.raises(ValueError, match="IQ2_XS"):
-        kernel_node(None, 0, None, "matmul", RawBlocks("IQ2_XS", np.zeros((4, 66), np.uint8), 256), "output.weight")
+        kernel_node(None, 0, None, kind="matmul", raw=RawBlocks("IQ2_XS", np.zeros((4, 66), np.uint8), 256),
+                    prefix="output.weight")
 
 
 def test_attention_of_many_rows_over_one_kv_head_gives_each_row_its_own_bits(kernels):
@@ -554,15 +555,15 @@ def test_an_edit_to_any_source_or_header_builds_the_library_anew(tmp_path, monke
     shutil.copytree(cpu.HERE, here, ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(cpu.toolchain, "HERE", here)
     cxx = cpu.compiler()
-    key = cpu.cache_key(cxx, cpu.sources(), None, [])
+    key = cpu.cache_key(cxx, cpu.sources(), None, defines=[])
     for name in sorted(p.name for p in here.iterdir() if p.suffix in (".h", ".cc")):
         original = (here / name).read_bytes()
         (here / name).write_bytes(original + b"\n// edited\n")
-        assert cpu.cache_key(cxx, cpu.sources(), None, []) != key, name
+        assert cpu.cache_key(cxx, cpu.sources(), None, defines=[]) != key, name
         (here / name).write_bytes(original)
-    assert cpu.cache_key(cxx, cpu.sources(), None, []) == key
-    assert cpu.cache_key(cxx, cpu.sources(), None, ["-DSX_EMULATE_VNNI"]) != key
-    assert cpu.cache_key([*cxx, "-g"], cpu.sources(), None, []) != key
+    assert cpu.cache_key(cxx, cpu.sources(), None, defines=[]) == key
+    assert cpu.cache_key(cxx, cpu.sources(), None, defines=["-DSX_EMULATE_VNNI"]) != key
+    assert cpu.cache_key([*cxx, "-g"], cpu.sources(), None, defines=[]) != key
 
 
 def test_cxx_with_arguments_is_a_compiler_and_a_missing_one_is_said(monkeypatch):

@@ -71,7 +71,7 @@ def export_eagle3(root):
     w = load_eagle(root / "head", hidden_size=H, vocab_size=V, num_layers=12)
     io = io_for(w, target_hidden=H, top_k=5)
     embed = np.random.default_rng(0).normal(size=(V, H)).astype(np.float32)
-    export_head(w, embed, None, io, root / "model.onnx")
+    export_head(w, embed, None, io=io, onnx_path=root / "model.onnx")
     return w, embed, io, root / "model.onnx"
 
 

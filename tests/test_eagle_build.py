@@ -100,11 +100,11 @@ def test_head_graph_matches_the_published_head_and_the_check_has_teeth(random_ea
     w, embed, io, path = random_eagle3
     rng = np.random.default_rng(1)
     tokens, feats = rng.integers(0, len(embed), 12), rng.normal(size=(11, io.feature_width)).astype(np.float32)
-    good = head_parity(w, embed, None, io, path, tokens=tokens, features=feats)
+    good = head_parity(w, embed, None, io=io, onnx_path=path, tokens=tokens, features=feats)
     assert good["max_rel_error"] < 1e-5 and set(good["per_phase"]) == {"prefill", "catch_up", "tree"}
     other = load_eagle(w.path, hidden_size=w.config["hidden_size"], vocab_size=len(embed), num_layers=12)
     other.tensors["midlayer.self_attn.v_proj.weight"] *= 1.5
-    assert head_parity(other, embed, None, io, path, tokens=tokens, features=feats)["max_rel_error"] > 1e-3
+    assert head_parity(other, embed, None, io=io, onnx_path=path, tokens=tokens, features=feats)["max_rel_error"] > 1e-3
     feeds = EagleIO.feeds
 
     def every_row_visible(self, tokens, **kw):
@@ -113,7 +113,7 @@ def test_head_graph_matches_the_published_head_and_the_check_has_teeth(random_ea
         return feeds(self, tokens, **kw)
 
     monkeypatch.setattr(EagleIO, "feeds", every_row_visible)
-    bad = head_parity(w, embed, None, io, path, tokens=tokens, features=feats)
+    bad = head_parity(w, embed, None, io=io, onnx_path=path, tokens=tokens, features=feats)
     assert bad["per_phase"]["tree"] > 1e-3 and bad["per_phase"]["catch_up"] < 1e-5
 
 

@@ -137,9 +137,9 @@ def test_dynamic_selection_worked_example():
     score = np.array([0.0, -0.1, -0.5, -0.2, -0.9, -0.5])
     parent = np.array([-1, 0, 0, 1, 1, 2])
     depth = np.array([0, 1, 1, 2, 2, 2])
-    assert _best_closed(score, parent, depth, 2) == [1, 3]
-    assert _best_closed(score, parent, depth, 4) == [1, 3, 2, 5]        # ties: the parent (shallower) first
-    parents, ids = _as_tree([1, 3, 2, 5], parent, depth, np.arange(6) * 10)
+    assert _best_closed(score, parent, depth, total=2) == [1, 3]
+    assert _best_closed(score, parent, depth, total=4) == [1, 3, 2, 5]        # ties: the parent (shallower) first
+    parents, ids = _as_tree([1, 3, 2, 5], parent, depth, ids=np.arange(6) * 10)
     assert parents.tolist() == [-1, 0, 0, 1, 2] and ids.tolist() == [0, 10, 20, 30, 50]
 
 

@@ -29,7 +29,7 @@ def test_codes_and_scales_equal_the_gguf_packages_dequantization(qtype):
 
     rng = np.random.default_rng(0)
     for n, k in ((3, 256), (5, 512)):
-        raw = random_blocks(rng, qtype, n, k)
+        raw = random_blocks(rng, qtype, n, k=k)
         codes = decode(qtype, raw, (n, k))
         np.testing.assert_array_equal(codes.dequantize(), dequantize(raw, gguf.GGMLQuantizationType[qtype]).reshape(n, k))
         assert codes.codes.dtype == np.uint8 and codes.codes.max() < 2 ** codes.bits
@@ -95,7 +95,7 @@ def _quantize(rng, name: str, arr: np.ndarray):
     if qtype is None:
         return None
     n, k = arr.shape
-    return random_blocks(rng, qtype, n, k), gguf.GGMLQuantizationType[qtype]
+    return random_blocks(rng, qtype, n, k=k), gguf.GGMLQuantizationType[qtype]
 
 
 @pytest.fixture

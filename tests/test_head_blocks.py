@@ -66,11 +66,11 @@ def test_eagle_twin_equals_the_head_on_its_dequantized_weights(eagle3):
     assert e["made"]["kept_fp32"] == [] and len(e["made"]["replaced"]) >= 9
     ops = _ops(root / "q8.onnx")
     assert "MatMul" not in ops and "GgufGather" in ops and ops.count("GgufMatMul") + ops.count("GgufMatMulN") >= 4
-    checks = eagle_checks(SimpleNamespace(weights=e["w"], io=e["io"]), e["embed"], None, e["case"])
+    checks = eagle_checks(SimpleNamespace(weights=e["w"], io=e["io"]), e["embed"], None, case=e["case"])
     twin = root / "twin.onnx"
     good = checks["parity"](twin, runtime_session(twin))
     assert good["max_rel_error"] < 1e-4 and set(good["per_phase"]) == {"prefill", "catch_up", "tree"}
-    fp32 = head_parity(e["w"], e["embed"], None, e["io"], twin, tokens=e["case"]["seq"],
+    fp32 = head_parity(e["w"], e["embed"], None, io=e["io"], onnx_path=twin, tokens=e["case"]["seq"],
                        features=e["case"]["target_states"], session=runtime_session(twin))
     assert fp32["max_rel_error"] > 1e-3                  # the blocks are not the fp32 weights
     want = checks["proposals"](runtime_session(root / "model.onnx"))
@@ -98,7 +98,8 @@ def test_a_planted_quantizer_bug_fails_the_twins_parity(eagle3, monkeypatch, tmp
     monkeypatch.setattr(graph_blocks, "quantized", off_scales)
     graph_blocks.to_blocks(eagle3["root"] / "model.onnx", tmp_path / "twin.onnx", exact=True)
     monkeypatch.undo()
-    checks = eagle_checks(SimpleNamespace(weights=eagle3["w"], io=eagle3["io"]), eagle3["embed"], None, eagle3["case"])
+    checks = eagle_checks(SimpleNamespace(weights=eagle3["w"], io=eagle3["io"]), eagle3["embed"], None,
+                          case=eagle3["case"])
     assert checks["parity"](tmp_path / "twin.onnx", runtime_session(tmp_path / "twin.onnx"))["max_rel_error"] > 1e-3
 
 
@@ -142,7 +143,7 @@ def test_medusa_twin_equals_medusa_on_its_dequantized_weights(kernels, tmp_path,
     w = MedusaWeights(tmp_path / "x", "medusa-1", tuple(tuple(b) for b in blocks), tuple(projections), None)
     lm_head = None if own else rng.normal(size=(V, H)).astype(np.float32)
     io = HeadsIO(hidden_size=H, num_heads=N, top_k=4)
-    export_heads(w, lm_head, io, tmp_path / "model.onnx")
+    export_heads(w, lm_head, io, onnx_path=tmp_path / "model.onnx")
     made = to_blocks(tmp_path / "model.onnx", tmp_path / "twin.onnx", exact=True)
     assert len(made["replaced"]) == N * 2 + (N if own else 1) and "MatMul" not in _ops(tmp_path / "twin.onnx")
     deq = dataclasses.replace(w, blocks=tuple(tuple((dequantized(a), b) for a, b in bl) for bl in w.blocks),
@@ -150,5 +151,7 @@ def test_medusa_twin_equals_medusa_on_its_dequantized_weights(kernels, tmp_path,
     hidden = rng.normal(size=(10, H)).astype(np.float32)
     twin = runtime_session(tmp_path / "twin.onnx")
     lm = None if lm_head is None else dequantized(lm_head)
-    assert heads_parity(deq, lm, io, tmp_path / "twin.onnx", hidden, session=twin)["max_rel_error"] < 1e-4
-    assert heads_parity(w, lm_head, io, tmp_path / "twin.onnx", hidden, session=twin)["max_rel_error"] > 1e-4
+    assert heads_parity(deq, lm, io, onnx_path=tmp_path / "twin.onnx", hidden=hidden,
+                        session=twin)["max_rel_error"] < 1e-4
+    assert heads_parity(w, lm_head, io, onnx_path=tmp_path / "twin.onnx", hidden=hidden,
+                        session=twin)["max_rel_error"] > 1e-4

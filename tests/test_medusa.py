@@ -110,13 +110,15 @@ def test_heads_graph_matches_the_published_math(tmp_path, own):
     w = load_medusa(tmp_path / "heads", hidden_size=H, vocab_size=Vh)
     lm_head = None if own else rng.normal(size=(Vh, H)).astype(np.float32)
     io = HeadsIO(hidden_size=H, num_heads=N, top_k=K)
-    export_heads(w, lm_head, io, tmp_path / "model.onnx")
-    report = heads_parity(w, lm_head, io, tmp_path / "model.onnx", rng.normal(size=(9, H)).astype(np.float32))
+    export_heads(w, lm_head, io, onnx_path=tmp_path / "model.onnx")
+    report = heads_parity(w, lm_head, io, onnx_path=tmp_path / "model.onnx",
+                          hidden=rng.normal(size=(9, H)).astype(np.float32))
     assert report["max_rel_error"] < 1e-5 and report["rows"] == 9
     # and the parity check has teeth: other weights fail it
     other = load_medusa(tmp_path / "heads", hidden_size=H, vocab_size=Vh)
     other.blocks[1][0][0][:] += 0.5
-    bad = heads_parity(other, lm_head, io, tmp_path / "model.onnx", rng.normal(size=(9, H)).astype(np.float32))
+    bad = heads_parity(other, lm_head, io, onnx_path=tmp_path / "model.onnx",
+                       hidden=rng.normal(size=(9, H)).astype(np.float32))
     assert bad["max_rel_error"] > 1e-3
 
 
@@ -186,9 +188,9 @@ def test_auto_tree_worked_example():
     assert paths == [(0,), (0, 0), (1,), (1, 0)] and np.allclose(probs, [0.6, 0.3, 0.2, 0.1])
     # verify passes: T = 1, 2 cost 1; T = 3 costs 2; heads free -> 1 node: 1.6; 2 nodes: 1.9 / 2 ...
     costs = {1: 1.0, 2: 1.0, 3: 2.0, 4: 2.0, 5: 2.0}
-    choice = choose_tree(acc, costs, 0.0, 4)
+    choice = choose_tree(acc, costs, 0.0, max_nodes=4)
     assert choice["nodes"] == 1 and choice["paths"] == [[0]] and np.isclose(choice["predicted_speedup"], 1.6)
-    choice = choose_tree(acc, {t: 1.0 for t in range(1, 6)}, 0.0, 4)       # free verification: all of it
+    choice = choose_tree(acc, {t: 1.0 for t in range(1, 6)}, 0.0, max_nodes=4)       # free verification: all of it
     assert choice["nodes"] == 4 and np.isclose(choice["expected_tokens"], 2.2)
 
 

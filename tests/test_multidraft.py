@@ -76,7 +76,7 @@ def first_tokens(p, q, *, replacement, verifier=accept_tree_sampled, trials=40_0
         P = np.tile(p, (tree.size, 1))                    # the children's own p is not reached here
         Q = np.tile(q, (tree.size, 1))
         if verifier is accept_tree:
-            verdict = accept_tree(tree, tokens, P, rng.random(tree.size + 2))
+            verdict = accept_tree(tree, tokens, P, uniforms=rng.random(tree.size + 2))
         else:
             verdict = verifier(tree, tokens, P, Q, rng.random(2 * tree.size + 2), replacement=replacement)
         out[t] = verdict.tokens[0]
@@ -98,9 +98,11 @@ def test_multi_draft_worked_example():
     tree = Tree(np.array([-1, 0, 0]))
     p, q = np.array([0.5, 0.5]), np.array([1.0, 0.0])
     P, Q = np.tile(p, (3, 1)), np.tile(q, (3, 1))
-    accepted = accept_tree_sampled(tree, np.array([0, 0, 0]), P, Q, np.array([0.4, 0.1, 0.3]), replacement=True)
+    accepted = accept_tree_sampled(tree, np.array([0, 0, 0]), P, draft_probs=Q, uniforms=np.array([0.4, 0.1, 0.3]),
+                                   replacement=True)
     assert accepted.path.tolist() == [0, 1] and accepted.tokens.tolist() == [0, 0]
-    rejected = accept_tree_sampled(tree, np.array([0, 0, 0]), P, Q, np.array([0.6, 0.1, 0.3]), replacement=True)
+    rejected = accept_tree_sampled(tree, np.array([0, 0, 0]), P, draft_probs=Q, uniforms=np.array([0.6, 0.1, 0.3]),
+                                   replacement=True)
     assert rejected.path.tolist() == [0] and rejected.tokens.tolist() == [1]     # the residual [0, .5]
 
 
@@ -144,8 +146,8 @@ def test_teeth_multi_draft(bug):
     if bug.startswith("no residual"):
         toks = first_tokens(p, q, replacement=True, verifier=accept_without_residual_update, trials=20_000, seed=1)
     else:
-        def as_without(*args, replacement):
-            return accept_tree_sampled(*args, replacement=False)
+        def as_without(*args, replacement, **named):
+            return accept_tree_sampled(*args, replacement=False, **named)
         toks = first_tokens(p, q, replacement=True, verifier=as_without, trials=20_000, seed=1)
     fit = goodness_of_fit(counts_of(toks[:, None], (V,)), p)
     assert fit.pvalue < TEETH_P, f"planted bug ({bug}) not detected: {fit}"

@@ -388,7 +388,7 @@ def test_smoothquant_rewrite_is_exact_in_fp32(built_quant, tmp_path):
     ids = np.array([1, 40, 41, 300, 7, 9, 12, 5], np.int64)
     feeds = [io.feeds(ids[None])]
     model = onnx.load(str(source))
-    act_max = smooth.activation_channel_max(source, feeds, list(smooth.weight_matmuls(model)), tmp_path)
+    act_max = smooth.activation_channel_max(source, feeds, list(smooth.weight_matmuls(model)), work_dir=tmp_path)
     assert all(v.ndim == 1 and (v > 0).all() for v in act_max.values())
     counts = smooth.smooth(model, act_max, 0.5)
     layers = io.num_layers
@@ -409,7 +409,7 @@ def test_near_ties_count_as_agreement_and_are_reported_apart(monkeypatch):
     ref = np.array([[2.0, 2.0, 0.0], [1.0, 3.0, 0.0], [5.0, 1.0, 0.0]], np.float32)       # row 0: a tie
     got = np.array([[1.0, 2.0, 0.0], [1.0, 3.0, 0.0], [1.0, 5.0, 0.0]], np.float32)       # row 2 flips
     monkeypatch.setattr(quality, "prefill_logits", lambda session, io, ids: ref if session == "ref" else got)
-    report = quality.measure_quality("ref", "got", None, [np.zeros(3, np.int64)])
+    report = quality.measure_quality("ref", "got", None, sequences=[np.zeros(3, np.int64)])
     assert report.top1_agreement == pytest.approx(2 / 3) and report.ties == 1
     assert "(1 of them near-ties)" in report.describe()
 
@@ -428,7 +428,7 @@ def test_quality_from_spilled_logits_in_row_chunks_equals_the_whole_computation(
             spilled.append(g)
         folder = spilled._dir.name
         assert len(spilled) == 2 and np.array_equal(spilled[1], got[1])
-        report = quality.measure_quality(ref, spilled, None, seqs)
+        report = quality.measure_quality(ref, spilled, None, sequences=seqs)
     assert not Path(folder).exists()
 
     def log_softmax(x):

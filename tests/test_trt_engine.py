@@ -136,7 +136,7 @@ def test_the_reference_ops_against_worked_examples_and_torch():
     expected = torch.nn.functional.scaled_dot_product_attention(
         *(torch.from_numpy(a.astype(np.float64)) for a in (q, k, v)), attn_mask=torch.from_numpy(mask), scale=1.0,
         enable_gqa=True).numpy()
-    assert np.abs(trt_graph.attention_reference(q, k, v, mask) - expected).max() < 1e-5
+    assert np.abs(trt_graph.attention_reference(q, k, v, mask=mask) - expected).max() < 1e-5
 
 
 # -- profiles, missing TensorRT, import hygiene --------------------------------------------------------

@@ -93,7 +93,7 @@ def generate(output_dir, prompt, method, gamma, tree, sampled_children, draft_st
     if compare and method != "vanilla":
         _compare(pipe, prompt, dict(max_new_tokens=max_new_tokens, gamma=gamma, draft_stop=draft_stop,
                                     temperature=temperature, tree=tree,
-                                    top_k=top_k, top_p=top_p, seed=seed, stop=stop), method)
+                                    top_k=top_k, top_p=top_p, seed=seed, stop=stop), method=method)
 
 
 def _tree(text: str | None):
@@ -116,7 +116,7 @@ def _int_gamma(text: str) -> int:
         raise SpecexportError(f"--gamma: expected an integer or 'auto', got {text!r}") from None
 
 
-def _compare(pipe, prompt, kwargs, method, repeats: int = 10) -> None:
+def _compare(pipe, prompt, kwargs, *, method, repeats: int = 10) -> None:
     """Interleave vanilla and speculative runs of the same request (after one untimed run of each);
     print decode-time tokens/s, the ratio and its 95% paired-bootstrap interval."""
     from specexport.report.accounting import speedup_interval, throughput

@@ -44,7 +44,7 @@ def optimizer_step(opt, loss, params, lr: float) -> float:
     return float(loss.detach())
 
 
-def resume(path: Path, cfg, device, restore, console) -> tuple[int, list]:
+def resume(path: Path, cfg, device, *, restore, console) -> tuple[int, list]:
     """(step, loss history) of the saved state when it is this run's (its fingerprint; restore(state) loads
     the module and optimizer from it), else (0, [])."""
     torch = require("torch")
@@ -58,7 +58,7 @@ def resume(path: Path, cfg, device, restore, console) -> tuple[int, list]:
     return state["step"], state["history"]
 
 
-def save_state(path: Path, cfg, opt, step: int, history: list, **modules) -> None:
+def save_state(path: Path, cfg, opt, *, step: int, history: list, **modules) -> None:
     """The state a rerun resumes from: the modules' weights (by name), the optimizer, step and history."""
     atomic_save({**modules, "opt": opt.state_dict(), "step": step, "history": history,
                  "fingerprint": cfg.fingerprint()}, path)
@@ -118,7 +118,7 @@ def check(cfg) -> None:
             raise SpecexportError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(cfg, name)}")
 
 
-def load_or_make_data(cfg, target, tokenizer, state_dir: Path, console) -> dict:
+def load_or_make_data(cfg, target, tokenizer, *, state_dir: Path, console) -> dict:
     torch = require("torch")
     path = state_dir / "data.pt"
     if path.is_file():
@@ -213,7 +213,7 @@ def pad_batch(rows, device):
     return ids.to(device), mask.to(device)
 
 
-def text_batch(train, step: int, cfg, device):
+def text_batch(train, step: int, cfg, *, device):
     """Batch `step` (batch_rows), padded."""
     return pad_batch([train[i] for i in batch_rows(len(train), step, cfg)], device)
 

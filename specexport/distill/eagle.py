@@ -47,13 +47,13 @@ def train_eagle(cfg, *, console=None, on_step=None) -> dict:
     state_dir = outputs.state_folder(cfg.out.parent / f".{cfg.out.name}.heads", cfg)
     device, tokenizer, target = core.load_target(cfg)
     cfg = resolve_chat_template(cfg, tokenizer)
-    data = core.load_or_make_data(cfg, target, tokenizer, state_dir, console)
+    data = core.load_or_make_data(cfg, target, tokenizer, state_dir=state_dir, console=console)
     ids = core.vocab_ids(cfg, data, target)
     version = _version(cfg)
     aux = _aux_layers(cfg, target.config.num_hidden_layers)
     hcfg = head_config(target.config, version, aux_layers=aux, draft_vocab=None if ids is None else len(ids),
                        intermediate=cfg.intermediate_size, dtype=cfg.dtype, target=str(cfg.target))
-    store = _load_or_make_features(cfg, target, data["train"], aux, state_dir, console)
+    store = _load_or_make_features(cfg, target, data["train"], aux=aux, state_dir=state_dir, console=console)
 
     def fresh():
         return trainable_head(hcfg, version, lm_head=target.get_output_embeddings().weight, ids=ids, seed=cfg.seed,
@@ -67,13 +67,13 @@ def train_eagle(cfg, *, console=None, on_step=None) -> dict:
         opt.load_state_dict(state["opt"])
 
     state_path = state_dir / "state.pt"
-    step, history = core.resume(state_path, cfg, device, restore, console)
+    step, history = core.resume(state_path, cfg, device, restore=restore, console=console)
     before = evaluate(target, fresh(), data["heldout"], aux=aux, depth=cfg.eval_depth)
     core.train_loop(cfg, step=step, history=history, opt=opt, params=head.parameters(), console=console,
                     on_step=on_step, label=f"train-heads {cfg.kind}",
-                    batch_at=lambda s: _batch(store, data["train"], s, cfg, device),
+                    batch_at=lambda s: _batch(store, data["train"], s, cfg=cfg, device=device),
                     loss_of=lambda batch: ttt_loss(target, head, batch, cfg.ttt_steps),
-                    save=lambda s, h: core.save_state(state_path, cfg, opt, s, h, head=head.state_dict()))
+                    save=lambda s, h: core.save_state(state_path, cfg, opt, step=s, history=h, head=head.state_dict()))
     after = evaluate(target, head, data["heldout"], aux=aux, depth=cfg.eval_depth)
     return _write_outputs(cfg, head, hcfg, target, data["heldout"], aux, before=before, after=after, history=history)
 
@@ -135,7 +135,7 @@ def target_features(target, ids, mask, aux):
     return feats, final
 
 
-def _load_or_make_features(cfg, target, train, aux, state_dir: Path, console) -> dict:
+def _load_or_make_features(cfg, target, train, *, aux, state_dir: Path, console) -> dict:
     """{"feats" [N, F], "final" [N, H] (EAGLE-3 only), "offsets" [n + 1]}: every training sequence's
     features back to back, fp16 unless that overflows (then float32), cached in features.pt."""
     torch = require("torch")
@@ -171,7 +171,7 @@ def _compact(x):
     return half if bool(half.isfinite().all()) else x
 
 
-def _batch(store, train, step: int, cfg, device):
+def _batch(store, train, step: int, *, cfg, device):
     """Batch `step` (the rows core.text_batch takes: a pure function of (seed, step)): token ids and mask
     [B, S], features [B, S, F] and final states [B, S, H], float32."""
     torch = require("torch")
@@ -290,14 +290,15 @@ def _write_outputs(cfg, head, hcfg, target, heldout, aux, *, before, after, hist
               "first_loss": history[0] if history else None, "final_loss": history[-1] if history else None,
               "loss_first": history[:5], "loss_last": history[-5:],
               "before": before, "after": after,
-              "reference_max_abs_diff": reference_diff(partial, head, target, heldout, aux, dtype=cfg.dtype),
+              "reference_max_abs_diff": reference_diff(partial, head, target, heldout=heldout, aux=aux,
+                                                       dtype=cfg.dtype),
               "config": outputs.json_config(cfg)}
     (partial / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
     outputs.place_outputs(partial, cfg)
     return report
 
 
-def reference_diff(folder, head, target, heldout, aux, *, dtype: str = "float32") -> float | None:
+def reference_diff(folder, head, target, *, heldout, aux, dtype: str = "float32") -> float | None:
     """Max |logits - logits'| and |hidden - hidden'| of make_head(load_eagle(folder)) against `head` on
     the first held-out sequence (causal, step 0), `head`'s weights rounded to the written dtype first
     (so fp16 files compare like for like): 0 up to float32 rounding when the files hold what was trained."""

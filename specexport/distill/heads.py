@@ -83,7 +83,7 @@ def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
     torch = require("torch")
     state_dir = outputs.state_folder(cfg.out.parent / f".{cfg.out.name}.heads", cfg)
     device, tokenizer, target = core.load_target(cfg)
-    data = core.load_or_make_data(cfg, target, tokenizer, state_dir, console)
+    data = core.load_or_make_data(cfg, target, tokenizer, state_dir=state_dir, console=console)
     heads = medusa_heads(target, cfg).to(device)
     opt = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=cfg.lr, weight_decay=0.0)
     state_path = state_dir / "state.pt"
@@ -98,12 +98,12 @@ def train_heads(cfg: HeadsTrainConfig, *, console=None, on_step=None) -> dict:
 
     def save(step, history):
         trained = {k: v for k, v in heads.state_dict().items() if k != "proj" or cfg.projection == "own"}
-        core.save_state(state_path, cfg, opt, step, history, heads=trained)
+        core.save_state(state_path, cfg, opt, step=step, history=history, heads=trained)
 
-    step, history = core.resume(state_path, cfg, device, restore, console)
+    step, history = core.resume(state_path, cfg, device, restore=restore, console=console)
     before = evaluate(target, medusa_heads(target, cfg).to(device), data["heldout"], cfg.top_k)
     core.train_loop(cfg, step=step, history=history, opt=opt, params=[p for p in heads.parameters() if p.requires_grad],
-                    batch_at=lambda s: core.text_batch(data["train"], s, cfg, device),
+                    batch_at=lambda s: core.text_batch(data["train"], s, cfg, device=device),
                     loss_of=lambda batch: medusa_loss(target, heads, batch, cfg), save=save, console=console,
                     on_step=on_step, label="train-heads")
     after = evaluate(target, heads, data["heldout"], cfg.top_k)

@@ -65,7 +65,7 @@ def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
     core.check(cfg)
     state_dir = state_folder(distill_state_dir(cfg.out), cfg)
     device, tokenizer, target = core.load_target(cfg)
-    data = core.load_or_make_data(cfg, target, tokenizer, state_dir, console)
+    data = core.load_or_make_data(cfg, target, tokenizer, state_dir=state_dir, console=console)
     vocab = core.vocab_ids(cfg, data, target)
     ids = None if vocab is None else torch.tensor(vocab, device=device)
     draft = _init_draft(cfg, target).to(device)
@@ -76,13 +76,14 @@ def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
         opt.load_state_dict(state["opt"])
 
     state_path = state_dir / "state.pt"
-    step, history = core.resume(state_path, cfg, device, restore, console)
+    step, history = core.resume(state_path, cfg, device, restore=restore, console=console)
     heldout = data["heldout"]
     before = evaluate(target, _init_draft(cfg, target).to(device), heldout, ids)
     core.train_loop(cfg, step=step, history=history, opt=opt, params=draft.parameters(), console=console,
-                    on_step=on_step, batch_at=lambda s: core.text_batch(data["train"], s, cfg, device),
+                    on_step=on_step, batch_at=lambda s: core.text_batch(data["train"], s, cfg, device=device),
                     loss_of=lambda batch: kl_loss(target, draft, batch, ids),
-                    save=lambda s, h: core.save_state(state_path, cfg, opt, s, h, draft=draft.state_dict()))
+                    save=lambda s, h: core.save_state(state_path, cfg, opt, step=s, history=h,
+                                                      draft=draft.state_dict()))
     after = evaluate(target, draft, heldout, ids)
     return _write_outputs(cfg, draft, tokenizer, before, after, history, vocab)
 
@@ -90,7 +91,8 @@ def distill_draft(cfg: DistillConfig, *, on_step=None, console=None) -> dict:
 def kl_loss(target, draft, batch, ids=None):
     """Mean KL(p_target ‖ q_draft) over the batch's real positions (p renormalised over `ids` when given)."""
     tokens, mask = batch
-    p_log, q_log = _log_probs(target, draft, tokens, mask, ids)                            # [B, S, V|Vd]
+    p_log, q_log = _log_probs(target, draft, tokens, attention_mask=mask,
+                              ids=ids)                            # [B, S, V|Vd]
     kl = (p_log.exp() * (p_log - q_log)).sum(-1)                                         # [B, S]
     return (kl * mask).sum() / mask.sum()
 
@@ -106,7 +108,7 @@ def draft_logits(draft, input_ids, attention_mask=None, ids=None):
     return require("torch").nn.functional.linear(hidden, head.weight[ids], bias)
 
 
-def _log_probs(target, draft, input_ids, attention_mask, ids):
+def _log_probs(target, draft, input_ids, *, attention_mask, ids):
     """(log p_target, log q_draft) per position; with `ids`, p renormalised over them."""
     torch = require("torch")
     with torch.no_grad():

@@ -140,7 +140,7 @@ def _convert(path: Path, out: Path, *, weights: bool = True, steps=None) -> dict
         steps.say(f"{path.name}: reading its config (transformers)")
         config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
         steps.say(f"{path.name}: {'writing' if weights else 'mapping'} its tensors")
-        parameters = _write_weights(path, config, out, steps, reader) if weights else \
+        parameters = _write_weights(path, config, out, steps=steps, reader=reader) if weights else \
             _check_names(path, config, reader)
     except (ValueError, KeyError, TypeError, NotImplementedError, RuntimeError, OSError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -188,7 +188,7 @@ def _check_names(path: Path, config, reader=None) -> int:
     return sum(int(np.prod(weights.shapes[hf])) for hf in weights.names)
 
 
-def _write_weights(path: Path, config, out: Path, steps, reader=None) -> int:
+def _write_weights(path: Path, config, out: Path, *, steps, reader=None) -> int:
     """The file's tensors dequantized to float32, named and ordered as transformers loads them, written in
     safetensors shards of at most SHARD_BYTES: one tensor and one shard in memory at a time, where loading
     the whole model through transformers held about three fp32 copies (the 1.5B: 7 GB each). One file,

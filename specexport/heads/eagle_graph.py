@@ -124,7 +124,7 @@ def io_for(w: EagleWeights, *, target_hidden: int, top_k: int) -> EagleIO:
                    head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads), top_k=top_k)
 
 
-def export_head(w: EagleWeights, embed: np.ndarray, lm_head, io: EagleIO, onnx_path: Path) -> list[Path]:
+def export_head(w: EagleWeights, embed: np.ndarray, lm_head, *, io: EagleIO, onnx_path: Path) -> list[Path]:
     """The head's ONNX graph (+ external data) with the EagleIO contract; returns the files written."""
     torch = require("torch")
     from specexport.export import gqa
@@ -152,7 +152,7 @@ def export_head(w: EagleWeights, embed: np.ndarray, lm_head, io: EagleIO, onnx_p
 
 # -- the check against the published head ------------------------------------------------------------
 
-def head_parity(w: EagleWeights, embed: np.ndarray, lm_head, io: EagleIO, onnx_path: Path, *, tokens: np.ndarray,
+def head_parity(w: EagleWeights, embed: np.ndarray, lm_head, *, io: EagleIO, onnx_path: Path, tokens: np.ndarray,
                 features: np.ndarray, session=None) -> dict:
     """The graph in ONNX Runtime against `make_head` in PyTorch.
 

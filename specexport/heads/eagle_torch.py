@@ -201,7 +201,7 @@ class EagleHead(nn.Module):
                    for proj, n in ((attn.q_proj, s.heads), (attn.k_proj, s.kv_heads), (attn.v_proj, s.kv_heads)))
         return self._rope(q, positions), self._rope(k, positions), v
 
-    def _attend(self, hidden, q, k, v, mask):
+    def _attend(self, hidden, q, k, *, v, mask):
         """hidden [B, T, H], q [B, heads, T, D], k/v [B, kv, K, D], mask [T, K] -> out [B, T, H]."""
         s, layer = self.shape, self.layer
         b, _, t, _ = q.shape
@@ -223,7 +223,7 @@ class EagleHead(nn.Module):
     def forward(self, embeds, features, positions, mask, lm_head=None, own_hidden: bool = False):
         hidden, x = self._inputs(embeds, features, own_hidden)
         q, k, v = self._project(x, positions)
-        out = self._attend(hidden, q, k, v, mask)
+        out = self._attend(hidden, q, k, v=v, mask=mask)
         return self._logits(out, lm_head), out
 
     def unroll(self, embeds, features, steps: int, *, lm_head=None, embed_next=None):
@@ -243,8 +243,8 @@ class EagleHead(nn.Module):
             q, k, v = self._project(x, positions)
             keys.append(k)
             values.append(v)
-            out = self._attend(hidden, q, torch.cat(keys, 2), torch.cat(values, 2),
-                               ttt_mask(T, s, embeds.device))
+            out = self._attend(hidden, q, torch.cat(keys, 2), v=torch.cat(values, 2),
+                               mask=ttt_mask(T, s, embeds.device))
             logits = self._logits(out, lm_head)
             results.append((logits, out))
             feat = _shift(out)                                      # row i reads row i-1's output

@@ -206,7 +206,7 @@ def graph_module(weights: MedusaWeights, lm_head: np.ndarray | None, top_k: int)
     return MedusaGraph().eval()
 
 
-def export_heads(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO, onnx_path: Path) -> list[Path]:
+def export_heads(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO, *, onnx_path: Path) -> list[Path]:
     """The heads' ONNX graph (+ external data) with the HeadsIO contract; returns the files written."""
     torch = require("torch")
     from specexport.export.to_onnx import OPSET, quiet_exporter, check_graph_io
@@ -222,8 +222,8 @@ def export_heads(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO
     return [p for p in (onnx_path, onnx_path.with_name(onnx_path.name + ".data")) if p.exists()]
 
 
-def heads_parity(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO, onnx_path: Path,
-                 hidden: np.ndarray, *, session=None) -> dict:
+def heads_parity(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO, *, onnx_path: Path,
+                 hidden: np.ndarray, session=None) -> dict:
     """The graph in ONNX Runtime against the reference on hidden states [S, H]: the graph's log-probs
     must equal the reference's at the ids the graph chose, and the reference's own top-K values (so
     the ids are a true top-K up to ties). Returns {max_rel_error, max_abs_error, rows}."""
@@ -242,7 +242,7 @@ def heads_parity(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO
     return {"max_rel_error": error / scale, "max_abs_error": error, "rows": int(hidden.shape[0])}
 
 
-def target_states(session, io, tokens: np.ndarray, outputs=(HIDDEN_STATES,)) -> list[np.ndarray]:
+def target_states(session, io, tokens: np.ndarray, *, outputs=(HIDDEN_STATES,)) -> list[np.ndarray]:
     """The target graph's `outputs` (an open ORT session) over `tokens`, one causal prefill without
     past, batch row 0: hidden_states [S, H], logits [S, V]."""
     return [out[0] for out in session.run(list(outputs), io.feeds(np.asarray(tokens)[None]))]

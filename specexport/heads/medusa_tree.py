@@ -26,14 +26,15 @@ REPS = 15
 PREFIX = 16             # accuracy is measured on the target's greedy continuations of prefixes this long
 
 
-def head_accuracy(target_session, target_io, heads_session, sequences, top_k: int, *, start: int = 0) -> np.ndarray:
+def head_accuracy(target_session, target_io, heads_session, *, sequences, top_k: int, start: int = 0) -> np.ndarray:
     """acc [N, K] over the positions i >= start of `sequences` (token arrays) where the truth exists
     (start = PREFIX - 1: from the last prefix token on, the part the target continued itself)."""
     from specexport.heads.medusa import target_states
 
     hits, total = None, None
     for seq in sequences:
-        hidden, logits = target_states(target_session, target_io, seq, (HIDDEN_STATES, LOGITS))  # [S, H], [S, V]
+        hidden, logits = target_states(target_session, target_io, seq, outputs=(HIDDEN_STATES,
+                                                                                LOGITS))  # [S, H], [S, V]
         argmax = logits.argmax(-1)                                                             # [S]
         ids = heads_session.run([HEAD_TOPK_IDS], {HIDDEN_STATES: hidden[None]})[0][0]          # [S, N, K]
         S, N, K = ids.shape
@@ -77,7 +78,7 @@ def greedy_tree(acc: np.ndarray, max_nodes: int) -> tuple[list[tuple[int, ...]],
     return paths, probs
 
 
-def choose_tree(acc: np.ndarray, costs: dict[int, float], heads_cost: float, max_nodes: int) -> dict:
+def choose_tree(acc: np.ndarray, costs: dict[int, float], heads_cost: float, *, max_nodes: int) -> dict:
     """The tree size with the best predicted speedup; costs {T: seconds} for T = 1..max_nodes + 1."""
     paths, probs = greedy_tree(acc, max_nodes)
     c1 = costs[1]

@@ -221,7 +221,7 @@ _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q5_1":
              "Q6_K": _q6_k, "Q8_0": _q8_0}
 
 
-def random_blocks(rng, qtype: str, n: int, k: int, scale: float = 0.02) -> np.ndarray:
+def random_blocks(rng, qtype: str, n: int, *, k: int, scale: float = 0.02) -> np.ndarray:
     """[n, row bytes] valid blocks of `qtype`: random codes and sub-scales, finite fp16 super-scales
     (d and dmin in [scale/10, 1.1 scale)). Seeded files for tests and the 3B-shaped build benchmark
     (benchmarks/seeded_gguf.py): writing random bytes in the block layout is what makes a K-quant file

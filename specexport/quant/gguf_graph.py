@@ -277,7 +277,7 @@ class Builder:
         nb = K // c.block
         unpack = c.info_bits and prefix.removesuffix(".vocab") not in self.wide
         codes = self._unpacked(c, prefix) if unpack else self._const(f"{prefix}.codes", c.packed_codes())
-        scale = self._per_block(f"{prefix}.scale", c.d, c.sc, N, nb)       # d [N, S] (x sub-block scales)
+        scale = self._per_block(f"{prefix}.scale", c.d, c.sc, N=N, nb=nb)       # d [N, S] (x sub-block scales)
         const = None
         if c.affine:
             const = self._constant(c, prefix, scale, N, nb)
@@ -290,7 +290,7 @@ class Builder:
         N, K = c.codes.shape
         low, high, h = c.split_codes()
 
-        def unpack(name, packed, width, per):
+        def unpack(name, packed, width, *, per):
             arr = self._const(f"{prefix}.{name}", packed[..., None])                   # [N, K / per, 1]
             shifts = self._const(f"{prefix}.{name}.shifts", (np.arange(per) * width).astype(np.uint8))
             mask = self._const(f"{prefix}.{name}.mask", np.array([2 ** width - 1], np.uint8))
@@ -299,7 +299,7 @@ class Builder:
             return self._node(None, "Reshape", [bits, self._const(f"{prefix}.{name}.nk", np.array([N, K], np.int64))],
                               [f"{prefix}.{name}.flat"])
 
-        lo, hi = unpack("lo", low, 4, 2), unpack("hi", high, h, 8 // h)
+        lo, hi = unpack("lo", low, 4, per=2), unpack("hi", high, h, per=8 // h)
         four = self._const(f"{prefix}.four", np.array([4], np.uint8))
         hi4 = self._node(None, "BitShift", [hi, four], [f"{prefix}.hi4"], direction="LEFT")
         q = self._node(None, "BitwiseOr", [lo, hi4], [f"{prefix}.q"])
@@ -308,7 +308,7 @@ class Builder:
         shape = self._const(f"{prefix}.blocks", np.array([N, K // c.block, c.block], np.int64))
         return self._node(None, "Reshape", [code, shape], [f"{prefix}.codes"])
 
-    def _per_block(self, name: str, per_super, per_sub, N: int, nb: int) -> str:
+    def _per_block(self, name: str, per_super, per_sub, *, N: int, nb: int) -> str:
         """[N, nb] float32: fp16 values per super-block [N, S], times integer ones per block [N, nb] if
         given (a K-quant's d * sc_j, dmin * m_j); exact in fp32."""
         d = self._node(None, "Cast", [self._const(f"{name}.super", per_super)], [f"{name}.super32"], to=1)
@@ -325,7 +325,7 @@ class Builder:
 
     def _constant(self, c: BlockCodes, prefix, scale, N, nb):
         """C = c_shift * scale + c_sign * c_d (* c_m): [N, nb] float32 (quant/gguf_blocks.py)."""
-        m = self._per_block(f"{prefix}.min", c.c_d, c.c_m, N, nb)
+        m = self._per_block(f"{prefix}.min", c.c_d, c.c_m, N=N, nb=nb)
         m = self._node(None, "Mul", [m, self._const(f"{prefix}.csign", np.float32(c.c_sign))], [f"{prefix}.csigned"])
         if c.c_shift:
             shifted = self._node(None, "Mul", [scale, self._const(f"{prefix}.cshift", np.float32(c.c_shift))],
@@ -336,7 +336,7 @@ class Builder:
     def replace(self, node, kind: str, c: BlockCodes | None, *, prefix: str, raw: RawBlocks | None = None) -> None:
         at = list(self.model.graph.node).index(node)
         if self.kernels:
-            return kernel_node(self, at, node, kind, raw, prefix)
+            return kernel_node(self, at, node, kind=kind, raw=raw, prefix=prefix)
         codes, scale, const = self._parts(c, prefix)
         N, K = c.codes.shape
         nb = K // c.block
@@ -346,7 +346,7 @@ class Builder:
                            domain="com.microsoft", K=K, N=N, bits=c.bits, block_size=c.block,
                            accuracy_level=self.level)
             if const:
-                sums = self._block_sums(at, node.input[0], nb, c.block, out)
+                sums = self._block_sums(at, node.input[0], nb, block=c.block, out=out)
                 ct = self._node(at, "Transpose", [const], [f"{out}.Ct"], perm=[1, 0])
                 corr = self._node(at, "MatMul", [sums, ct], [f"{out}.corr"])
                 self._node(at, "Add", [y, corr], [out])
@@ -365,7 +365,7 @@ class Builder:
                 self._node(at, "Add", [y, flat], [out])
         self.removed.add(at)
 
-    def _block_sums(self, at, a: str, nb: int, block: int, out: str) -> str:
+    def _block_sums(self, at, a: str, nb: int, *, block: int, out: str) -> str:
         """[B, T, K] -> [B, T, K / block]: each block's sum of the activations."""
         shape = self._const(f"{out}.bshape", np.array([0, 0, nb, block], np.int64))
         blocks = self._node(at, "Reshape", [a, shape], [f"{out}.ablocks"])

@@ -33,7 +33,7 @@ def tensor_raw(t, rows=None) -> RawBlocks:
     return raw if rows is None else raw.take_rows(rows)
 
 
-def kernel_node(builder, at: int, node, kind: str, raw: RawBlocks, prefix: str) -> None:
+def kernel_node(builder, at: int, node, *, kind: str, raw: RawBlocks, prefix: str) -> None:
     """In quant/gguf_graph.py's _Builder: GgufMatMul / GgufGather on the file's bytes in place of `node`,
     one constant per GGUF tensor (an embedding tied to the lm_head serves both), in the builder's layout:
     "file" (the bytes verbatim) or "r8" (the same bytes, eight rows interleaved: sx_layout.h; the gather

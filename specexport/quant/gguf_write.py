@@ -48,7 +48,7 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
-def tensor_type(name: str, shape: tuple, mix: str, n_layers: int, tied: bool) -> str:
+def tensor_type(name: str, shape: tuple, mix: str, *, n_layers: int, tied: bool) -> str:
     """The block type of GGUF tensor `name` ([rows, K]) in a file of `mix` (MIXES)."""
     base = MIXES[mix][0]
     if len(shape) < 2 or base == "F32":
@@ -118,7 +118,7 @@ def write_gguf(hf_dir, dest, mix: str, *, importance: dict | None = None, steps=
         if name is None:
             raise SpecexportError(f"{hf_dir}: tensor {hf} has no GGUF name for {ARCHES[config.model_type].lower()} "
                                   f"(the gguf package's tensor name map)")
-        plan[name] = (hf, shape, tensor_type(name, shape, mix, config.num_hidden_layers, tied))
+        plan[name] = (hf, shape, tensor_type(name, shape, mix, n_layers=config.num_hidden_layers, tied=tied))
     writer = gguf.GGUFWriter(path=None, arch=gguf.MODEL_ARCH_NAMES[arch])
     _hparams(writer, config, gguf, mix)
     pre = _tokenizer(writer, hf_dir, gguf)

@@ -42,7 +42,7 @@ ORT_OPTIMIZATION = {"fp16": "all", "fp8": "basic", "int8_sq": "basic"}
 TOOL = "modelopt.onnx.quantization.quantize"
 
 
-def quantize_qdq(source: Path, dest: Path, precision: str, scheme: dict, feeds: list[dict]) -> None:
+def quantize_qdq(source: Path, dest: Path, precision: str, *, scheme: dict, feeds: list[dict]) -> None:
     """Write the `precision` Q/DQ version of the fp32 graph `source` to `dest` (+ `dest`.data)."""
     onnx = require("onnx")
     if not feeds:
@@ -59,7 +59,7 @@ def quantize_qdq(source: Path, dest: Path, precision: str, scheme: dict, feeds: 
         if scheme.get("smooth_alpha"):
             from specexport.quant import smooth
 
-            act_max = smooth.activation_channel_max(source, feeds, list(smooth.weight_matmuls(model)), scratch)
+            act_max = smooth.activation_channel_max(source, feeds, list(smooth.weight_matmuls(model)), work_dir=scratch)
             smooth.smooth(model, act_max, scheme["smooth_alpha"])
         prepared = scratch / "prepared.onnx"
         onnx.save(model, str(prepared), save_as_external_data=True, location="prepared.onnx.data")

@@ -105,7 +105,7 @@ def sampled_sequences(session, io: ModelIO, *, start: int | None, length: int, c
     seqs[:, 0] = start if start is not None else rng.integers(0, io.vocab_size, count)
     past = io.empty_caches(count)
     for t in range(length - 1):
-        logits, past = _step(session, io, seqs[:, t:t + 1], np.full((count, 1), t), past)   # [B, 1, V]
+        logits, past = _step(session, io, seqs[:, t:t + 1], positions=np.full((count, 1), t), past=past)   # [B, 1, V]
         z = logits[:, -1].astype(np.float64) / temperature                     # [B, V]
         probs = np.exp(z - z.max(-1, keepdims=True))
         cdf = np.cumsum(probs / probs.sum(-1, keepdims=True), axis=-1)         # [B, V]
@@ -119,7 +119,7 @@ def sampled_sequences(session, io: ModelIO, *, start: int | None, length: int, c
 def prefill_logits(session, io: ModelIO, ids: np.ndarray) -> np.ndarray:
     """[T, V] logits of one sequence prefilled from an empty cache."""
     past = io.empty_caches()
-    logits, _ = _step(session, io, ids[None], np.arange(len(ids))[None], past)
+    logits, _ = _step(session, io, ids[None], positions=np.arange(len(ids))[None], past=past)
     return logits[0]
 
 
@@ -159,7 +159,7 @@ class SpilledLogits:
         return np.load(self._path(i))
 
 
-def measure_quality(reference, quantized, io: ModelIO, sequences: list[np.ndarray]) -> QualityReport:
+def measure_quality(reference, quantized, io: ModelIO, *, sequences: list[np.ndarray]) -> QualityReport:
     """Top-1 agreement and mean KL(p_ref || p_quant) over every position of `sequences`. Each of
     `reference`, `quantized`: a session, or the sequences' prefill logits computed before (a list of
     [T, V] or SpilledLogits: a lean build runs one session at a time)."""
@@ -183,7 +183,7 @@ def measure_quality(reference, quantized, io: ModelIO, sequences: list[np.ndarra
                          ties=int((agree & ~exact).sum()))
 
 
-def row_dependence(session, io: ModelIO, ids: np.ndarray, rows: int = 12, last: int = 1) -> float:
+def row_dependence(session, io: ModelIO, ids: np.ndarray, *, rows: int = 12, last: int = 1) -> float:
     """max|Δ| / max|logits| of the last of `rows` tokens: computed inside one pass of all of them vs in
     a pass of the `last` tokens after the others. fp32 graphs: ~1e-6 either way. One activation scale
     per call (dynamic quantization): ~1e-1 for any `last`, and a verify pass disagrees with decoding.
@@ -192,9 +192,9 @@ def row_dependence(session, io: ModelIO, ids: np.ndarray, rows: int = 12, last: 
     `last=2` one passes is run with at least 2 rows a call (the runtime pads: `min_tokens`)."""
     ids = np.asarray(ids[:rows], np.int64)
     n = len(ids)
-    together, _ = _step(session, io, ids[None], np.arange(n)[None], io.empty_caches())
-    _, past = _step(session, io, ids[None, :n - last], np.arange(n - last)[None], io.empty_caches())
-    apart, _ = _step(session, io, ids[None, n - last:], np.arange(n - last, n)[None], past)
+    together, _ = _step(session, io, ids[None], positions=np.arange(n)[None], past=io.empty_caches())
+    _, past = _step(session, io, ids[None, :n - last], positions=np.arange(n - last)[None], past=io.empty_caches())
+    apart, _ = _step(session, io, ids[None, n - last:], positions=np.arange(n - last, n)[None], past=past)
     ref = together[0, -1]
     return float(np.abs(ref - apart[0, -1]).max() / max(float(np.abs(ref).max()), 1e-30))
 
@@ -209,12 +209,12 @@ def sibling_row_dependence(session, io: ModelIO, ids: np.ndarray, rows: int = 12
     ids = np.asarray(ids[:rows], np.int64)
     n = len(ids)
     prefix, root, a, b = ids[:n - 3], ids[n - 3], ids[n - 2], ids[n - 1]
-    _, past = _step(session, io, prefix[None], np.arange(n - 3)[None], io.empty_caches())
+    _, past = _step(session, io, prefix[None], positions=np.arange(n - 3)[None], past=io.empty_caches())
     P = n - 3
     mask = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
     feeds = io.feeds(np.array([[root, a, b]]), positions=np.array([P, P + 1, P + 1]), mask=mask, past=past)
     tree = dict(zip(io.output_names, session.run(None, feeds)))[LOGITS][0, 2]
-    chain, _ = _step(session, io, np.array([[root, b]]), np.array([[P, P + 1]]), past)
+    chain, _ = _step(session, io, np.array([[root, b]]), positions=np.array([[P, P + 1]]), past=past)
     ref = chain[0, 1]
     return float(np.abs(ref - tree).max() / max(float(np.abs(ref).max()), 1e-30))
 
@@ -232,7 +232,7 @@ def tree_rows_for(rows: dict, scheme: str) -> str:
     return "chains" if rows["siblings"] > limit else "exact"
 
 
-def _step(session, io: ModelIO, tokens: np.ndarray, positions: np.ndarray, past: list):
+def _step(session, io: ModelIO, tokens: np.ndarray, *, positions: np.ndarray, past: list):
     """One graph call on [B, T] tokens after `past`; returns logits [B, T, V] and the caches with the new K/V."""
     feeds = io.feeds(tokens, positions=positions, past=past)
     outs = dict(zip(io.output_names, session.run(None, feeds)))

@@ -62,7 +62,7 @@ def cpu_graph(scheme: dict | None) -> str:
     return CPU_GRAPHS.get((scheme or {}).get("scheme"), "model.onnx")
 
 
-def quantize_graph(source: Path, dest: Path, precision: str, scheme: dict | None = None, *, io=None,
+def quantize_graph(source: Path, dest: Path, precision: str, *, scheme: dict | None = None, io=None,
                    calibration=(), feeds=()) -> list[Path]:
     """Write the `precision` version of the fp32 graph `source` to `dest` (+ `dest`.data); returns the files.
     static_qdq calibrates on `calibration` (token sequences, fed through `io`), modelopt and
@@ -86,7 +86,7 @@ def quantize_graph(source: Path, dest: Path, precision: str, scheme: dict | None
         elif kind in MODELOPT:
             from specexport.quant.ptq import quantize_qdq
 
-            quantize_qdq(source, dest, precision, scheme, list(feeds))
+            quantize_qdq(source, dest, precision, scheme=scheme, feeds=list(feeds))
         elif kind == "matmulnbits":
             nbits = require("onnxruntime.quantization.matmul_nbits_quantizer")
             quantizer = nbits.MatMulNBitsQuantizer(onnx.load(str(source)), bits=BITS[precision], is_symmetric=False,
@@ -99,7 +99,7 @@ def quantize_graph(source: Path, dest: Path, precision: str, scheme: dict | None
             q.quantize_dynamic(str(source), str(dest), op_types_to_quantize=["MatMul"], weight_type=q.QuantType.QInt8,
                                per_channel=False, use_external_data_format=True)
         else:
-            _static_qdq(q, source, dest, scheme, [io.feeds(s[None]) for s in calibration])
+            _static_qdq(q, source, dest, scheme=scheme, feeds=[io.feeds(s[None]) for s in calibration])
     return [p for p in (dest, dest.with_name(dest.name + ".data")) if p.exists()]
 
 
@@ -107,7 +107,7 @@ CALIBRATORS = {"minmax": ("MinMax", {}), "percentile": ("Percentile", {"CalibPer
                "entropy": ("Entropy", {})}
 
 
-def _static_qdq(q, source: Path, dest: Path, scheme: dict, feeds: list) -> None:
+def _static_qdq(q, source: Path, dest: Path, *, scheme: dict, feeds: list) -> None:
     """quantize_static on the fp32 graph, or on its SmoothQuant rewrite (made in a scratch folder
     beside dest, removed afterwards)."""
     import shutil
@@ -125,7 +125,7 @@ def _static_qdq(q, source: Path, dest: Path, scheme: dict, feeds: list) -> None:
             from specexport.quant import smooth
 
             model = onnx.load(str(source))
-            act_max = smooth.activation_channel_max(source, feeds, list(smooth.weight_matmuls(model)), scratch)
+            act_max = smooth.activation_channel_max(source, feeds, list(smooth.weight_matmuls(model)), work_dir=scratch)
             smooth.smooth(model, act_max, scheme["smooth_alpha"])
             source = scratch / "smoothed.onnx"
             onnx.save(model, str(source), save_as_external_data=True, location="smoothed.onnx.data")

@@ -40,7 +40,7 @@ def weight_matmuls(model) -> dict[str, list]:
     return groups
 
 
-def activation_channel_max(model_path: Path, feeds, tensors, work_dir: Path) -> dict[str, np.ndarray]:
+def activation_channel_max(model_path: Path, feeds, tensors, *, work_dir: Path) -> dict[str, np.ndarray]:
     """max |x| per last-axis channel of each of `tensors`, over every row of every feed: the graph is
     saved again (weights as external data in work_dir) with those tensors as extra outputs."""
     onnx = require("onnx")

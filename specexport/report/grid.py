@@ -105,11 +105,11 @@ def bench_configs(precisions, manifest, cfg, has_draft):
         if "lookup" in cfg.methods:                 # prompt lookup: the target alone, up to γ tokens per round
             configs += [Config("lookup", p, None, g) for g in cfg.lookup_gammas or cfg.gammas]
         if "suffix" in cfg.methods:                 # suffix decoding: the target alone, a tree up to the verify width
-            configs.append(Config("suffix", p, None, _planned("suffix", None, facts, "--methods").depth))
+            configs.append(Config("suffix", p, None, _planned("suffix", None, facts, flag="--methods").depth))
         for method, flag, names in (("medusa", "--medusa-trees", cfg.medusa_trees),
                                     ("eagle", "--eagle-trees", cfg.eagle_trees)):
             if method in cfg.methods:
-                configs += [Config(method, p, None, _planned(method, name, facts, flag).depth, tree=name)
+                configs += [Config(method, p, None, _planned(method, name, facts, flag=flag).depth, tree=name)
                             for name in names]
         if p in draft_built:
             configs += [Config("draft", p, p, g) for g in cfg.gammas]
@@ -117,7 +117,7 @@ def bench_configs(precisions, manifest, cfg, has_draft):
             for name in cfg.trees:
                 if name not in DRAFT_TREES:
                     raise SpecexportError(f"--trees: {name!r} is not a known tree; known: {', '.join(DRAFT_TREES)}")
-                configs.append(Config("draft", p, p, _planned("draft", name, facts, "--trees").depth, tree=name))
+                configs.append(Config("draft", p, p, _planned("draft", name, facts, flag="--trees").depth, tree=name))
     if "fp32" in draft_built:
         for p in precisions:
             if p != "fp32":
@@ -129,7 +129,7 @@ def bench_configs(precisions, manifest, cfg, has_draft):
     return configs
 
 
-def _planned(method: str, tree, facts: Facts, flag: str):
+def _planned(method: str, tree, facts: Facts, *, flag: str):
     """The method table's plan of one row (its errors named after the bench's option)."""
     try:
         return plan_proposer(MethodOptions(method, tree=tree), facts)

@@ -33,10 +33,10 @@ def _speedup_vs_gamma(report: dict, out: Path, plt) -> str | None:
     series = {}                                         # target precision -> [(label, colour key, rows, predicted)]
     for key, choice in report["gamma_auto"].items():
         tp, dp = key.split("/")
-        series.setdefault(tp, []).append((f"draft {dp}", dp, _gamma_rows(report, "draft", tp, dp),
+        series.setdefault(tp, []).append((f"draft {dp}", dp, _gamma_rows(report, "draft", tp, dp=dp),
                                           choice.get("predicted_by_gamma")))
     for tp in dict.fromkeys(r["precision"] for r in report["rows"] if r["method"] == "lookup"):
-        series.setdefault(tp, []).append(("prompt lookup", "lookup", _gamma_rows(report, "lookup", tp, None), None))
+        series.setdefault(tp, []).append(("prompt lookup", "lookup", _gamma_rows(report, "lookup", tp, dp=None), None))
     series = {tp: [s for s in lines if s[2]] for tp, lines in series.items()}
     series = {tp: lines for tp, lines in series.items() if lines}
     if not series:
@@ -68,7 +68,7 @@ def _speedup_vs_gamma(report: dict, out: Path, plt) -> str | None:
     return path.name
 
 
-def _gamma_rows(report, method, tp, dp) -> list:
+def _gamma_rows(report, method, tp, *, dp) -> list:
     return [r for r in report["rows"] if r["method"] == method and r["precision"] == tp and r["draft_precision"] == dp
             and not r.get("draft_stop") and not r.get("tree") and r["speedup_vs_vanilla"]]
 

@@ -108,7 +108,7 @@ def open_peers(manifest, precisions, cfg, log):
     return peers, skipped
 
 
-def peer_row(peer, name: str, runs, references: dict, manifest: dict) -> dict:
+def peer_row(peer, name: str, runs, *, references: dict, manifest: dict) -> dict:
     """A peer's decode-time tokens/s, and how often its whole output equals our vanilla output on the same
     weights (fp32; llama.cpp: the gguf precision, where built)."""
     eos = set(manifest["special_tokens"]["eos_token_ids"] or [])

@@ -63,19 +63,20 @@ def run_bench(cfg: BenchConfig, *, log=print, clock=time.perf_counter, open_pipe
         if cfg.workload is not None:                # its conversations' turns carry the target's own answers
             cfg = replace(cfg, prompts=expand_workload(cfg.workload, pipes[precisions[0]], chat=cfg.chat,
                                                        max_new_tokens=cfg.max_new_tokens, log=log))
-        return _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
+        return _measure(cfg, manifest, configs, pipes=pipes, settings=settings, probes=probes, clock=clock, log=log,
+                        steps=steps)
     finally:
         for pipe in pipes.values():
             pipe.close()
 
 
-def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps) -> dict:
+def _measure(cfg, manifest, configs, *, pipes, settings, probes, clock, log, steps) -> dict:
     _open_proposers(configs, pipes, clock)
     prompt_ids = {p: encode_prompt(next(iter(pipes.values())), p, cfg.chat) for p in cfg.prompts}
     log(f"bench: warm-up, {len(configs)} configurations")
     steps.total(len(configs) * (1 + cfg.rounds * len(cfg.prompts)))
     for c in configs:
-        run_config(pipes, c, prompt_ids[cfg.prompts[0]], cfg.max_new_tokens, cfg.temperature)
+        run_config(pipes, c, prompt_ids[cfg.prompts[0]], max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature)
         steps.advance()
     peers, peer_skips = open_peers(manifest, list(pipes), cfg, log)
     built = manifest["models"]["target"]["precisions"]
@@ -84,7 +85,7 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
     for pipe in pipes.values():                     # time every forward from here on
         for b in pipe.opened:
             b.timings = {}
-    runs, peer_runs = _interleave(cfg, configs, pipes, peers, prompt_ids, log, steps)
+    runs, peer_runs = _interleave(cfg, configs, pipes, peers=peers, prompt_ids=prompt_ids, log=log, steps=steps)
     costs = step_costs(configs, pipes)
     for pipe in pipes.values():                     # the isolated timing below is not part of the runs
         for b in pipe.opened:
@@ -92,7 +93,7 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
     max_t = max(cfg.gammas) + 1
     # only the γ choice uses these, and only for draft models: timing them for every key (vanilla, lookup, heads)
     # repeated the same target timings once per key
-    isolated = {(tp, key): isolated_costs(pipes[tp], key, max_t, clock)
+    isolated = {(tp, key): isolated_costs(pipes[tp], key, max_t, clock=clock)
                 for tp, key in costs if key is not None and key not in HEAD_METHODS and not accuracy_only(tp, key)}
     curves = {tp: pass_curve(pipe, clock) for tp, pipe in pipes.items() if not accuracy_only(tp, None)}
     rows = [config_row(c, runs, costs) for c in configs]
@@ -121,17 +122,17 @@ def _measure(cfg, manifest, configs, pipes, settings, probes, clock, log, steps)
         "gamma_auto": {f"{tp}/{dp}": c for (tp, dp), c in choice.items()},
         "acceptance_drop": acceptance_drop(rows),
         "memory": memory(manifest, pipes, peers),
-        "peers": [{**peer_row(p, name, peer_runs[name], reference, manifest),
-                   "ours_vs_peer": _ours_vs_peer(p, peer_runs[name], rows, runs, configs)}
+        "peers": [{**peer_row(p, name, peer_runs[name], references=reference, manifest=manifest),
+                   "ours_vs_peer": _ours_vs_peer(p, peer_runs[name], rows, runs=runs, configs=configs)}
                   for p in peers for name in p.names] + peer_skips,
     }
-    _store_choices(cfg, manifest, report, choice, rows, log, settings)
-    _store_curves(cfg, manifest, report, pipes, log)
+    _store_choices(cfg, manifest, report, choice=choice, rows=rows, log=log, settings=settings)
+    _store_curves(cfg, manifest, report, pipes=pipes, log=log)
     _write_report(report, Path(cfg.out or cfg.output_dir / "bench"), cfg.plots, log)   # claimed by run_bench
     return report
 
 
-def _ours_vs_peer(peer, peer_runs, rows, runs, configs) -> list[dict]:
+def _ours_vs_peer(peer, peer_runs, rows, *, runs, configs) -> list[dict]:
     """Our vanilla row and fastest row on the peer's precision against the peer: the ratio of decode
     tokens/s and its 95% paired-bootstrap interval over the cells both ran in (a ratio is shown only with it)."""
     from types import SimpleNamespace
@@ -166,7 +167,7 @@ def _open_proposers(configs, pipes, clock) -> None:
             getattr(pipe, kind).clock = clock
 
 
-def _interleave(cfg, configs, pipes, peers, prompt_ids: dict, log, steps) -> tuple[dict, dict]:
+def _interleave(cfg, configs, pipes, *, peers, prompt_ids: dict, log, steps) -> tuple[dict, dict]:
     """The timed rounds: per configuration and per peer name, its runs (a peer's with the prompt's index).
     The peers are closed at the end, an error included."""
     runs = {c: [] for c in configs}
@@ -187,7 +188,8 @@ def _interleave(cfg, configs, pipes, peers, prompt_ids: dict, log, steps) -> tup
                         peer_runs[name].append((i, peer.run(name, prompt_ids[prompt], cfg.max_new_tokens)))
                         time.sleep(PEER_SETTLE_S)
                         continue
-                    runs[slot].append(run_config(pipes, slot, prompt_ids[prompt], cfg.max_new_tokens, cfg.temperature,
+                    runs[slot].append(run_config(pipes, slot, prompt_ids[prompt], max_new_tokens=cfg.max_new_tokens,
+                                                 temperature=cfg.temperature,
                                            seed=r * 1000 + i, cache=caches.get(slot)))
                     steps.advance()
             log(f"  round {r + 1}/{cfg.rounds} done")
@@ -197,7 +199,7 @@ def _interleave(cfg, configs, pipes, peers, prompt_ids: dict, log, steps) -> tup
     return runs, peer_runs
 
 
-def _store_choices(cfg, manifest, report: dict, choice: dict, rows, log, settings) -> None:
+def _store_choices(cfg, manifest, report: dict, *, choice: dict, rows, log, settings) -> None:
     """The method choices into the report, and the γ and method choices stored with the build when greedy;
     a method choice carries the target's thread setting its rows ran with (the runtime's default)."""
     stored = {k: {"gamma": c["gamma"], "predicted_speedup": c["predicted_speedup"],
@@ -216,7 +218,7 @@ def _store_choices(cfg, manifest, report: dict, choice: dict, rows, log, setting
         log(f"bench: {line}")
 
 
-def _store_curves(cfg, manifest, report: dict, pipes, log) -> None:
+def _store_curves(cfg, manifest, report: dict, *, pipes, log) -> None:
     """Each target's pass curve stored with the build, with the CPU and threads it ran on: the runtime's
     draft-free rounds are sized from it there (runtime/budget.py)."""
     curves = {(tp, "-"): {"ms": ms, **pipes[tp].curve_key(), "measured_tokens": 0}     # 0: never kept over

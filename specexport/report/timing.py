@@ -23,7 +23,7 @@ def encode_prompt(pipe, prompt: str, chat: bool) -> list[int]:
     return pipe.chat_ids(prompt) if chat else pipe.encode(prompt)
 
 
-def run_config(pipes, c: Config, prompt_ids, max_new_tokens: int, temperature: float = 0.0, *, seed: int = 0,
+def run_config(pipes, c: Config, prompt_ids, *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
          cache=None):
     """One generation; sampled (temperature > 0) with the same seed for every configuration of a cell.
     cache: a suffix row's SuffixCache (a workload's: it reads and stores through it); without one a
@@ -76,7 +76,7 @@ def step_costs(configs, pipes) -> dict:
             for tp, key in {(c.precision, c.proposer) for c in configs}}
 
 
-def isolated_costs(pipe, dp, max_t: int, clock, reps: int = 20) -> dict:
+def isolated_costs(pipe, dp, max_t: int, *, clock, reps: int = 20) -> dict:
     """Median seconds of one forward at a context of 64 tokens (fewer when max_seq_len is small),
     target for T = 1..max_t, draft T = 1: for the γ prediction beyond the sizes the runs made."""
     if dp is not None:
@@ -86,9 +86,9 @@ def isolated_costs(pipe, dp, max_t: int, clock, reps: int = 20) -> dict:
     draft = []
     for _ in range(reps):
         for t in target:
-            target[t].append(_time_forward(pipe.target, ctx, t, clock))
+            target[t].append(_time_forward(pipe.target, ctx, t, clock=clock))
         if dp is not None:
-            draft.append(_time_forward(pipe.draft, ctx, 1, clock))
+            draft.append(_time_forward(pipe.draft, ctx, 1, clock=clock))
     return {"target": {t: statistics.median(v) for t, v in target.items()},
             "draft": {1: statistics.median(draft)} if draft else {}}
 
@@ -121,7 +121,7 @@ def pass_curve(pipe, clock, reps: int = 7) -> dict:
     return {m: statistics.median(v) for m, v in times.items()}
 
 
-def _time_forward(backend, ctx, t: int, clock) -> float:
+def _time_forward(backend, ctx, t: int, *, clock) -> float:
     backend.reset()
     backend.forward(ctx, phase="prefill")
     backend.commit(len(ctx))

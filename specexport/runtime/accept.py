@@ -63,7 +63,7 @@ def accept_greedy(tree: Tree, node_tokens: np.ndarray, target_argmax: np.ndarray
 
 
 def accept_chain(proposal: np.ndarray, draft_probs: np.ndarray, target_probs: np.ndarray,
-                 uniforms: np.ndarray, draws: np.ndarray | None = None) -> Verdict:
+                 *, uniforms: np.ndarray, draws: np.ndarray | None = None) -> Verdict:
     """Lossless rejection sampling over a chain.
 
     proposal      [γ]       x_1..x_γ, x_i drawn from draft_probs[i-1]
@@ -90,7 +90,7 @@ def accept_chain(proposal: np.ndarray, draft_probs: np.ndarray, target_probs: np
     return Verdict(np.arange(gamma + 1), _then(proposal, bonus))
 
 
-def accept_tree(tree: Tree, node_tokens: np.ndarray, target_probs: np.ndarray, uniforms: np.ndarray) -> Verdict:
+def accept_tree(tree: Tree, node_tokens: np.ndarray, target_probs: np.ndarray, *, uniforms: np.ndarray) -> Verdict:
     """Lossless verification of a tree with deterministically chosen children (q-free rule).
 
     node_tokens   [T]      token of each node (node 0 = root, ignored)
@@ -113,8 +113,8 @@ def accept_tree(tree: Tree, node_tokens: np.ndarray, target_probs: np.ndarray, u
         path.append(node)
 
 
-def accept_tree_sampled(tree: Tree, node_tokens: np.ndarray, target_probs: np.ndarray, draft_probs: np.ndarray,
-                        uniforms: np.ndarray, *, replacement: bool, draws: np.ndarray | None = None) -> Verdict:
+def accept_tree_sampled(tree: Tree, node_tokens: np.ndarray, target_probs: np.ndarray, *, draft_probs: np.ndarray,
+                        uniforms: np.ndarray, replacement: bool, draws: np.ndarray | None = None) -> Verdict:
     """Lossless verification of a tree whose children were sampled from the draft.
 
     node_tokens   [T]      token of each node (node 0 = root, ignored)

@@ -179,12 +179,14 @@ def _verify(target, proposer, proposal, seq, n, params, coins, stats, features) 
     elif proposal.q is not None:                # sampled from the draft: a rejection rule, its tests' coins
         tests = coins.span(n * _TESTS_PER_ROUND, 2 * T, Coins.TEST)
         if chain:                               # the chain rejection rule
-            verdict = accept_chain(tokens[1:], proposal.q, warp(out.logits[:T], params), tests[:T], draws)
+            verdict = accept_chain(tokens[1:], proposal.q, warp(out.logits[:T], params), uniforms=tests[:T],
+                                   draws=draws)
         else:                                   # a tree of sampled children: the multi-draft rule
-            verdict = accept_tree_sampled(tree, tokens, warp(out.logits[:T], params), proposal.q, tests,
+            verdict = accept_tree_sampled(tree, tokens, warp(out.logits[:T], params), draft_probs=proposal.q,
+                                          uniforms=tests,
                                           replacement=proposal.replacement, draws=draws)
     else:                                       # children chosen deterministically: the q-free rule
-        verdict = accept_tree(tree, tokens, warp(out.logits[:T], params), draws)
+        verdict = accept_tree(tree, tokens, warp(out.logits[:T], params), uniforms=draws)
     k = verdict.n_accepted
     if features is not None:                    # before the commit moves rows (hidden is per forward row)
         features(out, verdict.path, target.length)

@@ -199,7 +199,8 @@ async def _respond(app, body, request, ids: list[int], *, max_new: int, chat: bo
         if event.kind != "done":                # cancelled: only when its client went away
             return Response(status_code=499)
         return _full_response(meta, event, len(ids), chat)
-    return StreamingResponse(_sse(job, first, meta, len(ids), chat, body.include_usage),
+    return StreamingResponse(_sse(job, first, meta, prompt_tokens=len(ids), chat=chat,
+                                  include_usage=body.include_usage),
                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
@@ -225,7 +226,7 @@ async def _next_event(job, request=None) -> Event:
                 raise ClientGone from None
 
 
-async def _sse(job, first: Event, meta: dict, prompt_tokens: int, chat: bool, include_usage: bool):
+async def _sse(job, first: Event, meta: dict, *, prompt_tokens: int, chat: bool, include_usage: bool):
     kind = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(choice: dict, **extra) -> str:

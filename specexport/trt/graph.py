@@ -157,8 +157,8 @@ def _attention_nodes(w: _Writer, old, index: int, *, head_dim: int, attention: s
     node, e, p = w.node, _E, f"/engine/layers.{index}/attn"
     kv_heads = w.const(f"{e}/kv_heads_shape{hkv}", [0, -1, hkv, head_dim])
     nodes = [
-        *_to_heads(node, k, kv_heads, f"{p}/k"),                               # [B, Hkv, T, D]
-        *_to_heads(node, v, kv_heads, f"{p}/v"),
+        *_to_heads(node, k, kv_heads, p=f"{p}/k"),                               # [B, Hkv, T, D]
+        *_to_heads(node, v, kv_heads, p=f"{p}/v"),
         node(KV_UPDATE_OP, [past_k, f"{p}/k_heads", f"{e}/write_index"], [present_k], f"{p}/{KV_UPDATE_OP}_k",
              domain=TRT_DOMAIN, **KV_UPDATE_ATTRS),
         node(KV_UPDATE_OP, [past_v, f"{p}/v_heads", f"{e}/write_index"], [present_v], f"{p}/{KV_UPDATE_OP}_v",
@@ -166,7 +166,7 @@ def _attention_nodes(w: _Writer, old, index: int, *, head_dim: int, attention: s
     ]
     if attention == "native":
         return nodes + [
-            *_to_heads(node, q, w.const(f"{e}/q_heads_shape{hq}", [0, -1, hq, head_dim]), f"{p}/q"),
+            *_to_heads(node, q, w.const(f"{e}/q_heads_shape{hq}", [0, -1, hq, head_dim]), p=f"{p}/q"),
             node("CastLike", [w.const(f"{e}/scale{index + 1}", scale, np.float32), f"{p}/q_heads"], [f"{p}/scale"],
                  f"{p}/scale"),
             node("Mul", [f"{p}/q_heads", f"{p}/scale"], [f"{p}/q_scaled"], f"{p}/q_scaled"),
@@ -181,9 +181,9 @@ def _attention_nodes(w: _Writer, old, index: int, *, head_dim: int, attention: s
     return nodes + [
         node("Reshape", [q, w.const(f"{e}/q_rows_shape{hq}", [-1, hq, head_dim])], [f"{p}/q_rows"],
              f"{p}/q_rows"),                                                     # [T, Hq, D]
-        *_valid_rows(node, present_k, f"{p}/k", w.const(f"{e}/zero", [0]), w.const(f"{e}/axis2", [2]),
-                     w.const(f"{e}/axis0", [0])),                                # [P+T, Hkv, D]
-        *_valid_rows(node, present_v, f"{p}/v", f"{e}/zero", f"{e}/axis2", f"{e}/axis0"),
+        *_valid_rows(node, present_k, f"{p}/k", zero=w.const(f"{e}/zero", [0]), axis2=w.const(f"{e}/axis2", [2]),
+                     axis0=w.const(f"{e}/axis0", [0])),                                # [P+T, Hkv, D]
+        *_valid_rows(node, present_v, f"{p}/v", zero=f"{e}/zero", axis2=f"{e}/axis2", axis0=f"{e}/axis0"),
         plugin_node([f"{p}/q_rows", f"{p}/k_rows", f"{p}/v_rows", f"{e}/mask"], [f"{p}/out_rows"], num_kv_heads=hkv,
                     scale=scale, name=f"{p}/tree_attention", domain=NAMESPACE),
         node("Reshape", [f"{p}/out_rows", w.const(f"{e}/out_shape{hq}", [1, -1, hq * head_dim])], [out],
@@ -191,13 +191,13 @@ def _attention_nodes(w: _Writer, old, index: int, *, head_dim: int, attention: s
     ]
 
 
-def _to_heads(node, x: str, shape: str, p: str) -> list:
+def _to_heads(node, x: str, shape: str, *, p: str) -> list:
     """[B, T, H*D] -> [B, H, T, D] (padded_bhnd)."""
     return [node("Reshape", [x, shape], [f"{p}_tokens"], f"{p}_tokens"),
             node("Transpose", [f"{p}_tokens"], [f"{p}_heads"], f"{p}_heads", perm=[0, 2, 1, 3])]
 
 
-def _valid_rows(node, cache: str, p: str, zero: str, axis2: str, axis0: str) -> list:
+def _valid_rows(node, cache: str, p: str, *, zero: str, axis2: str, axis0: str) -> list:
     """The plugin's operand: rows 0..P+T-1 of the updated cache [1, Hkv, C, D] as [P+T, Hkv, D]."""
     return [node("Slice", [cache, zero, "/engine/total", axis2], [f"{p}_valid"], f"{p}_valid"),
             node("Squeeze", [f"{p}_valid", axis0], [f"{p}_squeezed"], f"{p}_squeezed"),
@@ -249,7 +249,7 @@ def kv_cache_update_reference(cache: np.ndarray, update: np.ndarray, write_indic
     return out
 
 
-def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray) -> np.ndarray:
+def attention_reference(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, mask: np.ndarray) -> np.ndarray:
     """TRT_Attention (padded_bhnd, softmax, no scaling: q comes scaled): q [B, Hq, T, D], k / v
     [B, Hkv, S, D] (query head h reads kv head h // (Hq / Hkv)), mask broadcastable to [B, Hq, T, S]:
     bool True = attend, else added to the scores. float64 inside; returns q's dtype; a row with nothing
@@ -317,7 +317,7 @@ def _register_reference_ops(ext) -> None:
                         "TRT_decomposable": d.dt_int64})
     def trt_attention(q, k, v, mask, query_form="padded_bhnd", kv_form="padded_bhnd", causal_kind="none",
                       TRT_decomposable=1):
-        return attention_reference(q, k, v, mask).astype(np.float32)
+        return attention_reference(q, k, v, mask=mask).astype(np.float32)
 
     _REGISTERED.extend([trt_kv_cache_update, trt_attention])
 

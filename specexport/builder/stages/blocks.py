@@ -50,14 +50,15 @@ class BlocksStage(ModelStage):
                 written = write_gguf(mp.config.path, gguf, mix, importance=importance, steps=steps)
             del importance
             graph = partial / "model.onnx"
-            report, weights = lean_graph(ctx, mp, graph, LEVEL, kernels.available, gguf=gguf, layout=layout)
-            note_layout(ctx, f"{self.role} {precision}", layout, why, report)
+            report, weights = lean_graph(ctx, mp, graph, level=LEVEL, kernels=kernels.available, gguf=gguf,
+                                         layout=layout)
+            note_layout(ctx, f"{self.role} {precision}", layout, why=why, report=report)
             if report.kept_fp32:
                 raise ParityError(f"{self.role} {precision}: {len(report.kept_fp32)} weight(s) of the graph "
                                   f"({', '.join(report.kept_fp32[:3])}) are read where no block kernel serves them")
             twin = exact_twin(graph, LEVEL)
             with ctx.reporter.stage(f"check {self.role} {precision} against its blocks dequantized (transformers)"):
-                parity, _ = parity_check(ctx, mp, weights, twin)
+                parity, _ = parity_check(ctx, mp, weights, twin=twin)
             if not parity.max_rel_error <= cfg.parity_tolerance:
                 raise ParityError(f"{self.role} {precision}: parity with the GGUF's dequantized weights failed: "
                                   f"{parity.describe()} > tolerance {cfg.parity_tolerance:.1e}")
@@ -66,9 +67,9 @@ class BlocksStage(ModelStage):
             gc.collect()
             release_freed_heap()
             twin.unlink()
-            checks, text = measure_apart(ctx, mp, ctx.stage_dir(f"{mp.role}/fp32") / "model.onnx", graph,
-                                         f"check {self.role} {precision} (blocks) against fp32")
-            min_tokens = gate_quality(ctx, mp, precision, settings, checks, text)
+            checks, text = measure_apart(ctx, mp, ctx.stage_dir(f"{mp.role}/fp32") / "model.onnx", candidate=graph,
+                                         label=f"check {self.role} {precision} (blocks) against fp32")
+            min_tokens = gate_quality(ctx, mp, precision, scheme=settings, checks=checks, text=text)
             ctx.folders.publish(partial, final)
         finally:
             owned.remove(partial)          # ours: marked when made
@@ -87,7 +88,7 @@ class BlocksStage(ModelStage):
                                  "tool": "quant/gguf_graph.py (" + ("specexport.cpu GgufMatMul(N), GgufGather"
                                                                     if kernels.available else
                                                                     "MatMulNBits, GatherBlockQuantized") + ")",
-                                 "kernels": kernels_entry(kernels, layout, why, report)},
+                                 "kernels": kernels_entry(kernels, layout, why, report=report)},
                 "row_dependence": rows, "min_tokens": min_tokens if mp.role == "target" else 1,
                 "trees": tree_rows_for(rows, "blocks") if mp.role == "target" else "exact",
                 "top1_agreement": quality.top1_agreement, "top1_ties": quality.ties, "mean_kl": quality.mean_kl,

@@ -43,7 +43,8 @@ class EagleStage(HeadsStage):
         start = time.perf_counter()
         try:
             embed, lm_head = target_embeddings(ctx.model("target"), hp.weights.version)
-            names, report, session, case = _export_and_check(ctx, hp, target_dir, partial, embed, lm_head)
+            names, report, session, case = _export_and_check(ctx, hp, target_dir, partial=partial, embed=embed,
+                                                             lm_head=lm_head)
             prefixes, source = _auto_prefixes(ctx, hp, session)
             case["sequences"] = _held_out_features(ctx, hp, session)
             del session
@@ -56,7 +57,7 @@ class EagleStage(HeadsStage):
             ctx.folders.publish(partial, final)
         finally:
             owned.remove(partial)          # ours: marked when made
-        blocks = kernel_head(ctx, hp, final, **eagle_checks(hp, embed, lm_head, case))
+        blocks = kernel_head(ctx, hp, final, **eagle_checks(hp, embed, lm_head, case=case))
         stage = {**files_entry(ctx.out, final, names), "parity_reference": "pytorch",
                  "parity_max_rel_error": report["max_rel_error"], "parity_per_phase": report["per_phase"],
                  "parity_rows": report["rows"], "parity_tolerance": cfg.parity_tolerance,
@@ -68,7 +69,7 @@ class EagleStage(HeadsStage):
                 "precisions": {"fp32": stage, **({PRECISION: blocks} if blocks else {})}}
 
 
-def _export_and_check(ctx, hp, target_dir, partial, embed, lm_head):
+def _export_and_check(ctx, hp, target_dir, *, partial, embed, lm_head):
     """Export the head graph into `partial` and check it against the published head in PyTorch on the
     target graph's features: (file names, parity report, the open target session, {seq, features})."""
     from specexport.export.validate import parity_case
@@ -81,19 +82,21 @@ def _export_and_check(ctx, hp, target_dir, partial, embed, lm_head):
     label = (f"EAGLE-{w.version}" + (f", layers {list(w.aux_layers)}, draft vocabulary {w.draft_vocab}"
                                      if w.version == 3 else ""))
     with ctx.reporter.stage(f"export the {label} head to ONNX"):
-        names = [f.name for f in export_head(w, embed, lm_head, hp.io, partial / "model.onnx")]
+        names = [f.name for f in export_head(w, embed, lm_head, io=hp.io, onnx_path=partial / "model.onnx")]
     with ctx.reporter.stage(f"check the {hp.role} head against PyTorch on the target's features"):
         case = parity_case(target.io, max_seq_len=cfg.max_seq_len, max_verify_tokens=cfg.max_verify_tokens)
         session = runtime_session(target_dir / "model.onnx")
         seq = case.seq[:min(len(case.seq), 24)]
         feats = target_features(session, target.io, seq, w)
-        report = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", tokens=seq, features=feats[:-1])
+        report = head_parity(w, embed, lm_head, io=hp.io, onnx_path=partial / "model.onnx", tokens=seq,
+                             features=feats[:-1])
         # a target in `gguf` (our kernels) runs the head on our attention too: checked here; no other build
         # compiles the kernels for its head
         gguf = target.config.on_kernels
         ours = with_our_attention(partial / "model.onnx", hp.io.head_dim) if gguf else None
         if ours is not None:
-            mine = head_parity(w, embed, lm_head, hp.io, partial / "model.onnx", tokens=seq, features=feats[:-1],
+            mine = head_parity(w, embed, lm_head, io=hp.io, onnx_path=partial / "model.onnx", tokens=seq,
+                               features=feats[:-1],
                                session=open_session(partial / "model.onnx", threads=None, spin=False, model=ours))
             report["per_phase"].update({f"{k}, our attention": v for k, v in mine["per_phase"].items()})
             report["max_rel_error"] = max(report["max_rel_error"], mine["max_rel_error"])
@@ -145,7 +148,7 @@ def target_features(session, target_io, tokens, weights) -> np.ndarray:
 
     if weights.version == 1:
         return target_states(session, target_io, tokens)[0]
-    aux, = target_states(session, target_io, tokens, (AUX_HIDDEN_STATES,))
+    aux, = target_states(session, target_io, tokens, outputs=(AUX_HIDDEN_STATES,))
     columns = feature_columns(target_io.aux_hidden_layers, weights.aux_layers, target_io.hidden_size)
     return aux if columns is None else aux[:, columns]
 

@@ -49,7 +49,7 @@ class GgufStage(ModelStage):
             graph = partial / "model.onnx"
             report, source = (lean_graph if lean else _rewritten_graph)(ctx, mp, graph, level, kernels.available,
                                                                          layout=layout)
-            note_layout(ctx, f"{self.role} gguf", layout, why, report)
+            note_layout(ctx, f"{self.role} gguf", layout, why=why, report=report)
             if report.kept_fp32:
                 why = (f"are quantized in {mp.config.gguf.name} but read where no block kernel serves them" if lean
                        else f"equal no tensor of {mp.config.gguf.name}: the file and the graph disagree")
@@ -58,24 +58,25 @@ class GgufStage(ModelStage):
             twin = exact_twin(graph, level)
             with ctx.reporter.stage(f"check {self.role} gguf against the file's weights dequantized "
                                     f"({'transformers, layer by layer' if lean else 'fp32 graph'})"):
-                parity, twin_case = parity_check(ctx, mp, source, twin)
+                parity, twin_case = parity_check(ctx, mp, source, twin=twin)
             if not parity.max_rel_error <= cfg.parity_tolerance:
                 raise ParityError(f"{self.role} gguf: parity with the file's dequantized weights failed: "
                                   f"{parity.describe()} > tolerance {cfg.parity_tolerance:.1e}")
             if lean:
                 source = None              # the file's memory map goes: its pages count in the peak RSS
                 gc.collect()
-                checks, text = _measure_lean(ctx, mp, graph, twin, twin_case, level)
+                checks, text = _measure_lean(ctx, mp, graph, twin=twin, twin_case=twin_case, level=level)
             else:
                 reference, deployed = runtime_session(source), runtime_session(graph)
                 sequences, text = eval_sequences(ctx, mp, reference)
                 with ctx.reporter.stage(f"check {self.role} gguf (accuracy_level {level}) against fp32 on "
                                         f"{text['label']}"):
-                    checks = measure_against(ctx, mp, reference, deployed, sequences, source, graph)
+                    checks = measure_against(ctx, mp, reference, quantized=deployed, sequences=sequences,
+                                             source=source, candidate=graph)
                 del reference, deployed
             if twin != graph:
                 twin.unlink()
-            min_tokens = gate_quality(ctx, mp, self.precision, {"scheme": "gguf"}, checks, text)
+            min_tokens = gate_quality(ctx, mp, self.precision, scheme={"scheme": "gguf"}, checks=checks, text=text)
             ctx.folders.publish(partial, final)
         finally:
             owned.remove(partial)          # ours: marked when made
@@ -89,7 +90,7 @@ class GgufStage(ModelStage):
                                  "tool": "quant/gguf_graph.py (" + ("specexport.cpu GgufMatMul(N), GgufGather"
                                                                     if kernels.available else
                                                                     "MatMulNBits, GatherBlockQuantized") + ")",
-                                 "kernels": kernels_entry(kernels, layout, why, report)},
+                                 "kernels": kernels_entry(kernels, layout, why, report=report)},
                 "gguf_file_bytes": mp.config.gguf.stat().st_size,
                 "row_dependence": rows, "min_tokens": min_tokens if mp.role == "target" else 1,
                 "trees": tree_rows_for(rows, "gguf") if mp.role == "target" else "exact",
@@ -106,7 +107,7 @@ class GgufStage(ModelStage):
                 "build_seconds": round(time.perf_counter() - start, 2)}
 
 
-def _rewritten_graph(ctx, mp, graph, level, kernels: bool, *, layout: str = "file"):
+def _rewritten_graph(ctx, mp, graph, *, level, kernels: bool, layout: str = "file"):
     """The fp32 graph with the file's blocks in place of its weights (matched by content), on our kernels
     in `layout` or on the stock ops."""
     from specexport.quant.gguf_graph import rewrite
@@ -119,7 +120,7 @@ def _rewritten_graph(ctx, mp, graph, level, kernels: bool, *, layout: str = "fil
     return report, source
 
 
-def _measure_lean(ctx, mp, graph: Path, twin: Path, twin_case: dict, level: int):
+def _measure_lean(ctx, mp, graph: Path, *, twin: Path, twin_case: dict, level: int):
     """measure_against's figures with one session at a time (a 3B's two sessions at once were most of
     the lean build's peak): the written graph first (its eval sequences sampled from it when there is
     no eval_text: level 4 decodes 3-4x faster than the twin), its logits kept on disk (4 x 128 positions
@@ -135,11 +136,11 @@ def _measure_lean(ctx, mp, graph: Path, twin: Path, twin_case: dict, level: int)
                             f"{text['label']}"):
         rows = row_checks(deployed, mp.io, sequences[0])
         with SpilledLogits() as written:
-            written_case = spill(deployed, graph, mp.io, sequences, case, written)
+            written_case = spill(deployed, graph, mp.io, sequences=sequences, case=case, into=written)
             del deployed
             release_freed_heap()
             reference = runtime_session(twin)
-            quality = measure_quality(reference, written, mp.io, sequences)
+            quality = measure_quality(reference, written, mp.io, sequences=sequences)
             del reference
         release_freed_heap()
     return (quality, rows, compare(twin_case, written_case)), text

@@ -8,7 +8,7 @@ from pathlib import Path
 from specexport.errors import SpecexportError
 
 
-def lean_graph(ctx, mp, graph, level, kernels: bool, gguf: Path | None = None, *, layout: str = "file"):
+def lean_graph(ctx, mp, graph, *, level, kernels: bool, gguf: Path | None = None, layout: str = "file"):
     """A weightless export filled from the file (`gguf`, else the model's own) by name; the parity source
     is the file itself."""
     import transformers
@@ -66,7 +66,7 @@ def choose_layout(choice: str, kernels, where: str) -> tuple[str, str]:
     return layout.choose(choice, kernels)
 
 
-def note_layout(ctx, what: str, layout: str, why: str, report) -> None:
+def note_layout(ctx, what: str, layout: str, *, why: str, report) -> None:
     """The build's log: the layout chosen and the tensors whose last rows (N % 8) keep the file's."""
     ctx.reporter.note(f"  {what}: weights in the {layout} layout ({why})")
     if report.tails:
@@ -74,7 +74,7 @@ def note_layout(ctx, what: str, layout: str, why: str, report) -> None:
         ctx.reporter.note(f"  {what}: {len(report.tails)} tensor(s) keep their last rows (N % 8) as in the file: {names}")
 
 
-def kernels_entry(kernels, layout: str, why: str, report) -> dict:
+def kernels_entry(kernels, layout: str, why: str, *, report) -> dict:
     """The manifest's quantization.kernels: the ops the graph calls, and on ours, the weights' layout."""
     if not kernels.available:
         return {"ops": "onnxruntime", "why": kernels.reason}
@@ -101,7 +101,7 @@ def exact_twin(graph: Path, level: int) -> Path:
     return twin
 
 
-def parity_check(ctx, mp, source, twin: Path):
+def parity_check(ctx, mp, source, *, twin: Path):
     """The graph computed in fp32 against its reference on the parity case (prefill, decode, a tree):
     the fp32 graph (`source` a path), or transformers run layer by layer from the file (`source` the
     file's GgufWeights). Returns (the report, the twin's logits per phase)."""

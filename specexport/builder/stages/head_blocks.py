@@ -84,7 +84,7 @@ def dequantized(a: np.ndarray) -> np.ndarray:
     return deq(a, QTYPE) if fits(a.shape, QTYPE) else a
 
 
-def eagle_checks(hp, embed, lm_head, case) -> dict:
+def eagle_checks(hp, embed, lm_head, *, case) -> dict:
     """kernel_head's parity and proposals for an EAGLE head: head_parity's rows and phases on the
     dequantized weights; each held-out sequence's rows in one call (as a head catches up)."""
     import torch
@@ -99,7 +99,8 @@ def eagle_checks(hp, embed, lm_head, case) -> dict:
     deq = dataclasses.replace(w, tensors=tensors)
 
     def parity(twin, session):
-        return head_parity(deq, e, lm, io, twin, tokens=case["seq"], features=case["target_states"], session=session)
+        return head_parity(deq, e, lm, io=io, onnx_path=twin, tokens=case["seq"], features=case["target_states"],
+                           session=session)
 
     def proposals(session):
         ids = []

@@ -57,13 +57,13 @@ class MedusaStage(HeadsStage):
             label = f"{w.num_heads} heads x {w.num_layers} blocks, {w.format}, lm_head {w.lm_head}"
             lm_head = target_lm_head(target) if w.lm_head == "target" else None
             with reporter.stage(f"export {hp.role} heads ({label}) to ONNX"):
-                names = [f.name for f in export_heads(w, lm_head, hp.io, partial / "model.onnx")]
+                names = [f.name for f in export_heads(w, lm_head, hp.io, onnx_path=partial / "model.onnx")]
             with reporter.stage(f"check {hp.role} heads against PyTorch on the target's hidden states"):
                 case = parity_case(target.io, max_seq_len=plan.config.max_seq_len,
                                    max_verify_tokens=plan.config.max_verify_tokens)
                 session = runtime_session(target_dir / "model.onnx")
                 hidden, = target_states(session, target.io, case.seq)
-                report = heads_parity(w, lm_head, hp.io, partial / "model.onnx", hidden)
+                report = heads_parity(w, lm_head, hp.io, onnx_path=partial / "model.onnx", hidden=hidden)
                 held_out = _held_out_states(ctx, target, session)
                 del session
             tolerance = plan.config.parity_tolerance
@@ -104,7 +104,7 @@ def medusa_checks(hp, lm_head, hidden, held_out) -> dict:
     lm = None if lm_head is None else dequantized(lm_head)
 
     def parity(twin, session):
-        return heads_parity(deq, lm, hp.io, twin, hidden, session=session)
+        return heads_parity(deq, lm, hp.io, onnx_path=twin, hidden=hidden, session=session)
 
     def proposals(session):
         return np.concatenate([session.run(None, {HIDDEN_STATES: h[None].astype(np.float32)})[0][0, ..., 0].ravel()
@@ -134,11 +134,12 @@ def auto_tree(ctx, hp, target_dir: Path, heads_dir: Path) -> dict:
             sequences = [greedy_continuation(backend, seq[:PREFIX], len(seq)) for seq in sequences
                          if len(seq) > PREFIX + 2]
             costs = verify_costs(backend, range(1, max_tokens + 1))
-        acc = head_accuracy(session, target.io, runtime_session(heads_dir / "model.onnx"), sequences, hp.io.top_k,
+        acc = head_accuracy(session, target.io, runtime_session(heads_dir / "model.onnx"), sequences=sequences,
+                            top_k=hp.io.top_k,
                             start=PREFIX - 1)
         del session
         heads = OrtHeads(heads_dir, io=hp.io)
-        choice = choose_tree(acc, costs, heads_cost(heads, hp.io.hidden_size), max_tokens - 1)
+        choice = choose_tree(acc, costs, heads_cost(heads, hp.io.hidden_size), max_nodes=max_tokens - 1)
     reporter.note(f"  tree auto: {choice['nodes']} nodes, {choice['expected_tokens']:.2f} expected tokens per pass, "
                   f"predicted {choice['predicted_speedup']:.2f}x (head top-1 accuracy "
                   f"{', '.join(f'{a:.2f}' for a in acc[:, 0])})")

@@ -43,17 +43,19 @@ class QuantizeStage(ModelStage):
                 calibrated_on.update(record)
             with ctx.reporter.stage(f"quantize {mp.role} {precision} from fp32 ({scheme['scheme']}"
                                     f"{', ' + options if options else ''})"):
-                names = [f.name for f in quantize_graph(source, partial / "model.onnx", precision, scheme, io=mp.io,
-                                                        calibration=calibration, feeds=feeds)]
+                names = [f.name for f in quantize_graph(source, partial / "model.onnx", precision, scheme=scheme,
+                                                        io=mp.io, calibration=calibration, feeds=feeds)]
                 check_graph_io(partial / "model.onnx", mp.io)
             optimization, on_cpu = ORT_OPTIMIZATION.get(precision, "all"), cpu_graph(scheme)
             check_graph_io(partial / on_cpu, mp.io)
             quantized = runtime_session(partial / on_cpu, optimization=optimization)
             with ctx.reporter.stage(f"check {mp.role} {precision} against fp32 on {text['label']}"):
-                checks = measure_against(ctx, mp, reference, quantized, sequences, source, partial / on_cpu)
+                checks = measure_against(ctx, mp, reference, quantized=quantized, sequences=sequences, source=source,
+                                         candidate=partial / on_cpu)
             del reference, quantized
-            min_tokens = gate_quality(ctx, mp, precision, scheme, checks, text)
-            extras = _gpu_extras(ctx, mp, precision, partial, on_cpu, source, min_tokens)
+            min_tokens = gate_quality(ctx, mp, precision, scheme=scheme, checks=checks, text=text)
+            extras = _gpu_extras(ctx, mp, precision, partial=partial, on_cpu=on_cpu, source=source,
+                                 min_tokens=min_tokens)
             names += extras.pop("files")
             ctx.folders.publish(partial, final)
         finally:
@@ -82,13 +84,13 @@ class QuantizeStage(ModelStage):
                 "build_seconds": round(time.perf_counter() - start, 2)}
 
 
-def measure_against(ctx, mp, reference, quantized, sequences, source, candidate):
+def measure_against(ctx, mp, reference, *, quantized, sequences, source, candidate):
     """(quality against fp32, row dependence of one- and two-token passes, logits error on the parity case)."""
     from specexport.export.validate import compare, onnx_logits, parity_case
     from specexport.quant.quality import measure_quality
 
     cfg = ctx.config
-    quality = measure_quality(reference, quantized, mp.io, sequences)
+    quality = measure_quality(reference, quantized, mp.io, sequences=sequences)
     rows = row_checks(quantized, mp.io, sequences[0])
     case = parity_case(mp.io, max_seq_len=cfg.max_seq_len, max_verify_tokens=cfg.max_verify_tokens)
     parity = compare(onnx_logits(source, mp.io, case, session=reference),
@@ -96,7 +98,7 @@ def measure_against(ctx, mp, reference, quantized, sequences, source, candidate)
     return quality, rows, parity
 
 
-def measure_apart(ctx, mp, source, candidate, label: str):
+def measure_apart(ctx, mp, source, *, candidate, label: str):
     """measure_against's figures (and the eval text's record) with one session open at a time: the fp32
     graph's (the eval sequences sampled from it when there is no eval_text; its logits kept on disk), closed
     before the candidate's opens. Why: both open at once were a large model's build peak (Qwen 1.5B: the
@@ -109,11 +111,11 @@ def measure_apart(ctx, mp, source, candidate, label: str):
     reference = runtime_session(source)
     sequences, text = eval_sequences(ctx, mp, reference)
     with ctx.reporter.stage(f"{label} on {text['label']}"), SpilledLogits() as expected:
-        expected_case = spill(reference, source, mp.io, sequences, case, expected)
+        expected_case = spill(reference, source, mp.io, sequences=sequences, case=case, into=expected)
         del reference
         release_freed_heap()
         deployed = runtime_session(candidate)
-        quality = measure_quality(expected, deployed, mp.io, sequences)
+        quality = measure_quality(expected, deployed, mp.io, sequences=sequences)
         rows = row_checks(deployed, mp.io, sequences[0])
         parity = compare(expected_case, onnx_logits(candidate, mp.io, case, session=deployed))
         del deployed
@@ -121,7 +123,7 @@ def measure_apart(ctx, mp, source, candidate, label: str):
     return (quality, rows, parity), text
 
 
-def spill(session, path, io, sequences, case, into) -> dict:
+def spill(session, path, io, *, sequences, case, into) -> dict:
     """`session`'s prefill logits of each sequence appended to `into` (quant/quality.SpilledLogits) and its
     logits on the parity case (`path`: its graph): what a session is kept for when the one it is measured
     against opens after it closes."""
@@ -142,7 +144,7 @@ def row_checks(session, io, ids) -> dict:
             "siblings": sibling_row_dependence(session, io, ids)}
 
 
-def gate_quality(ctx, mp, precision: str, scheme: dict, checks, text: dict) -> int:
+def gate_quality(ctx, mp, precision: str, *, scheme: dict, checks, text: dict) -> int:
     """Raise ParityError when the quality gate or (a target's) row independence fails; the smallest call
     the runtime makes on this graph (min_tokens)."""
     from specexport.quant.quality import ROW_TOLERANCE, min_tokens_for, tree_rows_for
@@ -170,7 +172,7 @@ def gate_quality(ctx, mp, precision: str, scheme: dict, checks, text: dict) -> i
     return min_tokens
 
 
-def _gpu_extras(ctx, mp, precision, partial, on_cpu, source, min_tokens) -> dict:
+def _gpu_extras(ctx, mp, precision, *, partial, on_cpu, source, min_tokens) -> dict:
     """A GPU precision's plugin graph and engine entries ({"files": [...]} plus their records)."""
     from specexport.builder.stages.engines import engine, plugin_graph
 

@@ -37,7 +37,7 @@ class VocabStage(Stage):
         n = mp.config.vocab
         with ctx.reporter.stage(f"measure the draft's {n} tokens on the target's continuations") as steps:
             ids = frequent_ids(runtime_session(ctx.stage_dir(self.needs[0]) / "model.onnx"), target, n,
-                               ctx.plan.eval_ids, steps=steps)
+                               eval_ids=ctx.plan.eval_ids, steps=steps)
         return {"vocab_ids": list(ids),
                 "vocab_source": {"most_frequent": n, "sequences": VOCAB_SEQUENCES, "length": VOCAB_LENGTH,
                                  "seed": VOCAB_SEED, "eval_text": ctx.plan.eval_ids is not None,
@@ -47,7 +47,7 @@ class VocabStage(Stage):
         manifest["models"][self.role].update(vocab_ids=entry["vocab_ids"], vocab_source=entry["vocab_source"])
 
 
-def frequent_ids(target_session, target, n: int, eval_ids=None, steps=None) -> tuple[int, ...]:
+def frequent_ids(target_session, target, n: int, *, eval_ids=None, steps=None) -> tuple[int, ...]:
     """The n target ids most frequent in sequences sampled from the target graph (32 x 128 tokens,
     temperature 1, seeded) and in eval_text: the EOS ids first, then by count, ties and any shortfall
     by ascending id (a token the draft cannot propose still comes out through the verifier)."""

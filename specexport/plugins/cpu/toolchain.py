@@ -129,7 +129,7 @@ def _mkdir(p: Path) -> Path:
     return p
 
 
-def cache_key(cxx: list[str], srcs: list[str], include: Path | None, defines: list[str]) -> str:
+def cache_key(cxx: list[str], srcs: list[str], include: Path | None, *, defines: list[str]) -> str:
     """Every file here the compiler may read (all sources and headers, not only the listed ones), the ORT
     headers, the compiler's version and every unit's flags."""
     h = hashlib.sha256(_compiler_id(cxx).encode() + " ".join(cxx).encode())
@@ -157,7 +157,7 @@ def build(with_ort: bool = True, *, plant: str | None = None, emulate_vnni: bool
     defines = ([f"-DSX_PLANT_{plant.upper()}"] if plant else []) + (["-DSX_EMULATE_VNNI"] if emulate_vnni else []) + \
         (["-DSX_EMULATE_AMX"] if emulate_amx else []) + (["-DSX_EMULATE_AVX512"] if emulate_avx512 else [])
     name = "libspecexport_cpu.so" if with_ort else "libspecexport_kernels.so"
-    folder = kernels_dir() / cache_key(cxx, srcs, include, defines)
+    folder = kernels_dir() / cache_key(cxx, srcs, include, defines=defines)
     lib = folder / name
     if lib.is_file():
         _note_compiler(lib, cxx)

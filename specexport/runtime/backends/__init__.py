@@ -136,7 +136,7 @@ def open_medusa(out_dir, manifest: dict, *, kind: str, target_precision: str):
     entry = manifest.get("heads", {}).get("medusa")
     if entry is None:
         raise SpecexportError("method: 'medusa' was not built (no medusa: heads in the model.yaml)")
-    stage = _heads_stage(entry, manifest, kind, target_precision)
+    stage = _heads_stage(entry, manifest, kind, target_precision=target_precision)
     check_files(Path(out_dir), stage["files"])
     return open_heads(kind, Path(out_dir) / stage["dir"], io=HeadsIO.from_dict(entry["io"]))
 
@@ -151,7 +151,7 @@ def open_eagle(out_dir, manifest: dict, *, kind: str, capacity: int, max_tokens:
     if entry is None:
         raise SpecexportError("method: 'eagle' was not built (no eagle: head in the model.yaml)")
     io = EagleIO.from_dict(entry["io"])
-    stage = _heads_stage(entry, manifest, kind, target_precision)
+    stage = _heads_stage(entry, manifest, kind, target_precision=target_precision)
     check_files(Path(out_dir), stage["files"])
     ours = _on_kernels(manifest, target_precision) and stage is entry["precisions"]["fp32"]  # q8_0's is ours
     return open_eagle_head(kind, Path(out_dir) / stage["dir"], io=io, capacity=capacity + entry["scratch_rows"],
@@ -178,7 +178,7 @@ def on_our_kernels(stage: dict) -> bool:
     return ((stage.get("quantization") or {}).get("kernels") or {}).get("ops") == DOMAIN
 
 
-def _heads_stage(entry: dict, manifest: dict, kind: str, target_precision: str) -> dict:
+def _heads_stage(entry: dict, manifest: dict, kind: str, *, target_precision: str) -> dict:
     """Heads' q8_0 stage (builder/stages/head_blocks.py) beside a target on our kernels, else their fp32 one."""
     blocks = entry["precisions"].get("q8_0")
     if blocks is not None and kind == "onnxruntime" and _on_kernels(manifest, target_precision):

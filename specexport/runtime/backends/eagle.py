@@ -80,7 +80,7 @@ class HeadBuffers:
         return mask
 
 
-def check_call(head, T: int, features, own) -> None:
+def check_call(head, T: int, features, *, own) -> None:
     """A head call's checks (this head's and a batch slot's): its rows fit, it reads one kind of state."""
     if not 1 <= T <= head.max_tokens:
         raise SpecexportError(f"EAGLE head: {T} rows in one call, it takes 1..{head.max_tokens}")
@@ -121,7 +121,7 @@ class OrtEagleHead(Backend):
         ones too, which `past_mask` None gives them through causal order). last_only: top-K of the
         last row only. phase: the tag `timings` files the call under ("prefill" for the prompt's rows)."""
         T, P, b = len(tokens), self.length, self.buffers
-        check_call(self, T, features, own)
+        check_call(self, T, features, own=own)
         self._pending = T
         feats, mine = b.features[:, :T], b.own[:, :T]
         if features is not None:

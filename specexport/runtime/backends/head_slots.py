@@ -137,7 +137,7 @@ class EagleSlotView(SlotView):
         T = len(tokens)
         if self.closed:
             raise SpecexportError(f"{self.model.name}: this request's slot was released")
-        check_call(self, T, features, own)
+        check_call(self, T, features, own=own)
         self._pending = T
         call = Call(self, np.asarray(tokens, np.int64), None, None, last_only,
                     extra=HeadInputs(np.asarray(positions, np.int64), features, own, past_mask))

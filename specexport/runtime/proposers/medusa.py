@@ -47,7 +47,7 @@ class MedusaTree(Proposer):
         self._hidden = np.array(hidden[-1])                 # [H] the state that chose the newest token
 
     def propose(self, seq, n, limits: Limits, params, rng, stats) -> Proposal:
-        tree, ranks = cut(self.tree, self.ranks, limits.max_depth, limits.max_nodes)
+        tree, ranks = cut(self.tree, self.ranks, limits.max_depth, max_nodes=limits.max_nodes)
         ids = self.heads(self._hidden)                      # [N, K]
         stats.count_forward(self.role, 1)
         stats.draft_passes += 1
