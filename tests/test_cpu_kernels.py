@@ -472,7 +472,7 @@ def _planted_in_a_fresh_process(lib, qtype: str, path: str, *, check: bool) -> t
             "from specexport.quant.gguf_blocks import random_blocks; k = cpu.Kernels(cpu.Path(sys.argv[1])); "
             "print(','.join(k.paths()), ','.join(k.refused()), sep='|'); print(k.refused_why()); "
             "r = np.random.default_rng(0); q = sys.argv[2]; K = 512 if q.endswith('_K') else 64; "
-            "w = random_blocks(r, q, 32, K); x = r.standard_normal((3, K)).astype(np.float32); "
+            "w = random_blocks(r, q, 32, k=K); x = r.standard_normal((3, K)).astype(np.float32); "
             "print(int(np.array_equal(k.matmul(q, x, w, path=sys.argv[3]), k.matmul(q, x, w, path='ref'))))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECEXPORT_KERNEL")}
     if not check:

@@ -166,7 +166,7 @@ def test_a_planted_r8_bug_is_refused_and_the_file_kernels_carry_r8(kernels):
     code = ("import sys, numpy as np; from specexport.plugins import cpu; "
             "from specexport.quant.gguf_blocks import random_blocks; k = cpu.Kernels(cpu.Path(sys.argv[1])); "
             "print(','.join(k.paths()), ','.join(k.refused()), sep='|'); print(k.refused_why()); "
-            "r = np.random.default_rng(0); w = random_blocks(r, 'Q4_K', 32, 512); x = r.standard_normal((3, 512)).astype(np.float32); "
+            "r = np.random.default_rng(0); w = random_blocks(r, 'Q4_K', 32, k=512); x = r.standard_normal((3, 512)).astype(np.float32); "
             "print(int(np.array_equal(k.matmul('Q4_K', x, k.repack('Q4_K', w, 512), path='avx2', layout='r8'), "
             "k.matmul('Q4_K', x, w, path='ref'))))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECEXPORT_KERNEL")}

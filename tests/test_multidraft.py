@@ -78,7 +78,7 @@ def first_tokens(p, q, *, replacement, verifier=accept_tree_sampled, trials=40_0
         if verifier is accept_tree:
             verdict = accept_tree(tree, tokens, P, uniforms=rng.random(tree.size + 2))
         else:
-            verdict = verifier(tree, tokens, P, Q, rng.random(2 * tree.size + 2), replacement=replacement)
+            verdict = verifier(tree, tokens, P, draft_probs=Q, uniforms=rng.random(2 * tree.size + 2), replacement=replacement)
         out[t] = verdict.tokens[0]
         if accepted is not None:
             accepted.append(verdict.n_accepted)

@@ -88,8 +88,8 @@ def test_teeth_a_verifier_that_draws_with_another_positions_coin(built_llama, mo
     from specexport.runtime import loop
 
     original = loop.accept_tree
-    monkeypatch.setattr(loop, "accept_tree", lambda tree, tokens, probs, draws: original(tree, tokens, probs,
-                                                                                       np.roll(draws, -1)))
+    monkeypatch.setattr(loop, "accept_tree", lambda tree, tokens, probs, uniforms: original(tree, tokens, probs,
+                                                                                          uniforms=np.roll(uniforms, -1)))
     with Pipeline(built_llama) as pipe:
         kw = dict(max_new_tokens=40, temperature=1.0)
         differ = sum(pipe.generate(PROMPTS[0], method="vanilla", seed=s, **kw).token_ids

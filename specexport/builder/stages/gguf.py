@@ -47,8 +47,8 @@ class GgufStage(ModelStage):
         start = time.perf_counter()
         try:
             graph = partial / "model.onnx"
-            report, source = (lean_graph if lean else _rewritten_graph)(ctx, mp, graph, level, kernels.available,
-                                                                         layout=layout)
+            report, source = (lean_graph if lean else _rewritten_graph)(ctx, mp, graph, level=level,
+                                                                         kernels=kernels.available, layout=layout)
             note_layout(ctx, f"{self.role} gguf", layout, why=why, report=report)
             if report.kept_fp32:
                 why = (f"are quantized in {mp.config.gguf.name} but read where no block kernel serves them" if lean
