@@ -527,6 +527,21 @@ def test_trees_are_shared_read_only_and_built_once_per_shape():
             Tree(np.array(bad))
 
 
+def test_a_static_trees_cut_is_made_once_per_limits_and_shared_read_only():
+    from specexport.runtime.tree import cut, from_rank_paths
+
+    tree, ranks = from_rank_paths([(0,), (1,), (0, 0), (0, 1), (0, 0, 0)])
+    small, small_ranks = cut(tree, ranks, 2, 3)
+    assert small.parents.tolist() == [-1, 0, 0, 1] and small_ranks.tolist() == [-1, 0, 1, 0]
+    assert cut(tree, ranks, 2, 3)[0] is small and cut(tree, ranks, 2, 3)[1] is small_ranks
+    with pytest.raises(ValueError, match="read-only"):
+        small_ranks[0] = 0
+    whole = cut(tree, ranks, 3, 5)                                       # nothing cut: the tree itself
+    assert whole[0] is tree and whole[1] is ranks
+    other_ranks = ranks.copy()                                           # another proposer's arrays: its own cut
+    assert cut(tree, other_ranks, 2, 3)[1] is not small_ranks
+
+
 # ------------------------------------------------------------------------------------------------
 # warp, sample, SamplingParams
 # ------------------------------------------------------------------------------------------------

@@ -69,12 +69,14 @@ def first_tokens(p, q, *, replacement, verifier=accept_tree_sampled, trials=40_0
     (a list) collects each round's number of accepted children."""
     rng = np.random.default_rng(seed)
     out = np.empty(trials, dtype=np.int64)
+    shapes = {}                                           # children count -> (tree, P, Q): the verifiers copy rows
     for t in range(trials):
         kids = draw_children(q, 3, rng, replacement)
-        tree = Tree(np.array([-1] + [0] * len(kids)))
+        if len(kids) not in shapes:                       # the children's own p is not reached here
+            size = len(kids) + 1
+            shapes[len(kids)] = (Tree(np.array([-1] + [0] * len(kids))), np.tile(p, (size, 1)), np.tile(q, (size, 1)))
+        tree, P, Q = shapes[len(kids)]
         tokens = np.array([0] + kids)
-        P = np.tile(p, (tree.size, 1))                    # the children's own p is not reached here
-        Q = np.tile(q, (tree.size, 1))
         if verifier is accept_tree:
             verdict = accept_tree(tree, tokens, P, uniforms=rng.random(tree.size + 2))
         else:

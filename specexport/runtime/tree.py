@@ -123,8 +123,21 @@ def from_rank_paths(paths) -> tuple[Tree, np.ndarray]:
 def cut(tree: Tree, ranks: np.ndarray, max_depth: int, max_nodes: int) -> tuple[Tree, np.ndarray]:
     """A static tree from `from_rank_paths` cut to a round's depth and node limits (root excluded from
     max_nodes). Breadth-first order keeps parents before children, so a prefix of the kept nodes is a
-    tree; the tree itself is returned when nothing is cut."""
+    tree; the tree itself is returned when nothing is cut. Each cut is made once (rounds repeat limits)."""
+    key = (id(tree), id(ranks), max_depth, max_nodes)
+    known = _CUTS.get(key)
+    if known is not None and known[0] is tree and known[1] is ranks:
+        return known[2]
     keep = np.flatnonzero(tree.depths <= max_depth)[:max_nodes + 1]
     if len(keep) == tree.size:
-        return tree, ranks
-    return tree_of(tree.parents[keep]), ranks[keep]
+        out = tree, ranks
+    else:
+        out = tree_of(tree.parents[keep]), ranks[keep]
+        out[1].flags.writeable = False                # shared by every round that makes this cut
+    if len(_CUTS) >= 4096:
+        _CUTS.clear()
+    _CUTS[key] = (tree, ranks, out)                  # holds tree and ranks, so their ids stay theirs
+    return out
+
+
+_CUTS: dict = {}

@@ -35,6 +35,7 @@ class DraftTree(Proposer):
         self.max_depth = int(self.tree.depths.max())
         self.max_nodes = self.tree.size - 1
         self.capacity = draft.capacity
+        self._levels = {}                   # id(tree) -> (tree, its levels): a round's tree repeats (tree_of)
 
     def begin(self, prompt: np.ndarray, prefill_chunk: int) -> None:
         from specexport.runtime.backends.base import prefill
@@ -56,16 +57,28 @@ class DraftTree(Proposer):
         draft.commit(len(feed))
         stats.count_forward(self.role, len(feed))
         choose([0], out.logits[-1:])
-        for d in range(2, int(tree.depths.max()) + 1):
-            rows = np.flatnonzero((tree.depths >= 1) & (tree.depths < d))          # nodes of depth 1..d-1
-            sub = tree.mask[np.ix_(rows, rows)]
-            out = draft.forward(tokens[rows], depths=tree.depths[rows] - 1, tree_mask=sub)
+        for rows, sub, depths, parents, at in self._levels_of(tree):
+            out = draft.forward(tokens[rows], depths=depths, tree_mask=sub)
             stats.count_forward(self.role, len(rows))
-            parents = rows[tree.depths[rows] == d - 1]
-            choose(parents, out.logits[np.searchsorted(rows, parents)])
+            choose(parents, out.logits[at])
             draft.rollback(draft.length)                              # forget the scratch rows
         stats.draft_passes += int(tree.depths.max())
         return Proposal(tree, tokens, q[1:] if sampled else None)
+
+    def _levels_of(self, tree) -> list:
+        """Per level d >= 2: the rows fed (nodes of depth 1..d-1), their mask and depth positions, the
+        depth-(d-1) parents whose children this level chooses, and their rows in the output."""
+        known = self._levels.get(id(tree))
+        if known is not None and known[0] is tree:
+            return known[1]
+        levels = []
+        for d in range(2, int(tree.depths.max()) + 1):
+            rows = np.flatnonzero((tree.depths >= 1) & (tree.depths < d))
+            parents = rows[tree.depths[rows] == d - 1]
+            levels.append((rows, tree.mask[np.ix_(rows, rows)], tree.depths[rows] - 1, parents,
+                           np.searchsorted(rows, parents)))
+        self._levels[id(tree)] = (tree, levels)
+        return levels
 
 
     @staticmethod
