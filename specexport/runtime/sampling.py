@@ -62,11 +62,11 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one)."""
-    if probs.ndim == 1:                                                 # one row (a plain step): no scatter
-        order = np.argsort(-probs, kind="stable")
+    if probs.ndim == 1:                         # one row (a plain step): no scatter, the methods not the wrappers
+        order = (-probs).argsort(kind="stable")
         sorted_p = probs[order]
-        keep = (np.cumsum(sorted_p) - sorted_p) < top_p
-        out = np.zeros_like(probs)
+        keep = (sorted_p.cumsum() - sorted_p) < top_p
+        out = np.zeros(probs.shape, probs.dtype)
         out[order[keep]] = sorted_p[keep]
         return out / np.add.reduce(out)
     flat = probs.reshape(-1, probs.shape[-1])                          # [N, V]: plain fancy indexing, no
