@@ -79,8 +79,13 @@ def test_a_damaged_entry_is_exported_again_and_replaced(exports, tiny_checkpoint
     assert len(exports) == 2 and "target fp32: the graph from the export cache" not in err
     assert export_cache._verified(entry) is not None                 # replaced by the fresh export, whole
     assert manifest["models"]["target"]["precisions"]["fp32"]["parity_max_rel_error"] < 1e-4
-    assert sorted(p.name for p in cache.iterdir()) == sorted(p.name for p in cache.iterdir()
-                                                             if not p.name.startswith("."))      # no temp left
+    # an entry that cannot be cleared (its index unreadable, a file not ours in it): the build still succeeds,
+    # the graph is not kept, and the foreign file stays
+    (entry / export_cache.INDEX).write_text("not json")
+    (entry / "mine.txt").write_text("a user's file")
+    _, err = _build(write_yaml, tmp_path / "c", tiny_checkpoints["llama-draft"], capsys, precisions=["fp32"])
+    assert len(exports) == 3 and (entry / "mine.txt").read_text() == "a user's file"
+    assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []           # no temporary folder left
 
 
 def test_the_key_is_the_content_not_the_folder(tiny_checkpoints, monkeypatch, tmp_path):

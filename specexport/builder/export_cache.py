@@ -11,15 +11,18 @@ cache they did not ask for. Nothing here deletes what it did not write.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from specexport.builder.sources import GRAPH_SOURCES, source_hash, tool_versions
+import numpy as np
+
+from specexport._optional import require
+from specexport.builder.sources import GRAPH_SOURCES, TOOLS, source_hash, tool_versions
 from specexport.manifest import sha256_file
 
 ENV = "SPECEXPORT_EXPORT_CACHE"
@@ -40,9 +43,9 @@ def graph_key(kind: str, mp, hf_config, *, name: str, weights=None) -> str | Non
     config = {k: v for k, v in hf_config.to_dict().items() if k != "_name_or_path"}     # where it lay: not content
     h = hashlib.sha256()
     for part in (kind, name, repr(mp.arch), repr(mp.io), source_hash(GRAPH_SOURCES),
-                 json.dumps({**tool_versions(), **_more_versions()}, sort_keys=True),
+                 json.dumps(tool_versions((*TOOLS, "onnxscript", "onnx_ir")), sort_keys=True),
                  json.dumps(config, sort_keys=True, default=str),
-                 b"" if mp.vocab_ids is None else bytes(memoryview(_int64(mp.vocab_ids)))):
+                 b"" if mp.vocab_ids is None else np.asarray(mp.vocab_ids, np.int64).tobytes()):
         h.update(part if isinstance(part, bytes) else part.encode())
         h.update(b"\0")
     if weights is not None:
@@ -81,7 +84,8 @@ def store(key: str | None, where: Path, names: list[str]) -> None:
             return                                          # another build stored it first
         if entry.exists():
             _remove_entry(entry)                            # damaged: ours to replace (it holds our index name)
-        os.rename(tmp, entry)
+        with contextlib.suppress(OSError):                  # still holds files not ours: the graph is not kept
+            os.rename(tmp, entry)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)                              # the temporary folder this call made
@@ -105,31 +109,15 @@ def _remove_entry(entry: Path) -> None:
         listed = []
     for file_name in [*listed, INDEX]:
         (entry / file_name).unlink(missing_ok=True)
-    try:
+    with contextlib.suppress(OSError):                      # not empty: someone else's files stay
         entry.rmdir()
-    except OSError:
-        pass
 
 
 def _hash_state(h, module) -> None:
     """Every parameter and buffer: name, dtype, shape and bytes (as raw bytes, so any dtype)."""
-    torch = __import__("torch")
+    torch = require("torch")
     for name, t in module.state_dict().items():
         t = t.detach().contiguous().cpu()
         h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\0".encode())
         h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
-
-def _more_versions() -> dict:
-    out = {}
-    for pkg in ("onnxscript", "onnx_ir"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-def _int64(values):
-    import numpy as np
-    return np.ascontiguousarray(values, dtype=np.int64)

@@ -29,11 +29,14 @@ def source_hash(patterns, root: Path | None = None) -> str:
     return hashlib.sha256(b"".join(digests)).hexdigest()[:16]
 
 
-def tool_versions() -> dict:
+TOOLS = ("torch", "transformers", "onnx", "onnxruntime")          # what a build's fingerprints record
+
+
+def tool_versions(packages=TOOLS) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {}
-    for pkg in ("torch", "transformers", "onnx", "onnxruntime"):
+    for pkg in packages:
         try:
             out[pkg] = version(pkg)
         except PackageNotFoundError:

@@ -21,7 +21,10 @@ from specexport.errors import SpecexportError
               help="End with a short latency report per precision (and store the γ for --gamma auto).")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks for errors.")
 def build(config, dry_run, force, only, bench, verbose):
-    """Build the artifacts described by CONFIG (a model.yaml)."""
+    """Build the artifacts described by CONFIG (a model.yaml).
+
+    With SPECEXPORT_EXPORT_CACHE=<folder> set, exported graphs are kept there by content and a later export
+    of the same model (--force included) takes its graph from it (docs/model-yaml.md)."""
     from specexport.builder.plan import plan_build
 
     cfg = load_config(config)

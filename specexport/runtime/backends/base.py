@@ -87,7 +87,7 @@ class Backend:
             if rows and (rows[0] < 0 or rows[-1] >= self._pending or any(b <= a for a, b in zip(rows, rows[1:]))):
                 raise SpecexportError(f"commit: rows {rows} must increase within 0..{self._pending - 1}")
             n = len(rows)
-            if self._needs_move(keep):
+            if self._needs_move(rows):
                 self._move_rows(keep)
         self.length += n
         self._pending = 0
@@ -110,9 +110,9 @@ class Backend:
     def __exit__(self, *exc):
         self.close()
 
-    def _needs_move(self, keep: np.ndarray) -> bool:
-        """Whether committing rows `keep` moves any (here: unless they are the first len(keep) in order)."""
-        return keep.tolist() != list(range(len(keep)))
+    def _needs_move(self, rows: list) -> bool:
+        """Whether committing `rows` (Python ints) moves any (here: unless they are the first len(rows) in order)."""
+        return rows != list(range(len(rows)))
 
     # -- what a backend implements --------------------------------------------------------
     def _forward(self, tokens, depths, tree_mask, last_only: bool) -> StepOutput:

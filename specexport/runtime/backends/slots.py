@@ -273,8 +273,8 @@ class SlotView(Backend):
             keep = np.arange(int(keep))      # the rows sit at the pass's P, not at this slot's length
         super().commit(keep)
 
-    def _needs_move(self, keep: np.ndarray) -> bool:
-        return self._scratch != self.length or super()._needs_move(keep)
+    def _needs_move(self, rows: list) -> bool:
+        return self._scratch != self.length or super()._needs_move(rows)
 
     def _move_rows(self, keep: np.ndarray) -> None:
         dest = self.length + np.arange(len(keep))

@@ -80,7 +80,6 @@ class DraftTree(Proposer):
         self._levels[id(tree)] = (tree, levels)
         return levels
 
-
     @staticmethod
     def _draw(tree, tokens, q, parents, logits, params, rng) -> None:
         """Draw the children of `parents` i.i.d. from the warped draft distribution at the parent."""
