@@ -31,9 +31,14 @@ MAX_SEQ_LEN = 128
 def pytest_configure(config):
     """One export cache for the run (builder/export_cache.py), made by the first process (xdist's controller,
     whose workers inherit it): a model exported again by another test's build takes the graph from it. Fresh
-    each run, so every distinct graph is exported for real once per run."""
+    each run, so every distinct graph is exported for real once per run. In xdist's workers: $SPECEXPORT_THREADS."""
     from specexport.builder.export_cache import ENV
+    from specexport.runtime.backends.ort import THREADS_ENV
 
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))        # set in xdist's workers only
+    if workers:   # each worker's ORT sessions its share of the cores (ort.default_threads): two all-core pools
+        # on 2 cores wait on each other's busy core (the session-heavy test files ~15% longer, wall and CPU)
+        os.environ.setdefault(THREADS_ENV, str(max(1, (os.cpu_count() or 1) // workers)))
     if ENV not in os.environ:
         _EXPORT_CACHE.append(tempfile.mkdtemp(prefix="specexport-test-exports-"))
         os.environ[ENV] = _EXPORT_CACHE[0]

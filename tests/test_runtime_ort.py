@@ -81,11 +81,31 @@ def test_greedy_equals_hf_for_every_gamma(pipe, hf_target):
             assert out.stats.proposed > 0
 
 
+def test_specexport_threads_sizes_the_sessions_opened_without_a_count(built_long, monkeypatch):
+    """$SPECEXPORT_THREADS is the pool of every CPU session opened without a thread count (a suite's or a
+    server's processes sharing the cores); a count given wins; junk is refused naming the variable."""
+    from specexport.runtime.backends import ort as ort_backend
+
+    monkeypatch.setenv(ort_backend.THREADS_ENV, "3")
+    assert ort_backend.base_options().intra_op_num_threads == 3
+    assert ort_backend.default_pool() == "3 ($SPECEXPORT_THREADS)"
+    backend = _backend(built_long, "target", threads=None)
+    assert backend.session.get_session_options().intra_op_num_threads == 3
+    assert _backend(built_long, "target").session.get_session_options().intra_op_num_threads == 1   # given: 1
+    monkeypatch.delenv(ort_backend.THREADS_ENV)
+    assert ort_backend.base_options().intra_op_num_threads == 0 and ort_backend.default_threads() is None
+    for junk in ("0", "two", "-1"):
+        monkeypatch.setenv(ort_backend.THREADS_ENV, junk)
+        with pytest.raises(SpecexportError, match=r"\$SPECEXPORT_THREADS: expected a whole number"):
+            ort_backend.base_options()
+
+
 def _backend(build, role, capacity=CAPACITY, max_tokens=64, **options):
     m = json.loads((build / "manifest.json").read_text())
     io = ModelIO.from_dict(m["models"][role]["io"])
+    options = {"threads": 1, **options}
     return OrtBackend(build / m["models"][role]["precisions"]["fp32"]["dir"], io=io, capacity=capacity,
-                      max_tokens=max_tokens, threads=1, **options)
+                      max_tokens=max_tokens, **options)
 
 
 def test_draft_equal_to_target_accepts_everything(built_long):

@@ -104,8 +104,10 @@ def onnx_logits(onnx_path, io: ModelIO, case: ParityCase, *, session=None, kv_ca
     graph's caches have that many rows and the committed length is carried beside them (the TensorRT
     engine graph's fixed-capacity form, trt/graph.py); None: empty caches grown by each call."""
     if session is None:
+        from specexport.runtime.backends.ort import base_options
+
         ort = require("onnxruntime")
-        opts = ort.SessionOptions()
+        opts = base_options()
         # Prepacking makes a second, transient copy of every weight; the check runs each graph a few
         # times only, so it skips that and keeps the build's peak memory near two copies of the weights.
         opts.add_session_config_entry("session.disable_prepacking", "1")

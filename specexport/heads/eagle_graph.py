@@ -164,8 +164,10 @@ def head_parity(w: EagleWeights, embed: np.ndarray, lm_head, *, io: EagleIO, onn
     Compared: the top-K log-probs (at the graph's ids, and the reference's own top K) and the output
     hidden state, relative to their largest magnitude. Returns {max_rel_error, per_phase, rows}."""
     if session is None:
+        from specexport.runtime.backends.ort import base_options
+
         ort = require("onnxruntime")
-        opts = ort.SessionOptions()
+        opts = base_options()
         opts.add_session_config_entry("session.disable_prepacking", "1")
         session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])
     check = _Parity(w, embed, lm_head, io, session)

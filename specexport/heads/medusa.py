@@ -232,7 +232,10 @@ def heads_parity(weights: MedusaWeights, lm_head: np.ndarray | None, io: HeadsIO
     with torch.no_grad():
         ref = torch.log_softmax(torch.stack([head(torch.from_numpy(hidden)) for head in
                                              reference_module(weights, lm_head)], dim=1), -1).numpy()   # [S, N, V]
-    session = session or ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
+    if session is None:
+        from specexport.runtime.backends.ort import base_options
+
+        session = ort.InferenceSession(str(onnx_path), base_options(), providers=["CPUExecutionProvider"])
     ids, values = session.run(None, {HIDDEN_STATES: hidden[None].astype(np.float32)})
     ids, values = ids[0], values[0]                                            # [S, N, K]
     at_ids = np.take_along_axis(ref, ids, axis=-1)

@@ -73,10 +73,10 @@ def runtime_session(onnx_path, optimization: str = "all"):
     ort_optimization: "basic" for FP8 Q/DQ graphs, which full optimisation would fuse into kernels
     without FP8)."""
     from specexport.plugins import cpu
-    from specexport.runtime.backends.ort import OPTIMIZATION_LEVELS, release_freed_heap
+    from specexport.runtime.backends.ort import OPTIMIZATION_LEVELS, base_options, release_freed_heap
 
     ort = require("onnxruntime")
-    opts = ort.SessionOptions()
+    opts = base_options()
     opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[optimization])
     cpu.register(opts, onnx_path)
     session = ort.InferenceSession(str(onnx_path), opts, providers=["CPUExecutionProvider"])

@@ -53,7 +53,9 @@ def activation_channel_max(model_path: Path, feeds, tensors, *, work_dir: Path) 
     probe = work_dir / "probe.onnx"
     onnx.save(model, str(probe), save_as_external_data=True, location="probe.onnx.data")
     del model
-    opts = ort.SessionOptions()
+    from specexport.runtime.backends.ort import base_options
+
+    opts = base_options()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL     # the tensors as written
     session = ort.InferenceSession(str(probe), opts, providers=["CPUExecutionProvider"])
     out: dict[str, np.ndarray] = {}

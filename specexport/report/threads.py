@@ -18,12 +18,14 @@ from specexport.errors import SpecexportError
 
 @dataclass(frozen=True)
 class ThreadSetting:
-    threads: int | None             # intra-op threads; None = ONNX Runtime's default (all cores, pinned)
+    threads: int | None             # intra-op threads; None = the default pool (ort.default_pool)
     spin: bool = True               # idle pool threads spin (ORT's default) or sleep
 
     @property
     def label(self) -> str:
-        count = "default (all cores)" if self.threads is None else str(self.threads)
+        from specexport.runtime.backends.ort import default_pool
+
+        count = default_pool() if self.threads is None else str(self.threads)
         return f"threads {count}, spinning {'on' if self.spin else 'off'}" if self.threads != 1 else "threads 1"
 
     def options(self) -> dict:

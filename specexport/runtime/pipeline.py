@@ -104,11 +104,13 @@ class Pipeline:
         bench stored with its method choice for these graphs (spinning too, unless `spin` was given)."""
         if threads != MEASURED:
             return threads, options, "threads: as given"
+        from specexport.runtime.backends.ort import default_pool
+
         measured = (stored_choice(self.view()) or {}).get("threads")
         if measured is None:
-            return None, options, "threads: ONNX Runtime's default (all cores; no bench stored a measured setting)"
+            return None, options, f"threads: {default_pool()} (no bench stored a measured setting)"
         spin = options.get("spin", measured["spin"])
-        count = "all cores" if measured["threads"] is None else measured["threads"]
+        count = default_pool() if measured["threads"] is None else measured["threads"]
         return measured["threads"], {**options, "spin": spin}, (
             f"threads: {count}, spinning {'on' if spin else 'off'} (the build's bench measured this fastest)")
 
@@ -191,7 +193,9 @@ class Pipeline:
         (its model and flags, plugins/cpu/tiers.py) and the target's thread count."""
         from specexport.plugins.cpu.tiers import cpu_id
 
-        return {"cpu": cpu_id(), "threads": self._threads["target"] or os.cpu_count()}
+        from specexport.runtime.backends.ort import default_threads
+
+        return {"cpu": cpu_id(), "threads": self._threads["target"] or default_threads() or os.cpu_count()}
 
     def verify_costs(self) -> np.ndarray | None:
         """c(T) / c(1) for T = 1..max_verify_tokens (runtime/budget.py) from the pass curve the build's bench
@@ -404,3 +408,4 @@ class Pipeline:
 def _find_stop(text: str, stop) -> int | None:
     hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return min(hits) if hits else None
+

@@ -274,7 +274,7 @@ def cpu_session(graph, optimization: str = "all"):
     TRT_KVCacheUpdate / TRT_Attention / tree_attention computed by the numpy references. A plain run
     returns each updated cache as a new array (Python ops cannot write in place): feed it back as the
     next call's past (engine_graph_logits)."""
-    from specexport.runtime.backends.ort import OPTIMIZATION_LEVELS
+    from specexport.runtime.backends.ort import OPTIMIZATION_LEVELS, base_options
 
     onnx = require("onnx")
     ort = require("onnxruntime")
@@ -287,7 +287,7 @@ def cpu_session(graph, optimization: str = "all"):
         if n.op_type in (KV_UPDATE_OP, ATTENTION_OP, PLUGIN_OP):
             n.domain = PYOP_DOMAIN
     model.opset_import.append(onnx.helper.make_opsetid(PYOP_DOMAIN, 1))
-    opts = ort.SessionOptions()
+    opts = base_options()
     opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[optimization])
     opts.log_severity_level = 3                 # not one warning per initializer the rewrite left unused
     opts.register_custom_ops_library(ext.get_library_path())

@@ -116,7 +116,7 @@ def cpu_session(graph, optimization: str = "all"):
     """An ONNX Runtime CPU session of a plugin graph (a path, or a ModelProto with its weights loaded),
     the plugin op computed by tree_attention.reference (`optimization`: the manifest's ort_optimization
     of the graph it was made from)."""
-    from specexport.runtime.backends.ort import OPTIMIZATION_LEVELS
+    from specexport.runtime.backends.ort import OPTIMIZATION_LEVELS, base_options
 
     onnx = require("onnx")
     ort = require("onnxruntime")
@@ -127,7 +127,7 @@ def cpu_session(graph, optimization: str = "all"):
         if node.op_type == NAME:
             node.domain = PYOP_DOMAIN
     model.opset_import.append(onnx.helper.make_opsetid(PYOP_DOMAIN, 1))
-    opts = ort.SessionOptions()
+    opts = base_options()
     opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[optimization])
     opts.log_severity_level = 3                 # not one warning per initializer the rewrite left unused
     opts.register_custom_ops_library(ext.get_library_path())

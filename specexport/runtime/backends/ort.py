@@ -9,6 +9,7 @@ The calls bind through onnxruntime's C-level IOBinding where it has one (_bindin
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +84,37 @@ class OrtBackend(Backend):
 OPTIMIZATION_LEVELS = {"all": "ORT_ENABLE_ALL", "basic": "ORT_ENABLE_BASIC"}
 
 
+THREADS_ENV = "SPECEXPORT_THREADS"
+
+
+def default_threads() -> int | None:
+    """$SPECEXPORT_THREADS: the intra-op threads of every ONNX Runtime CPU session specexport opens without a
+    thread count of its own (processes that share the cores, a test suite's workers or a server's, each take
+    a share: ORT's default takes every core, and on a busy core a pool's slowest thread sets each op's pace).
+    None when unset: ONNX Runtime's default, all cores."""
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise SpecexportError(f"${THREADS_ENV}: expected a whole number of threads >= 1, got {value!r}")
+    return int(value)
+
+
+def default_pool() -> str:
+    """What a session opened without a thread count gets, in words."""
+    threads = default_threads()
+    return f"{threads} (${THREADS_ENV})" if threads else "ONNX Runtime's default (all cores)"
+
+
+def base_options():
+    """onnxruntime.SessionOptions with default_threads()' intra-op threads where it names some."""
+    opts = require("onnxruntime").SessionOptions()
+    threads = default_threads()
+    if threads:
+        opts.intra_op_num_threads = threads
+    return opts
+
+
 def open_session(path: Path, *, threads: int | None, spin: bool, stop_spin: bool = False,
                  session_options: dict | None = None, optimization: str = "all", model=None):
     """An ORT CPU session of a built graph, with one-line errors naming the file. stop_spin: the pool's
@@ -92,7 +124,7 @@ def open_session(path: Path, *, threads: int | None, spin: bool, stop_spin: bool
     ort = require("onnxruntime")
     if not path.is_file():
         raise SpecexportError(f"{path}: missing (the build output is incomplete; rebuild it)")
-    opts = ort.SessionOptions()
+    opts = base_options()
     opts.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPTIMIZATION_LEVELS[optimization])
     if threads:
         opts.intra_op_num_threads = threads
