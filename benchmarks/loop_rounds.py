@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-CASES = ("draft-tree", "sampled-tree", "eagle-tree", "chain-top-p", "multi-draft-token")
+CASES = ("draft-tree", "sampled-tree", "eagle-tree", "chain-top-p", "multi-draft-token", "lookup-trie", "suffix",
+         "medusa-tree")
 
 
 def run_case(case: str, runs: int) -> tuple[float, str]:
@@ -40,6 +41,16 @@ def run_case(case: str, runs: int) -> tuple[float, str]:
         _, prompt, params, gamma = t.SAMPLED_CASES[-1]
         target, draft = t.backends()
         go = lambda: t.run_decodes(target, draft, prompt, params, gamma, runs, max_new=6, seed=5)[0]  # noqa: E731
+    elif case == "lookup-trie":
+        import test_proposers as t
+        _, proposer, params = t.LOOKUP_CASES[0]
+        go = lambda: t.run(proposer, params, runs, seed=7)[0]                                   # noqa: E731
+    elif case == "suffix":
+        import test_suffix as t
+        go = lambda: t.run(t.T1, runs, seed=1)[0]                                               # noqa: E731
+    elif case == "medusa-tree":
+        import test_medusa as t
+        go = lambda: t.run(t.MedusaTree(t.TabularHeads(), t.TREE), t.T1, runs, seed=41)[0]       # noqa: E731
     else:
         import test_multidraft as t
         p, q = t.CASES["random sharp 0"]

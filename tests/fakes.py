@@ -323,26 +323,26 @@ class TabularEagleHead(Backend):
         T, P = len(tokens), self.length
         assert 1 <= T <= self.max_tokens and P + T <= self.capacity
         assert (features is None) != (own is None)
-        states = np.asarray(features if features is not None else own)
-        positions = np.asarray(positions).tolist()
+        states = features if features is not None else own
+        positions = positions.tolist() if isinstance(positions, np.ndarray) else list(positions)
         assert positions == list(range(P, P + T)) if past_mask is None else len(set(positions)) == 1
-        self.rows[P:P + T] = tokens
+        toks = np.asarray(tokens, np.int64)
+        self.rows[P:P + T] = toks
         self._pending = T
-        # vectorized (the statistical tests call it ~10^5 times): the last row each row sees, -1 for none
-        prevs = np.asarray(states[:, -1]).astype(np.int64)                        # [T]
+        # the statistical tests call it ~10^5 times: a few rows, so Python lists; the last row each row sees
+        prevs = np.asarray(states)[:, -1].astype(np.int64)                        # [T]
         if past_mask is None:
-            last = P + np.arange(T) - 1
+            last = range(P - 1, P + T - 1)
         else:
             seen = np.asarray(past_mask, bool)
             width = seen.shape[1]
-            last = np.where(seen.any(1), width - 1 - np.argmax(seen[:, ::-1], axis=1), -1) if width else np.full(T, -1)
-        checked = last >= 0
-        bad = np.flatnonzero(self.rows[last[checked]] != prevs[checked])
-        if len(bad):
-            i = np.flatnonzero(checked)[bad[0]]
-            raise AssertionError(f"row {P + i}: its input state says previous token {prevs[i]}, its cache "
-                                 f"{self.rows[last[i]]}")
-        toks = np.asarray(tokens, np.int64)
+            last = (np.where(seen.any(1), width - 1 - np.argmax(seen[:, ::-1], axis=1), -1) if width
+                    else np.full(T, -1)).tolist()
+        cached, wanted = self.rows.tolist(), prevs.tolist()
+        for i, j in enumerate(last):
+            if j >= 0 and cached[j] != wanted[i]:
+                raise AssertionError(f"row {P + i}: its input state says previous token {wanted[i]}, its cache "
+                                     f"{cached[j]}")
         hidden = np.empty((T, 2), np.float32)                                     # [T, 2]
         hidden[:, 0], hidden[:, 1] = prevs, toks
         ids = self.order[prevs, toks]                                             # [T, K]

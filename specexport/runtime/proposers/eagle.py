@@ -145,7 +145,7 @@ class EagleTree(Proposer):
     def _level(self, draft_ids, own, ancestors_rows, depth: int, base: int, stats):
         """Feed one level of nodes (their draft ids [m], their parents' states own [m, H], each node's
         ancestor rows) at position base + depth - 1; keep their rows cached for the next level. Returns
-        the step and the rows the nodes were written to. The head reads target ids (it embeds with the
+        the step and the first row the nodes were written to (the rest follow in order). The head reads target ids (it embeds with the
         target's table): a reduced vocabulary's draft ids are mapped first."""
         tokens = np.asarray(draft_ids, np.int64)
         if self.target_ids is not None:
@@ -159,7 +159,7 @@ class EagleTree(Proposer):
         step = head.draft(tokens, np.full(len(tokens), base + depth - 1), own=own, past_mask=past)
         head.commit(len(tokens))
         stats.count_forward(self.role, len(tokens))
-        return step, P + np.arange(len(tokens))
+        return step, P
 
     def _dynamic(self, root_ids, root_lp, root_hidden, limits: Limits, stats):
         """EAGLE-2: (parents [T], draft ids [T] (root's unused), head calls after the catch-up)."""
@@ -178,21 +178,23 @@ class EagleTree(Proposer):
         calls = 0
         for d in range(2, depth + 1):
             anc = [self._ancestor_rows(c, parent, row) for c in frontier]
-            step, rows = self._level(np.asarray([ids[c] for c in frontier]), np.stack([state[parent[c]] for c in frontier]),
+            step, rows = self._level([ids[c] for c in frontier], np.stack([state[parent[c]] for c in frontier]),
                                      anc, d - 1, base, stats)
             calls += 1
+            hidden = step.hidden.copy()                 # the head's buffer is reused by the next call
+            step_ids, step_lp = step.ids.tolist(), step.logprobs.tolist()      # [m, K] as Python numbers
             new = []
             for i, c in enumerate(frontier):
-                row[c], state[c] = int(rows[i]), step.hidden[i].copy()
+                row[c], state[c] = rows + i, hidden[i]
                 for r in range(k):
                     new.append(len(ids))
-                    ids.append(int(step.ids[i, r]))
-                    score.append(score[c] + float(step.logprobs[i, r]))
+                    ids.append(step_ids[i][r])
+                    score.append(score[c] + step_lp[i][r])
                     parent.append(c)
                     level.append(d)
             frontier = sorted(new, key=lambda c: -score[c])[:k]
-        keep = _best_closed(np.asarray(score), np.asarray(parent), np.asarray(level), total)
-        return _as_tree(keep, np.asarray(parent), np.asarray(level), np.asarray(ids)) + (calls,)
+        keep = _best_closed(score, parent, level, total)
+        return _as_tree(keep, parent, level, ids) + (calls,)
 
     @staticmethod
     def _ancestor_rows(c, parent, row):
@@ -216,7 +218,7 @@ class EagleTree(Proposer):
             anc = [rows[path] for path in paths]
             step, written = self._level(ids[level], states[tree.parents[level]], anc, d, base, stats)
             for j, i in enumerate(level):
-                rows[i], states[i] = written[j], step.hidden[j]
+                rows[i], states[i] = written + j, step.hidden[j]
                 for c in tree.children[i]:
                     ids[c] = step.ids[j, ranks[c]]
         return tree.parents, ids, len(levels)
@@ -251,26 +253,27 @@ def feature_columns(target_layers, head_layers, hidden_size: int) -> np.ndarray 
     return np.concatenate([target_layers.index(layer) * hidden_size + np.arange(hidden_size) for layer in head_layers])
 
 
-def _best_closed(score: np.ndarray, parent: np.ndarray, depth: np.ndarray, total: int) -> list[int]:
+def _best_closed(score: list, parent: list, depth: list, total: int) -> list[int]:
     """The `total` best candidates by cumulative log-prob (ties: shallower first), each taken only once
     its parent is in, so the result is a tree (a child's log-prob sum never exceeds its parent's, up to
     rounding, which this guards against). Example: scores root 0, a -0.1, b -0.5, a's child -0.2,
-    total 2 -> [a, a's child]."""
-    order = np.lexsort((np.arange(len(score)), depth, -score))
+    total 2 -> [a, a's child]. Python lists: a round's few candidates."""
+    order = sorted(range(1, len(score)), key=lambda c: (-score[c], depth[c], c))
     chosen, inside = [], {0}
     for c in order:
-        if c == 0 or c in inside or parent[c] not in inside:
+        if c in inside or parent[c] not in inside:
             continue
-        chosen.append(int(c))
-        inside.add(int(c))
+        chosen.append(c)
+        inside.add(c)
         if len(chosen) == total:
             break
     return chosen
 
 
-def _as_tree(keep: list[int], parent: np.ndarray, depth: np.ndarray, ids: np.ndarray):
+def _as_tree(keep: list[int], parent: list, depth: list, ids: list):
     """Candidates -> (parents [T], ids [T]) in breadth-first order (root first, parents before children)."""
-    order = [0] + sorted(keep, key=lambda c: (depth[c], keep.index(c)))
+    rank = {c: i for i, c in enumerate(keep)}
+    order = [0] + sorted(keep, key=lambda c: (depth[c], rank[c]))
     index = {c: i for i, c in enumerate(order)}
     parents = np.array([-1] + [index[parent[c]] for c in order[1:]], np.int64)
-    return parents, ids[order].astype(np.int64)
+    return parents, np.array([ids[c] for c in order], np.int64)
