@@ -582,6 +582,31 @@ def test_warp_top_p_keeps_smallest_set_reaching_top_p():
     np.testing.assert_array_equal(warp(z, SamplingParams(1.0, top_p=1.0)) > 0, True)
 
 
+def test_warp_top_p_on_a_vocabulary_equals_sorting_every_token():
+    """Rows longer than sampling._SORT_ALL sort only their most likely tokens: the same bits as a stable sort
+    of the whole row (ties, flat rows, peaked rows, one row or several, each as its own row)."""
+    from specexport.runtime import sampling
+
+    def whole_sort(probs, top_p):
+        order = np.argsort(-probs, kind="stable")
+        keep = (np.cumsum(probs[order]) - probs[order]) < top_p
+        out = np.zeros_like(probs)
+        out[order[keep]] = probs[order[keep]]
+        return out / np.add.reduce(out)
+
+    rng = np.random.default_rng(5)
+    V = 4 * sampling._SORT_ALL + 3
+    for scale in (0.2, 1.0, 4.0, 12.0):
+        z = (scale * rng.standard_normal((3, V))).astype(np.float32)
+        z[1, rng.integers(0, V, V // 2)] = z[1, 0]                                     # ties
+        z[2] = np.round(z[2])
+        for top_p in (0.1, 0.5, 0.9, 0.99):
+            w = warp(z, SamplingParams(1.0, top_p=top_p))
+            for row, probs in zip(w, warp(z, SamplingParams(1.0))):
+                np.testing.assert_array_equal(row, whole_sort(probs, top_p))
+            np.testing.assert_array_equal(warp(z[0], SamplingParams(1.0, top_p=top_p)), w[0])
+
+
 def test_warp_order_temperature_then_top_k_then_top_p():
     z = np.array([2., 1, 0, -1])
     # top-k 2 first: [.731, .269] -> top-p .7 keeps only token 0. (top-p first would keep two.)
