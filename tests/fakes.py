@@ -58,18 +58,24 @@ class TabularBackend(Backend):
         T, L = len(tokens), self.length
         if T == 1 and tree_mask is None:                             # draft and vanilla steps: Python scalars
             return self._forward_one(int(tokens[0]), depths, L)
-        # [T] each row's parent among the new tokens (clipped to 0), whether it has one, its depth
-        src, has, expected_depths = _chain_rows(T) if tree_mask is None else \
+        # [T] each row's parent among the new tokens (clipped to 0), whether it has one, its depth (as bytes)
+        src, has, expected_depths, depth_bytes, root_only = _chain_rows(T) if tree_mask is None else \
             _check_tree_mask(np.asarray(tree_mask, dtype=bool))
         if depths is not None:
-            assert np.array_equal(np.asarray(depths), expected_depths), \
-                f"depths {np.asarray(depths).tolist()} != {expected_depths.tolist()}"
+            depths = np.asarray(depths)
+            assert (depths.tobytes() == depth_bytes if depths.dtype == np.int64 else
+                    np.array_equal(depths, expected_depths)), \
+                f"depths {depths.tolist()} != {expected_depths.tolist()}"
         ids = tokens.tolist()
         if not 0 <= min(ids) <= max(ids) < self.vocab_size:
             raise AssertionError(f"token ids out of range: {ids}")
         self.history[L:L + T] = tokens
         before = self.history[L - 1] if L > 0 else BOS             # last committed token
-        prev2 = np.where(has, tokens[src], before)                  # [T]
+        prev2 = tokens[src]                                         # [T]
+        if root_only:                                               # row 0 alone has no parent (a tree, a chain)
+            prev2[0] = before
+        else:
+            prev2[~has] = before
         logits = self._out[:T]
         logits[:] = self.table[prev2, tokens]                        # [T, V]
         self.forward_calls += 1
@@ -107,10 +113,12 @@ _CHAINS: dict = {}
 
 
 def _rows(parents: np.ndarray, depths: np.ndarray) -> tuple:
+    """(parent clipped to 0, has a parent, depth, depth's int64 bytes, whether row 0 alone has no parent)."""
+    depths = depths.astype(np.int64)
     out = (np.maximum(parents, 0), parents >= 0, depths)
     for a in out:
         a.flags.writeable = False
-    return out
+    return out + (depths.tobytes(), bool(len(parents)) and bool(parents[0] < 0 and (parents[1:] >= 0).all()))
 
 
 def _chain_rows(T: int) -> tuple:
