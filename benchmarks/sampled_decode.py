@@ -5,7 +5,7 @@ Each (checkout, round) runs in a fresh process with the checkout first on sys.pa
 a hash of the tokens, so equal hashes show the two checkouts sample the same tokens for the same seeds.
 
     python benchmarks/sampled_decode.py OLD_CHECKOUT NEW_CHECKOUT ENGINE [--precision gguf] [--rounds 3]
-        [--prompts examples/qwen/prompts.jsonl] [--top-p 0.9] [--temperature 0.8]
+        [--prompts examples/qwen/prompts.jsonl] [--top-p 0.9] [--top-k K] [--temperature 0.8]
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def child(args) -> None:
             speeds = []
             for seed, prompt in enumerate(prompts):
                 r = pipe.generate(prompt, max_new_tokens=args.tokens, method=method, gamma=gamma, seed=seed,
-                                  temperature=args.temperature, top_p=args.top_p)
+                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
                 speeds.append(r.stats.tokens_per_second)
                 digest.update(repr(r.token_ids).encode())
             out[method] = statistics.mean(speeds)
@@ -48,7 +48,8 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--temperature", type=float, default=0.8)
-    ap.add_argument("--top-p", type=float, default=0.9)
+    ap.add_argument("--top-p", type=float, default=0.9, help="1 for none")
+    ap.add_argument("--top-k", type=int, default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

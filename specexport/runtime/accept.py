@@ -146,12 +146,14 @@ def accept_tree_sampled(tree: Tree, node_tokens: np.ndarray, target_probs: np.nd
                 nxt = c
                 break
             residual = np.maximum(p - q, 0.0)
-            if residual.sum() > 0:                     # p == q: rejection had probability 0; keep p (no 0/0)
-                p = residual / residual.sum()
+            total = np.add.reduce(residual)            # ndarray.sum's value without its wrappers (per child)
+            if total > 0:                              # p == q: rejection had probability 0; keep p (no 0/0)
+                p = residual / total
             if not replacement:
                 q[x] = 0.0
-                if q.sum() > 0:
-                    q /= q.sum()
+                total = np.add.reduce(q)
+                if total > 0:
+                    q /= total
         if nxt is None:
             y = sample(p, uniforms[u] if draws is None else draws[len(path) - 1])
             path = np.asarray(path, dtype=np.int64)

@@ -51,9 +51,15 @@ def warp(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     z = np.divide(logits, params.temperature, dtype=np.float64)
     if params.top_k is not None and params.top_k < z.shape[-1]:
         kth = np.partition(z, -params.top_k, axis=-1)[..., -params.top_k, None]   # [..., 1]
-        z = np.where(z < kth, -np.inf, z)            # ties with the k-th value stay, as in transformers
-    z -= np.maximum.reduce(z, axis=-1, keepdims=True)
-    probs = np.exp(z, out=z)
+        keep = ~(z < kth)                            # ties with the k-th value stay, as in transformers
+        z -= np.maximum.reduce(z, axis=-1, keepdims=True)
+        # the rest are 0 (what exp(-inf) gave) without calling exp on them: a vocabulary's worth of exp(-inf)
+        # costs more than the k that matter (4 rows of 152k tokens: ~4 ms)
+        probs = np.zeros_like(z)
+        np.exp(z, out=probs, where=keep)
+    else:
+        z -= np.maximum.reduce(z, axis=-1, keepdims=True)
+        probs = np.exp(z, out=z)
     probs /= np.add.reduce(probs, axis=-1, keepdims=True)
     if params.top_p is not None and params.top_p < 1:
         probs = _top_p(probs, params.top_p)
@@ -90,13 +96,13 @@ def _top_p_row(probs: np.ndarray, top_p: float) -> np.ndarray:
     if V <= _SORT_ALL:
         order = (-probs).argsort(kind="stable")
     else:
-        cut = float(probs.max())
+        cut, head = float(probs.max()), None
         while cut > 0:                                              # 0 once it underflows: every token
             cut *= 0.1
             head = probs >= cut
             if float(np.add.reduce(probs, where=head)) - top_p > 1e-6:
                 break
-        order = np.flatnonzero(head)
+        order = np.arange(V) if head is None else np.flatnonzero(head)      # None: NaN rows, sorted whole
         order = order[(-probs[order]).argsort(kind="stable")]
     sorted_p = probs[order]
     keep = (sorted_p.cumsum() - sorted_p) < top_p
