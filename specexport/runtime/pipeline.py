@@ -192,7 +192,6 @@ class Pipeline:
         """What a stored pass curve must have been measured with to size this pipeline's rounds: this CPU
         (its model and flags, plugins/cpu/tiers.py) and the target's thread count."""
         from specexport.plugins.cpu.tiers import cpu_id
-
         from specexport.runtime.backends.ort import default_threads
 
         return {"cpu": cpu_id(), "threads": self._threads["target"] or default_threads() or os.cpu_count()}
@@ -408,4 +407,3 @@ class Pipeline:
 def _find_stop(text: str, stop) -> int | None:
     hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
     return min(hits) if hits else None
-

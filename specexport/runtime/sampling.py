@@ -70,11 +70,10 @@ def _top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (always at least one)."""
     if probs.ndim == 1:
         return _top_p_row(probs, top_p)
-    if probs.shape[-1] > _SORT_ALL:             # a real vocabulary: row by row, each sorting only its head
-        flat = probs.reshape(-1, probs.shape[-1])
+    flat = probs.reshape(-1, probs.shape[-1])                          # [N, V]
+    if flat.shape[1] > _SORT_ALL:               # a real vocabulary: row by row, each sorting only its head
         return np.stack([_top_p_row(row, top_p) for row in flat]).reshape(probs.shape)
-    flat = probs.reshape(-1, probs.shape[-1])                          # [N, V]: plain fancy indexing, no
-    rows = np.arange(len(flat))[:, None]                               # take_along_axis (slow for a few rows)
+    rows = np.arange(len(flat))[:, None]        # plain fancy indexing, no take_along_axis (slow for a few rows)
     order = np.argsort(-flat, axis=-1, kind="stable")                 # [N, V]
     sorted_p = flat[rows, order]
     mass_before = np.cumsum(sorted_p, axis=-1) - sorted_p             # mass of strictly more likely tokens

@@ -145,8 +145,8 @@ class EagleTree(Proposer):
     def _level(self, draft_ids, own, ancestors_rows, depth: int, base: int, stats):
         """Feed one level of nodes (their draft ids [m], their parents' states own [m, H], each node's
         ancestor rows) at position base + depth - 1; keep their rows cached for the next level. Returns
-        the step and the first row the nodes were written to (the rest follow in order). The head reads target ids (it embeds with the
-        target's table): a reduced vocabulary's draft ids are mapped first."""
+        the step and the first row the nodes were written to (the rest follow in order). The head reads
+        target ids (it embeds with the target's table): a reduced vocabulary's draft ids are mapped first."""
         tokens = np.asarray(draft_ids, np.int64)
         if self.target_ids is not None:
             tokens = self.target_ids[tokens]
@@ -178,14 +178,14 @@ class EagleTree(Proposer):
         calls = 0
         for d in range(2, depth + 1):
             anc = [self._ancestor_rows(c, parent, row) for c in frontier]
-            step, rows = self._level([ids[c] for c in frontier], np.stack([state[parent[c]] for c in frontier]),
-                                     anc, d - 1, base, stats)
+            step, first = self._level([ids[c] for c in frontier], np.stack([state[parent[c]] for c in frontier]),
+                                      anc, d - 1, base, stats)
             calls += 1
             hidden = step.hidden.copy()                 # the head's buffer is reused by the next call
             step_ids, step_lp = step.ids.tolist(), step.logprobs.tolist()      # [m, K] as Python numbers
             new = []
             for i, c in enumerate(frontier):
-                row[c], state[c] = rows + i, hidden[i]
+                row[c], state[c] = first + i, hidden[i]
                 for r in range(k):
                     new.append(len(ids))
                     ids.append(step_ids[i][r])
@@ -216,9 +216,9 @@ class EagleTree(Proposer):
             ids[c] = root_ids[ranks[c]]
         for d, level, paths in levels:
             anc = [rows[path] for path in paths]
-            step, written = self._level(ids[level], states[tree.parents[level]], anc, d, base, stats)
+            step, first = self._level(ids[level], states[tree.parents[level]], anc, d, base, stats)
             for j, i in enumerate(level):
-                rows[i], states[i] = written + j, step.hidden[j]
+                rows[i], states[i] = first + j, step.hidden[j]
                 for c in tree.children[i]:
                     ids[c] = step.ids[j, ranks[c]]
         return tree.parents, ids, len(levels)
